@@ -1,0 +1,15 @@
+// attention/attn_dims.h: the hyper-parameters of one attention layer (SDM_SPEC §6.3), full or sliding-window.
+#ifndef SDM_ATTN_DIMS_H
+#define SDM_ATTN_DIMS_H
+
+typedef struct {
+    int dim;           // D, model width
+    int n_heads;       // n_h query heads
+    int n_kv_heads;    // n_kv key/value heads; n_h % n_kv == 0, query head j uses kv head j / (n_h / n_kv)
+    int head_dim;      // d_h, even
+    int window;        // 0: full causal; w > 0: key s visible from query p iff 0 <= p - s < w
+    int gated;         // o = sigmoid(W_gate x) * o before the output projection
+    double rope_theta; // RoPE base
+} AttnDims;
+
+#endif
