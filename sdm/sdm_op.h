@@ -1,0 +1,176 @@
+// sdm/sdm_op.h: the C API of the GPU SDM memory op (SDM_SPEC §2-§5, §10): shapes, the supported-shape check and the
+// memory sizing. The kernels and the entry points below live in sdm/sdm_op.cuh (include that from a .cu file); this
+// header is plain C11 / C++17 so host code can size buffers without CUDA.
+//
+// Data layout (token-major, shared with the CPU oracle sdm/sdm_ref.h and the layer):
+//   wslot [B,T,H,W] int32   write slots within the head (0..N-1), ascending and distinct per (b,t,h)
+//   kappa [B,T,H,W] fp32    write weights
+//   gamma [B,T,H,W] fp32    per-entry log-decay (<= 0)
+//   beta  [B,T,H]   fp32    write strength
+//   v     [B,T,H,d] fp32    values (= [B,T,D])
+//   rslot [B,T,H,R] int32   read slots, ascending and distinct per (b,t,h)
+//   rho   [B,T,H,R] fp32    read weights
+//   out   [B,T,H,d] fp32    readings
+//   bank  [B,H,N,d] bf16 (default) or fp32; stream (b,h) owns rows [(b*H+h)*N, (b*H+h+1)*N)
+// Gradients have the shapes of their inputs (fp32); dbank_init is [B,H,N,d] fp32.
+//
+// Entry points (sdm/sdm_op.cuh), all asynchronous on `stream`, no allocation, no host synchronisation, CUDA-graph
+// capturable; every one first calls sdm_op_check and dies with its message on an unsupported shape:
+//
+//   void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out,
+//                       void *saved, cudaStream_t stream);
+//       bank: in = initial bank, out = final bank. s->training = 1: saves into `saved` (sdm_op_saved_bytes) what
+//       sdm_op_backward needs (per-chunk WY quantities, Delta, V - R0, snapshots of the touched rows).
+//       s->training = 0 (prefill): `saved` is plain scratch of sdm_op_saved_bytes (smaller: no snapshots, no saves).
+//   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
+//                        const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
+//                        cudaStream_t stream);
+//       after sdm_op_forward with s->training = 1 on the same inputs and `saved`. bank: in = final bank left by the
+//       forward, out = initial bank restored from the snapshots (exact for `none`, rounded rows for bf16/fp8/int4
+//       snapshots); the backward can therefore run once per forward. dout [B,T,H,d]; dbank_final [B,H,N,d] fp32 or
+//       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten); g->dbank_init doubles as the dense
+//       fp32 bank-gradient accumulator. scratch: sdm_op_scratch_bytes, may be shared by all layers.
+//   void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream);
+//       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the §2
+//       recurrence applied to the bank in place, readings written to out [B,1,H,d]. Needs no workspace.
+//
+// Precision: every decay, Gram matrix, solve, GEMM and accumulation is IEEE fp32 (no TF32 anywhere); a bank row is
+// rounded to the bank dtype once per chunk. bank_fp32 = 1 with snapshot none is the all-fp32 mode. The op is
+// bitwise deterministic (no floating-point atomics; duplicates of a slot are combined by one thread in time order).
+#ifndef SDM_SDM_OP_H
+#define SDM_SDM_OP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "sdm/sdm_dims.h"
+
+#define SDM_OP_MAX_CHUNK 256
+#define SDM_OP_SMEM_SLOTS 49152 // C * (W + R) slot indices of one chunk held in shared memory by the WY kernel
+
+typedef struct {
+    int B, T, H;          // sequences, tokens per sequence, heads
+    int N, d;             // slots per head, row width (head dim)
+    int W, R;             // writes / reads per token and head
+    int C;                // chunk length 1..256 (the op uses min(C, T))
+    int bank_fp32;        // 0: bf16 bank, 1: fp32 bank
+    SdmSnapshot snapshot; // storage of the backward snapshots (training only)
+    int training;         // 1: forward saves for the backward; 0: prefill
+} SdmOpShape;
+
+typedef struct {
+    const int *wslot;
+    const float *kappa, *gamma, *beta, *v;
+    const int *rslot;
+    const float *rho;
+} SdmOpInputs;
+
+typedef struct {
+    float *dkappa, *dgamma, *dbeta, *dv, *drho; // shapes of kappa, gamma, beta, v, rho
+    float *dbank_init;                          // [B,H,N,d] fp32
+} SdmOpGrads;
+
+static inline int sdm_op_chunk(const SdmOpShape *s) { return s->C < s->T ? s->C : s->T; }
+static inline int sdm_op_chunks(const SdmOpShape *s) { int C = sdm_op_chunk(s); return (s->T + C - 1) / C; }
+
+// Width of the column block one CTA owns in the sequential kernels (also the granularity of the fp8/int4
+// snapshot scales): the widest of 64/32/16/8 that divides d and still gives >= 256 (stream, block) CTAs.
+static inline int sdm_op_col_block(const SdmOpShape *s) {
+    int db = 64;
+    while (db > 8 && (s->d % db != 0 || (long long)s->B * s->H * (s->d / db) < 256)) db /= 2;
+    return db;
+}
+
+// NULL when the op supports the shape, else a message saying what is not supported.
+static inline const char *sdm_op_check(const SdmOpShape *s) {
+    if (s->B < 1 || s->T < 1 || s->H < 1 || s->N < 1 || s->d < 1) return "B, T, H, N, d must be >= 1";
+    if (s->W < 1 || s->R < 1 || s->W > s->N || s->R > s->N) return "W and R must be in 1..N";
+    if (s->C < 1 || s->C > SDM_OP_MAX_CHUNK) return "chunk size C must be in 1..256";
+    if (s->d % 8 != 0) return "row width d must be a multiple of 8";
+    if ((long long)sdm_op_chunk(s) * (s->W + s->R) > SDM_OP_SMEM_SLOTS)
+        return "C * (W + R) must be <= 49152 (slot lists of one chunk live in shared memory)";
+    if ((long long)s->B * s->H * s->N * s->d >= (1ll << 40)) return "bank larger than 2^40 elements";
+    if (s->snapshot == SDM_SNAP_BF16 && !s->bank_fp32) return "bf16 snapshots need an fp32 bank (use none)";
+    if (s->snapshot < SDM_SNAP_NONE || s->snapshot > SDM_SNAP_INT4) return "unknown snapshot mode";
+    return NULL;
+}
+
+static inline size_t sdm_op_align(size_t x) { return (x + 255) & ~(size_t)255; }
+
+// Bytes of one snapshot row payload (d values) and of its scales (fp8/int4: one fp32 per column block).
+static inline size_t sdm_op_snap_row_bytes(const SdmOpShape *s) {
+    switch (s->snapshot) {
+    case SDM_SNAP_NONE: return (size_t)s->d * (s->bank_fp32 ? 4 : 2);
+    case SDM_SNAP_BF16: return (size_t)s->d * 2;
+    case SDM_SNAP_FP8: return (size_t)s->d;
+    default: return (size_t)s->d / 2;
+    }
+}
+static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
+    return (s->snapshot == SDM_SNAP_FP8 || s->snapshot == SDM_SNAP_INT4) ? (size_t)(s->d / sdm_op_col_block(s)) : 0;
+}
+
+// Offsets of every buffer inside `saved` / `scratch` (bytes). Streams are stream-major: [S = B*H][Tp][...] with
+// Tp = chunks * C (padded tokens are inert).
+typedef struct {
+    int S, C, nc, Tp, DB;
+    // saved: per write entry [S][Tp][W]
+    size_t w_slot, w_prev, w_next, w_lastread, w_kappa, w_lam, w_gath, w_scat, w_pi, w_elam_tot;
+    // saved: per read entry [S][Tp][R]
+    size_t r_slot, r_prevw, r_prevr, r_nextr, r_rho, r_lam, r_gath;
+    size_t beta;                  // [S][Tp]
+    size_t A, Sm, Linv;           // [S][nc][C][C]
+    size_t delta, u;              // [S][Tp][d] fp32 (training)
+    size_t snap, snap_scale;      // [S][Tp][W] rows, [S][Tp][W][d/DB] fp32 (training)
+    size_t saved_bytes;
+    // scratch (backward)
+    size_t wsum;                  // [S][C][d] write-path gradient of delta for the current chunk
+    size_t dx;                    // [S][Tp][d]
+    size_t omega, eta, psi, phi;  // [S][Tp][W] x3, [S][Tp][R]
+    size_t dS, dL;                // [S][nc][C][C]
+    size_t scratch_bytes;
+} SdmOpLayout;
+
+static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
+    SdmOpLayout L;
+    memset(&L, 0, sizeof(L));
+    L.S = s->B * s->H;
+    L.C = sdm_op_chunk(s);
+    L.nc = sdm_op_chunks(s);
+    L.Tp = L.nc * L.C;
+    L.DB = sdm_op_col_block(s);
+    size_t ew = (size_t)L.S * L.Tp * s->W, er = (size_t)L.S * L.Tp * s->R, tok = (size_t)L.S * L.Tp;
+    size_t cc = (size_t)L.S * L.nc * L.C * L.C, rows = tok * s->d;
+    size_t off = 0;
+#define SDM_OP_TAKE(field, bytes) do { L.field = off; off += sdm_op_align(bytes); } while (0)
+    SDM_OP_TAKE(w_slot, ew * 4); SDM_OP_TAKE(w_prev, ew * 4); SDM_OP_TAKE(w_next, ew * 4);
+    SDM_OP_TAKE(w_lastread, ew * 4); SDM_OP_TAKE(w_kappa, ew * 4); SDM_OP_TAKE(w_lam, ew * 4);
+    SDM_OP_TAKE(w_gath, ew * 4); SDM_OP_TAKE(w_scat, ew * 4); SDM_OP_TAKE(w_pi, ew * 4);
+    SDM_OP_TAKE(w_elam_tot, ew * 4);
+    SDM_OP_TAKE(r_slot, er * 4); SDM_OP_TAKE(r_prevw, er * 4); SDM_OP_TAKE(r_prevr, er * 4);
+    SDM_OP_TAKE(r_nextr, er * 4); SDM_OP_TAKE(r_rho, er * 4); SDM_OP_TAKE(r_lam, er * 4);
+    SDM_OP_TAKE(r_gath, er * 4);
+    SDM_OP_TAKE(beta, tok * 4);
+    SDM_OP_TAKE(A, cc * 4); SDM_OP_TAKE(Sm, cc * 4); SDM_OP_TAKE(Linv, cc * 4);
+    if (s->training) {
+        SDM_OP_TAKE(delta, rows * 4); SDM_OP_TAKE(u, rows * 4);
+        SDM_OP_TAKE(snap, ew * sdm_op_snap_row_bytes(s));
+        SDM_OP_TAKE(snap_scale, ew * sdm_op_snap_scales(s) * 4);
+    }
+    L.saved_bytes = off;
+    off = 0;
+    SDM_OP_TAKE(wsum, (size_t)L.S * L.C * s->d * 4);
+    SDM_OP_TAKE(dx, rows * 4);
+    SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(phi, er * 4);
+    SDM_OP_TAKE(dS, cc * 4); SDM_OP_TAKE(dL, cc * 4);
+    L.scratch_bytes = off;
+#undef SDM_OP_TAKE
+    return L;
+}
+
+// Device bytes the caller allocates: `saved` for sdm_op_forward / sdm_op_backward, `scratch` for sdm_op_backward.
+static inline size_t sdm_op_saved_bytes(const SdmOpShape *s) { return sdm_op_layout(s).saved_bytes; }
+static inline size_t sdm_op_scratch_bytes(const SdmOpShape *s) { return sdm_op_layout(s).scratch_bytes; }
+
+#endif
