@@ -1,5 +1,7 @@
 // sdm/sdm_ref.h: the double-precision CPU reference of the SDM layer, the ground truth of sdm.c.
 // Part 1, the memory op: the exact per-token recurrence of SDM_SPEC §2 and its reverse-mode backward.
+// Part 2, the rest of the layer (§1.3-§1.9): gates, product-key top-k, weight activations, readout, and the whole
+// layer forward/backward with its intermediate stages exposed for stage-by-stage comparison.
 //
 // Layout (shared with the GPU): tokens [B, T], heads H; per-token per-head arrays are token-major:
 //   wslot, kappa, gamma [B,T,H,W]  (slot index in 0..N-1 of head h, sorted ascending per (b,t,h))
@@ -10,6 +12,8 @@
 #include <math.h>
 
 #include "core/common.h"
+#include "core/rng.h"
+#include "sdm/sdm_dims.h"
 
 // Offset of the (b, t, h) entry of a token-major [B,T,H,width] array.
 static inline size_t sdm_tok_off(int T, int H, int b, int t, int h, int width) {
@@ -148,6 +152,536 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
             }
         }
     free(M); free(snap); free(decayed); free(dDec); free(r); free(delta); free(ddelta); free(dr);
+}
+
+// =================================================================================================================
+// Part 2: the rest of the layer.
+
+// ---- scalar functions --------------------------------------------------------------------------------------------
+
+static inline double sdm_sigmoid(double x) {
+    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
+    double e = exp(x);
+    return e / (1.0 + e);
+}
+
+// log(1 + e^x) without overflow
+static inline double sdm_softplus(double x) { return x > 0.0 ? x + log1p(exp(-x)) : log1p(exp(x)); }
+
+// ---- gates (§1.4) ------------------------------------------------------------------------------------------------
+
+#define SDM_A_INIT_LO 0.0   // A_init_range
+#define SDM_A_INIT_HI 16.0
+#define SDM_DT_INIT_MIN 0.001
+#define SDM_DT_INIT_MAX 0.1
+
+// A_log = log(max(U(A_lo, A_hi), 1e-4)); one draw from rng.
+static inline double sdm_init_A_log(Rng *rng, double A_lo, double A_hi) {
+    return log(SDM_MAX(rng_range(rng, A_lo, A_hi), 1e-4));
+}
+
+// dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4); dt_bias = dt + log(1 - exp(-dt)), the inverse softplus of dt. One draw.
+static inline double sdm_init_dt_bias(Rng *rng) {
+    double dt = SDM_MAX(exp(rng_range(rng, log(SDM_DT_INIT_MIN), log(SDM_DT_INIT_MAX))), 1e-4);
+    return dt + log(-expm1(-dt));
+}
+
+// g = -exp(A_log) softplus(a + dt_bias) <= 0, the head's log-decay of one token
+static inline double sdm_gate_decay(double a, double A_log, double dt_bias) {
+    return -exp(A_log) * sdm_softplus(a + dt_bias);
+}
+
+// Gradients of g for upstream dg: dA_log += dg g, and the returned da (= d dt_bias).
+static inline double sdm_gate_decay_backward(double a, double A_log, double dt_bias, double dg, double *dA_log) {
+    *dA_log += dg * sdm_gate_decay(a, A_log, dt_bias);
+    return -dg * exp(A_log) * sdm_sigmoid(a + dt_bias);
+}
+
+// ---- product-key top-k (§1.5, §10.1-2) ---------------------------------------------------------------------------
+// Selection order (a total order on slots): larger float32 score first, score formed in float32 left to right
+// ((float)s_1 + (float)s_2) + (float)s_3 ...; among equal float32 scores the larger sum of sub-key indices, then the
+// larger slot index (= the larger first-factor index, then the larger second-factor index, ...: the slot index is the
+// mixed-radix number with the first factor most significant, so comparing it compares the digits in that order).
+// Algorithm: per factor, sort its sub-keys by that order (score, then index) and keep the first min(k, n_f) plus every
+// further entry whose float32 score equals the last kept one's (§10.1); then merge factors left to right, forming
+// every sum of a kept partial tuple and a kept sub-key, and keep the best k after each merge. This equals the brute-
+// force top-k over all N slots except when float32 rounding makes the sums of distinct sub-key scores equal (then a
+// dropped candidate may win the index tie-break); the GPU implements exactly this algorithm, so both agree anyway.
+
+typedef struct {
+    float score;   // float32 partial slot score over the factors merged so far
+    int digit_sum; // sum of the sub-key indices so far
+    int index;     // mixed-radix partial slot index so far
+} SdmPkCand;
+
+// 1 when a ranks strictly before b in the selection order
+static inline int sdm_pk_before(const SdmPkCand *a, const SdmPkCand *b) {
+    if (a->score != b->score) return a->score > b->score;
+    if (a->digit_sum != b->digit_sum) return a->digit_sum > b->digit_sum;
+    return a->index > b->index;
+}
+
+static inline int sdm_pk_cmp(const void *pa, const void *pb) {
+    const SdmPkCand *a = (const SdmPkCand *)pa, *b = (const SdmPkCand *)pb;
+    return sdm_pk_before(a, b) ? -1 : sdm_pk_before(b, a) ? 1 : 0;
+}
+
+// Factor f's kept sub-keys: scores s[n], sorted by the selection order; returns their count (>= min(k, n)).
+static inline int sdm_pk_factor_list(const double *s, int n, int k, SdmPkCand *out /*[n]*/) {
+    for (int i = 0; i < n; i++) {
+        out[i].score = (float)s[i];
+        out[i].digit_sum = i;
+        out[i].index = i;
+    }
+    qsort(out, (size_t)n, sizeof(SdmPkCand), sdm_pk_cmp);
+    int m = SDM_MIN(k, n);
+    while (m < n && out[m].score == out[m - 1].score) m++; // keep every entry tied with the last kept one
+    return m;
+}
+
+// The decomposition of a slot into its F sub-key indices (first factor most significant).
+static inline void sdm_pk_digits(int F, const int *dims, int slot, int *digit) {
+    for (int f = F - 1; f >= 0; f--) {
+        digit[f] = slot % dims[f];
+        slot /= dims[f];
+    }
+}
+
+static inline int sdm_int_cmp(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+// Top-k slots of one token and head. scores: [sum n_f], factor f's block after factor f-1's. Output: slot[k] in
+// ascending order and score[k] = sum_f s_f[i_f] in double (left to right), the raw scores the activation uses.
+static inline void sdm_pk_topk_ref(int F, const int *dims, int k, const double *scores, int *slot, double *score) {
+    int max_n = 1, N = 1;
+    for (int f = 0; f < F; f++) { max_n = SDM_MAX(max_n, dims[f]); N *= dims[f]; }
+    if (k < 1 || k > N) sdm_die("product-key top-k: k = %d outside [1, %d]", k, N);
+    SdmPkCand *fac = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * max_n);
+    SdmPkCand *cur = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * max_n);
+    int ncur = sdm_pk_factor_list(scores, dims[0], k, cur), off = dims[0];
+    for (int f = 1; f < F; off += dims[f], f++) {
+        int nf = sdm_pk_factor_list(scores + off, dims[f], k, fac);
+        SdmPkCand *next = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * (size_t)ncur * nf);
+        for (int p = 0; p < ncur; p++)
+            for (int q = 0; q < nf; q++) {
+                SdmPkCand *c = next + (size_t)p * nf + q;
+                c->score = cur[p].score + fac[q].score; // float32 addition, left to right over factors
+                c->digit_sum = cur[p].digit_sum + fac[q].index;
+                c->index = cur[p].index * dims[f] + fac[q].index;
+            }
+        qsort(next, (size_t)ncur * nf, sizeof(SdmPkCand), sdm_pk_cmp);
+        free(cur);
+        cur = next;
+        ncur = SDM_MIN(k, ncur * nf);
+    }
+    for (int j = 0; j < k; j++) slot[j] = cur[j].index; // cur is in selection order
+    qsort(slot, (size_t)k, sizeof(int), sdm_int_cmp);
+    int digit[SDM_MAX_FACTORS];
+    for (int j = 0; j < k; j++) {
+        sdm_pk_digits(F, dims, slot[j], digit);
+        double e = 0.0;
+        for (int f = 0, o = 0; f < F; o += dims[f], f++) e += scores[o + digit[f]];
+        score[j] = e;
+    }
+    free(fac);
+    free(cur);
+}
+
+// Gradient routing (§1.5 step 7): dscores[sum n_f] += the gradient of each selected score at its F sub-key entries.
+static inline void sdm_pk_topk_backward_ref(int F, const int *dims, int k, const int *slot, const double *dscore,
+                                            double *dscores) {
+    int digit[SDM_MAX_FACTORS];
+    for (int j = 0; j < k; j++) {
+        sdm_pk_digits(F, dims, slot[j], digit);
+        for (int f = 0, o = 0; f < F; o += dims[f], f++) dscores[o + digit[f]] += dscore[j];
+    }
+}
+
+// ---- weight activations (§1.6) -----------------------------------------------------------------------------------
+
+#define SDM_L2_EPS 1e-12
+
+// w[k] = act(e[k]) over the k selected scores of one token and head; scale is the softmax temperature multiplier.
+static inline void sdm_act_forward_ref(SdmAct act, double scale, int k, const double *e, double *w) {
+    if (act == SDM_ACT_SOFTMAX) {
+        double mx = e[0], sum = 0.0;
+        for (int i = 1; i < k; i++) mx = SDM_MAX(mx, e[i]);
+        for (int i = 0; i < k; i++) sum += (w[i] = exp(scale * (e[i] - mx)));
+        for (int i = 0; i < k; i++) w[i] /= sum;
+    } else if (act == SDM_ACT_L2_NORMALIZE) {
+        double den = sqrt(sdm_dot(e, e, k)) + SDM_L2_EPS;
+        for (int i = 0; i < k; i++) w[i] = e[i] / den;
+    } else if (act == SDM_ACT_IDENTITY) {
+        for (int i = 0; i < k; i++) w[i] = e[i];
+    } else {
+        for (int i = 0; i < k; i++) w[i] = sdm_sigmoid(e[i]);
+    }
+}
+
+// de[k] = the gradient of the scores e given w = act(e) and the weight gradient dw (overwrites de).
+static inline void sdm_act_backward_ref(SdmAct act, double scale, int k, const double *e, const double *w,
+                                        const double *dw, double *de) {
+    if (act == SDM_ACT_SOFTMAX) {
+        double wdw = sdm_dot(w, dw, k);
+        for (int i = 0; i < k; i++) de[i] = scale * w[i] * (dw[i] - wdw);
+    } else if (act == SDM_ACT_L2_NORMALIZE) {
+        double norm = sqrt(sdm_dot(e, e, k)), den = norm + SDM_L2_EPS;
+        double proj = norm > 0.0 ? sdm_dot(e, dw, k) / (den * den * norm) : 0.0;
+        for (int i = 0; i < k; i++) de[i] = dw[i] / den - e[i] * proj;
+    } else if (act == SDM_ACT_IDENTITY) {
+        for (int i = 0; i < k; i++) de[i] = dw[i];
+    } else {
+        for (int i = 0; i < k; i++) de[i] = dw[i] * w[i] * (1.0 - w[i]);
+    }
+}
+
+// ---- affine maps and the readings LayerNorm ----------------------------------------------------------------------
+
+// y[n, out] = x[n, in] . w[out, in]^T + b[out] (b may be NULL)
+static inline void sdm_linear_ref(int n, int in, int out, const double *x, const double *w, const double *b,
+                                  double *y) {
+    for (int t = 0; t < n; t++)
+        for (int o = 0; o < out; o++)
+            y[(size_t)t * out + o] = (b ? b[o] : 0.0) + sdm_dot(w + (size_t)o * in, x + (size_t)t * in, in);
+}
+
+// Accumulates dx[n, in] += dy . w, dw[out, in] += dy^T . x, db[out] += sum_t dy (db may be NULL).
+static inline void sdm_linear_backward_ref(int n, int in, int out, const double *x, const double *w, const double *dy,
+                                           double *dx, double *dw, double *db) {
+    for (int t = 0; t < n; t++)
+        for (int o = 0; o < out; o++) {
+            double g = dy[(size_t)t * out + o];
+            sdm_axpy(dx + (size_t)t * in, g, w + (size_t)o * in, in);
+            sdm_axpy(dw + (size_t)o * in, g, x + (size_t)t * in, in);
+            if (db) db[o] += g;
+        }
+}
+
+// y[d] = (x - mean) rstd w + b with rstd = 1/sqrt(var + eps) (biased variance); returns mean and rstd.
+static inline void sdm_layernorm_ref(int d, double eps, const double *x, const double *w, const double *b, double *y,
+                                     double *mean, double *rstd) {
+    double mu = 0.0, var = 0.0;
+    for (int k = 0; k < d; k++) mu += x[k];
+    mu /= d;
+    for (int k = 0; k < d; k++) var += (x[k] - mu) * (x[k] - mu);
+    double rs = 1.0 / sqrt(var / d + eps);
+    for (int k = 0; k < d; k++) y[k] = (x[k] - mu) * rs * w[k] + b[k];
+    *mean = mu;
+    *rstd = rs;
+}
+
+// dx[d] = the input gradient (overwritten); dw[d], db[d] accumulate.
+static inline void sdm_layernorm_backward_ref(int d, const double *x, const double *w, double mean, double rstd,
+                                              const double *dy, double *dx, double *dw, double *db) {
+    double mean_g = 0.0, mean_gx = 0.0;
+    for (int k = 0; k < d; k++) {
+        double xhat = (x[k] - mean) * rstd, g = dy[k] * w[k];
+        mean_g += g;
+        mean_gx += g * xhat;
+        dw[k] += dy[k] * xhat;
+        db[k] += dy[k];
+    }
+    mean_g /= d;
+    mean_gx /= d;
+    for (int k = 0; k < d; k++) dx[k] = rstd * (dy[k] * w[k] - mean_g - (x[k] - mean) * rstd * mean_gx);
+}
+
+// ---- the layer (§1.3-§1.9) ---------------------------------------------------------------------------------------
+
+typedef struct { const double *wk, *bk, *wq, *bq, *wv, *bv, *wa, *ba, *wb, *bb, *wg, *bg,
+                 *A_log, *dt_bias, *ln_w, *ln_b, *wo, *bo, *bank; } SdmRefParams;
+typedef struct { double *wk, *bk, *wq, *bq, *wv, *bv, *wa, *ba, *wb, *bb, *wg, *bg,
+                 *A_log, *dt_bias, *ln_w, *ln_b, *wo, *bo, *bank; } SdmRefGrads; // accumulated with +=
+// wk, wq [H*K, D]; bk, bq [H*K]; wv [D, D]; bv [D]; wa, wb [H, D]; ba, bb [H]; wg [D, D], bg [D] (NULL unless
+// output_gate); A_log, dt_bias [H]; ln_w, ln_b [d] (NULL unless normalize_readings); wo [D, D]; bo [D];
+// bank [H*N, d] (NULL unless learned_bank). (out, in) row-major: zK[b,t,:] = wk . x[b,t,:] + bk.
+
+// The parameter tensors in struct order, for code that walks all of them (tests, initialisation, optimisers).
+enum { SDM_P_WK, SDM_P_BK, SDM_P_WQ, SDM_P_BQ, SDM_P_WV, SDM_P_BV, SDM_P_WA, SDM_P_BA, SDM_P_WB, SDM_P_BB,
+       SDM_P_WG, SDM_P_BG, SDM_P_A_LOG, SDM_P_DT_BIAS, SDM_P_LN_W, SDM_P_LN_B, SDM_P_WO, SDM_P_BO, SDM_P_BANK,
+       SDM_P_COUNT };
+
+static inline const char *sdm_ref_param_name(int which) {
+    static const char *names[SDM_P_COUNT] = {"wk", "bk", "wq", "bq", "wv", "bv", "wa", "ba", "wb", "bb", "wg", "bg",
+                                             "A_log", "dt_bias", "ln_w", "ln_b", "wo", "bo", "bank"};
+    return names[which];
+}
+
+// Element count of parameter tensor `which`; 0 when the configuration has no such tensor.
+static inline size_t sdm_ref_param_numel(const SdmDims *s, int which) {
+    size_t D = (size_t)s->dim, H = (size_t)s->heads, HK = H * (size_t)s->key_dim;
+    switch (which) {
+    case SDM_P_WK: case SDM_P_WQ: return HK * D;
+    case SDM_P_BK: case SDM_P_BQ: return HK;
+    case SDM_P_WV: case SDM_P_WO: return D * D;
+    case SDM_P_BV: case SDM_P_BO: return D;
+    case SDM_P_WA: case SDM_P_WB: return H * D;
+    case SDM_P_BA: case SDM_P_BB: case SDM_P_A_LOG: case SDM_P_DT_BIAS: return H;
+    case SDM_P_WG: return s->output_gate ? D * D : 0;
+    case SDM_P_BG: return s->output_gate ? D : 0;
+    case SDM_P_LN_W: case SDM_P_LN_B: return s->normalize_readings ? (size_t)s->head_dim : 0;
+    case SDM_P_BANK: return s->learned_bank ? H * (size_t)s->slots * s->head_dim : 0;
+    default: sdm_die("sdm_ref_param_numel: no parameter %d", which); return 0;
+    }
+}
+
+// Structs from an array of SDM_P_COUNT tensors in enum order (absent ones NULL).
+static inline SdmRefParams sdm_ref_params_from(double *const *t) {
+    SdmRefParams p;
+    p.wk = t[SDM_P_WK]; p.bk = t[SDM_P_BK]; p.wq = t[SDM_P_WQ]; p.bq = t[SDM_P_BQ]; p.wv = t[SDM_P_WV];
+    p.bv = t[SDM_P_BV]; p.wa = t[SDM_P_WA]; p.ba = t[SDM_P_BA]; p.wb = t[SDM_P_WB]; p.bb = t[SDM_P_BB];
+    p.wg = t[SDM_P_WG]; p.bg = t[SDM_P_BG]; p.A_log = t[SDM_P_A_LOG]; p.dt_bias = t[SDM_P_DT_BIAS];
+    p.ln_w = t[SDM_P_LN_W]; p.ln_b = t[SDM_P_LN_B]; p.wo = t[SDM_P_WO]; p.bo = t[SDM_P_BO]; p.bank = t[SDM_P_BANK];
+    return p;
+}
+
+static inline SdmRefGrads sdm_ref_grads_from(double *const *t) {
+    SdmRefGrads g;
+    g.wk = t[SDM_P_WK]; g.bk = t[SDM_P_BK]; g.wq = t[SDM_P_WQ]; g.bq = t[SDM_P_BQ]; g.wv = t[SDM_P_WV];
+    g.bv = t[SDM_P_BV]; g.wa = t[SDM_P_WA]; g.ba = t[SDM_P_BA]; g.wb = t[SDM_P_WB]; g.bb = t[SDM_P_BB];
+    g.wg = t[SDM_P_WG]; g.bg = t[SDM_P_BG]; g.A_log = t[SDM_P_A_LOG]; g.dt_bias = t[SDM_P_DT_BIAS];
+    g.ln_w = t[SDM_P_LN_W]; g.ln_b = t[SDM_P_LN_B]; g.wo = t[SDM_P_WO]; g.bo = t[SDM_P_BO]; g.bank = t[SDM_P_BANK];
+    return g;
+}
+
+// Every intermediate of one layer forward, for the backward and for stage-by-stage comparison with the GPU.
+// Token-major like the op; "n" below is B*T tokens.
+typedef struct {
+    int B, T;
+    double *zK, *zQ;                   // [n, H*K] write / read sub-key scores
+    double *v;                         // [n, D] = [n, H, d]
+    double *a, *c;                     // [n, H] decay and write-strength pre-activations
+    double *zG;                        // [n, D] output-gate pre-activation (output_gate only, else NULL)
+    double *g, *beta;                  // [n, H] log-decay g <= 0 and write strength
+    int *wslot;                        // [n, H, W] selected write slots, ascending
+    double *wscore, *kappa, *gamma;    // [n, H, W] raw scores, write weights, per-entry log-decays
+    int *rslot;                        // [n, H, R]
+    double *rscore, *rho;              // [n, H, R]
+    double *bank_init, *bank_final;    // [B, H, N, d]
+    double *o;                         // [n, H, d] readings of the memory op
+    double *ln_mean, *ln_rstd;         // [n, H] (normalize_readings only, else NULL)
+    double *rn;                        // [n, D] readings after the optional LayerNorm
+    double *r;                         // [n, D] input of Wo (after the optional gate)
+    double *y;                         // [n, D] layer output
+} SdmRefTrace;
+
+static inline double *sdm_ref_zeros(size_t n) { return (double *)sdm_calloc(n, sizeof(double)); }
+
+static inline SdmRefTrace sdm_ref_trace_alloc(const SdmDims *s, int B, int T) {
+    size_t n = (size_t)B * T, H = (size_t)s->heads, D = (size_t)s->dim, nb = (size_t)B * H * s->slots * s->head_dim;
+    SdmRefTrace tr;
+    tr.B = B; tr.T = T;
+    tr.zK = sdm_ref_zeros(n * H * s->key_dim); tr.zQ = sdm_ref_zeros(n * H * s->key_dim);
+    tr.v = sdm_ref_zeros(n * D);
+    tr.a = sdm_ref_zeros(n * H); tr.c = sdm_ref_zeros(n * H);
+    tr.zG = s->output_gate ? sdm_ref_zeros(n * D) : NULL;
+    tr.g = sdm_ref_zeros(n * H); tr.beta = sdm_ref_zeros(n * H);
+    tr.wslot = (int *)sdm_calloc(n * H * s->writes, sizeof(int));
+    tr.wscore = sdm_ref_zeros(n * H * s->writes); tr.kappa = sdm_ref_zeros(n * H * s->writes);
+    tr.gamma = sdm_ref_zeros(n * H * s->writes);
+    tr.rslot = (int *)sdm_calloc(n * H * s->reads, sizeof(int));
+    tr.rscore = sdm_ref_zeros(n * H * s->reads); tr.rho = sdm_ref_zeros(n * H * s->reads);
+    tr.bank_init = sdm_ref_zeros(nb); tr.bank_final = sdm_ref_zeros(nb);
+    tr.o = sdm_ref_zeros(n * D);
+    tr.ln_mean = s->normalize_readings ? sdm_ref_zeros(n * H) : NULL;
+    tr.ln_rstd = s->normalize_readings ? sdm_ref_zeros(n * H) : NULL;
+    tr.rn = sdm_ref_zeros(n * D); tr.r = sdm_ref_zeros(n * D); tr.y = sdm_ref_zeros(n * D);
+    return tr;
+}
+
+static inline void sdm_ref_trace_free(SdmRefTrace *tr) {
+    free(tr->zK); free(tr->zQ); free(tr->v); free(tr->a); free(tr->c); free(tr->zG); free(tr->g); free(tr->beta);
+    free(tr->wslot); free(tr->wscore); free(tr->kappa); free(tr->gamma); free(tr->rslot); free(tr->rscore);
+    free(tr->rho); free(tr->bank_init); free(tr->bank_final); free(tr->o); free(tr->ln_mean); free(tr->ln_rstd);
+    free(tr->rn); free(tr->r); free(tr->y);
+}
+
+// Addressing of one kind (writes or reads) for all tokens and heads: top-k of the head's score block, then the
+// weight activation. z [n, H*K] -> slot, score, weight [n, H, k].
+static inline void sdm_ref_address(const SdmDims *s, size_t n, int k, SdmAct act, double scale, const double *z,
+                                   int *slot, double *score, double *weight) {
+    for (size_t i = 0; i < n * s->heads; i++) {
+        sdm_pk_topk_ref(s->n_factors, s->factor_dims, k, z + i * s->key_dim, slot + i * k, score + i * k);
+        sdm_act_forward_ref(act, scale, k, score + i * k, weight + i * k);
+    }
+}
+
+// The layer forward, keeping every intermediate in tr (allocated by sdm_ref_trace_alloc for the same B, T).
+static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, const SdmRefParams *p,
+                                               const double *x /*[B,T,D]*/, SdmRefTrace *tr) {
+    int D = s->dim, H = s->heads, d = s->head_dim, N = s->slots, W = s->writes, R = s->reads;
+    int n = B * T, HK = H * s->key_dim;
+    if (tr->B != B || tr->T != T) sdm_die("sdm_layer_forward_trace_ref: trace allocated for another B, T");
+    // §1.3 projections
+    sdm_linear_ref(n, D, HK, x, p->wk, p->bk, tr->zK);
+    sdm_linear_ref(n, D, HK, x, p->wq, p->bq, tr->zQ);
+    sdm_linear_ref(n, D, D, x, p->wv, p->bv, tr->v);
+    sdm_linear_ref(n, D, H, x, p->wa, p->ba, tr->a);
+    sdm_linear_ref(n, D, H, x, p->wb, p->bb, tr->c);
+    if (s->output_gate) sdm_linear_ref(n, D, D, x, p->wg, p->bg, tr->zG);
+    // §1.4 gates
+    for (int i = 0; i < n * H; i++) {
+        int h = i % H;
+        tr->g[i] = sdm_gate_decay(tr->a[i], p->A_log[h], p->dt_bias[h]);
+        tr->beta[i] = sdm_sigmoid(tr->c[i]);
+    }
+    // §1.5-§1.6 addressing and weights
+    sdm_ref_address(s, (size_t)n, W, s->write_act, s->write_scale, tr->zK, tr->wslot, tr->wscore, tr->kappa);
+    sdm_ref_address(s, (size_t)n, R, s->read_act, s->read_scale, tr->zQ, tr->rslot, tr->rscore, tr->rho);
+    // §1.8 per-entry log-decays
+    for (int i = 0; i < n * H; i++)
+        for (int w = 0; w < W; w++)
+            tr->gamma[(size_t)i * W + w] = s->key_weighted_decay ? tr->g[i] * tr->kappa[(size_t)i * W + w] : tr->g[i];
+    // §1.7 the bank: every sequence starts from its own copy of M0 (or zeros), then §2
+    size_t bank_seq = (size_t)H * N * d;
+    for (int b = 0; b < B; b++) {
+        if (s->learned_bank) memcpy(tr->bank_init + b * bank_seq, p->bank, sizeof(double) * bank_seq);
+        else memset(tr->bank_init + b * bank_seq, 0, sizeof(double) * bank_seq);
+    }
+    memcpy(tr->bank_final, tr->bank_init, sizeof(double) * bank_seq * B);
+    sdm_op_forward_ref(B, T, H, N, d, W, R, tr->wslot, tr->kappa, tr->gamma, tr->beta, tr->v, tr->rslot, tr->rho,
+                       tr->bank_final, tr->o);
+    // §1.9 readout
+    for (int i = 0; i < n * H; i++) {
+        const double *oi = tr->o + (size_t)i * d;
+        double *rni = tr->rn + (size_t)i * d;
+        if (s->normalize_readings)
+            sdm_layernorm_ref(d, s->norm_eps, oi, p->ln_w, p->ln_b, rni, tr->ln_mean + i, tr->ln_rstd + i);
+        else memcpy(rni, oi, sizeof(double) * d);
+    }
+    for (size_t i = 0; i < (size_t)n * D; i++) tr->r[i] = s->output_gate ? sdm_sigmoid(tr->zG[i]) * tr->rn[i] : tr->rn[i];
+    sdm_linear_ref(n, D, D, tr->r, p->wo, p->bo, tr->y);
+}
+
+static inline void sdm_layer_forward_ref(const SdmDims *s, int B, int T, const SdmRefParams *p,
+                                         const double *x /*[B,T,D]*/, double *y /*[B,T,D]*/) {
+    SdmRefTrace tr = sdm_ref_trace_alloc(s, B, T);
+    sdm_layer_forward_trace_ref(s, B, T, p, x, &tr);
+    memcpy(y, tr.y, sizeof(double) * B * T * s->dim);
+    sdm_ref_trace_free(&tr);
+}
+
+// The gradients of the memory op's inputs, as the layer backward computes them (for stage-by-stage comparison).
+typedef struct {
+    double *dout;                       // [n, H, d] gradient of the op's readings
+    double *dkappa, *dgamma;            // [n, H, W] (dkappa: the op's, before the key-weighted-decay chain)
+    double *dbeta;                      // [n, H]
+    double *dv;                         // [n, D]
+    double *drho;                       // [n, H, R]
+    double *dbank_init;                 // [B, H, N, d]
+} SdmRefOpGrads;
+
+static inline SdmRefOpGrads sdm_ref_op_grads_alloc(const SdmDims *s, int B, int T) {
+    size_t n = (size_t)B * T, H = (size_t)s->heads;
+    SdmRefOpGrads o;
+    o.dout = sdm_ref_zeros(n * s->dim);
+    o.dkappa = sdm_ref_zeros(n * H * s->writes); o.dgamma = sdm_ref_zeros(n * H * s->writes);
+    o.dbeta = sdm_ref_zeros(n * H); o.dv = sdm_ref_zeros(n * s->dim); o.drho = sdm_ref_zeros(n * H * s->reads);
+    o.dbank_init = sdm_ref_zeros((size_t)B * H * s->slots * s->head_dim);
+    return o;
+}
+
+static inline void sdm_ref_op_grads_free(SdmRefOpGrads *o) {
+    free(o->dout); free(o->dkappa); free(o->dgamma); free(o->dbeta); free(o->dv); free(o->drho); free(o->dbank_init);
+}
+
+// Readout backward (§1.9, §4.5): from dy to the gradient of the op readings dout [n, H, d]; accumulates dwo, dbo,
+// dwg/dbg (through dzG), dln_w, dln_b, and dx from the Wg branch.
+static inline void sdm_ref_readout_backward(const SdmDims *s, int n, const SdmRefParams *p, const double *x,
+                                            const SdmRefTrace *tr, const double *dy, double *dx, SdmRefGrads *g,
+                                            double *dout) {
+    int D = s->dim, H = s->heads, d = s->head_dim;
+    double *dr = sdm_ref_zeros((size_t)n * D);
+    double *drn = sdm_ref_zeros((size_t)n * D);
+    sdm_linear_backward_ref(n, D, D, tr->r, p->wo, dy, dr, g->wo, g->bo);
+    if (s->output_gate) {
+        double *dzG = sdm_ref_zeros((size_t)n * D);
+        for (size_t i = 0; i < (size_t)n * D; i++) {
+            double sg = sdm_sigmoid(tr->zG[i]);
+            drn[i] = sg * dr[i];
+            dzG[i] = dr[i] * tr->rn[i] * sg * (1.0 - sg);
+        }
+        sdm_linear_backward_ref(n, D, D, x, p->wg, dzG, dx, g->wg, g->bg);
+        free(dzG);
+    } else {
+        memcpy(drn, dr, sizeof(double) * n * D);
+    }
+    for (int i = 0; i < n * H; i++) {
+        size_t o = (size_t)i * d;
+        if (s->normalize_readings)
+            sdm_layernorm_backward_ref(d, tr->o + o, p->ln_w, tr->ln_mean[i], tr->ln_rstd[i], drn + o, dout + o,
+                                       g->ln_w, g->ln_b);
+        else memcpy(dout + o, drn + o, sizeof(double) * d);
+    }
+    free(dr);
+    free(drn);
+}
+
+// The layer backward with the op-level gradients exposed in og (allocated by sdm_ref_op_grads_alloc).
+// dx [B,T,D] is overwritten; parameter gradients accumulate into g.
+static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, const SdmRefParams *p,
+                                                const double *x, const double *dy, const SdmRefTrace *tr,
+                                                double *dx, SdmRefGrads *g, SdmRefOpGrads *og) {
+    int D = s->dim, H = s->heads, d = s->head_dim, N = s->slots, W = s->writes, R = s->reads, K = s->key_dim;
+    int n = B * T, k_max = SDM_MAX(W, R);
+    memset(dx, 0, sizeof(double) * n * D);
+    sdm_ref_readout_backward(s, n, p, x, tr, dy, dx, g, og->dout);
+    // §4 the memory op (no gradient on the final bank)
+    sdm_op_backward_ref(B, T, H, N, d, W, R, tr->wslot, tr->kappa, tr->gamma, tr->beta, tr->v, tr->rslot, tr->rho,
+                        tr->bank_init, og->dout, NULL, og->dkappa, og->dgamma, og->dbeta, og->dv, og->drho,
+                        og->dbank_init);
+    if (s->learned_bank) { // §4.5 dM0 = sum over the per-sequence copies
+        size_t bank_seq = (size_t)H * N * d;
+        for (int b = 0; b < B; b++) sdm_axpy(g->bank, 1.0, og->dbank_init + b * bank_seq, (int)bank_seq);
+    }
+    double *dzK = sdm_ref_zeros((size_t)n * H * K), *dzQ = sdm_ref_zeros((size_t)n * H * K);
+    double *da = sdm_ref_zeros((size_t)n * H), *dc = sdm_ref_zeros((size_t)n * H);
+    double *dkap = sdm_ref_zeros((size_t)k_max), *de = sdm_ref_zeros((size_t)k_max);
+    for (int i = 0; i < n * H; i++) {
+        int h = i % H;
+        size_t ow = (size_t)i * W, orr = (size_t)i * R;
+        // §1.8 key-weighted decay: gamma = g kappa, else gamma = g
+        double dg = 0.0;
+        for (int w = 0; w < W; w++) {
+            dkap[w] = og->dkappa[ow + w];
+            if (s->key_weighted_decay) {
+                dg += tr->kappa[ow + w] * og->dgamma[ow + w];
+                dkap[w] += tr->g[i] * og->dgamma[ow + w];
+            } else {
+                dg += og->dgamma[ow + w];
+            }
+        }
+        // §1.6 activations, §1.5 step 7 routing to the sub-key scores
+        sdm_act_backward_ref(s->write_act, s->write_scale, W, tr->wscore + ow, tr->kappa + ow, dkap, de);
+        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, W, tr->wslot + ow, de, dzK + (size_t)i * K);
+        sdm_act_backward_ref(s->read_act, s->read_scale, R, tr->rscore + orr, tr->rho + orr, og->drho + orr, de);
+        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, R, tr->rslot + orr, de, dzQ + (size_t)i * K);
+        // §1.4 gates
+        double dA_log = 0.0;
+        da[i] = sdm_gate_decay_backward(tr->a[i], p->A_log[h], p->dt_bias[h], dg, &dA_log);
+        g->A_log[h] += dA_log;
+        g->dt_bias[h] += da[i];
+        dc[i] = og->dbeta[i] * tr->beta[i] * (1.0 - tr->beta[i]);
+    }
+    // §1.3 projections
+    sdm_linear_backward_ref(n, D, H * K, x, p->wk, dzK, dx, g->wk, g->bk);
+    sdm_linear_backward_ref(n, D, H * K, x, p->wq, dzQ, dx, g->wq, g->bq);
+    sdm_linear_backward_ref(n, D, D, x, p->wv, og->dv, dx, g->wv, g->bv);
+    sdm_linear_backward_ref(n, D, H, x, p->wa, da, dx, g->wa, g->ba);
+    sdm_linear_backward_ref(n, D, H, x, p->wb, dc, dx, g->wb, g->bb);
+    free(dzK); free(dzQ); free(da); free(dc); free(dkap); free(de);
+}
+
+static inline void sdm_layer_backward_ref(const SdmDims *s, int B, int T, const SdmRefParams *p, const double *x,
+                                          const double *dy, double *dx /*overwritten*/, SdmRefGrads *g) {
+    SdmRefTrace tr = sdm_ref_trace_alloc(s, B, T);
+    SdmRefOpGrads og = sdm_ref_op_grads_alloc(s, B, T);
+    sdm_layer_forward_trace_ref(s, B, T, p, x, &tr);
+    sdm_layer_backward_trace_ref(s, B, T, p, x, dy, &tr, dx, g, &og);
+    sdm_ref_op_grads_free(&og);
+    sdm_ref_trace_free(&tr);
 }
 
 #endif

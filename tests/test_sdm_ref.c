@@ -5,7 +5,7 @@
 #include "core/rng.h"
 #include "tests/test.h"
 
-#define FD_EPS 1e-5
+#define FD_EPS 3e-4
 #define FD_TOL 1e-6
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -13,16 +13,20 @@
 
 typedef double (*LossFn)(void *ctx);
 
-// Central differences of loss(ctx) with respect to each entry of x[n] (perturbed in place, restored) into num.
+static double loss_at(LossFn loss, void *ctx, double *xi, double value) {
+    *xi = value;
+    return loss(ctx);
+}
+
+// Fourth-order central differences of loss(ctx) with respect to each entry of x[n] (perturbed in place, restored):
+// truncation error O(eps^4), so eps can be large enough to keep rounding noise far below the tolerance.
 static void numeric_grad(LossFn loss, void *ctx, double *x, size_t n, double *num) {
     for (size_t i = 0; i < n; i++) {
-        double x0 = x[i];
-        x[i] = x0 + FD_EPS;
-        double lp = loss(ctx);
-        x[i] = x0 - FD_EPS;
-        double lm = loss(ctx);
+        double x0 = x[i], h = FD_EPS;
+        double d1 = loss_at(loss, ctx, x + i, x0 + h) - loss_at(loss, ctx, x + i, x0 - h);
+        double d2 = loss_at(loss, ctx, x + i, x0 + 2 * h) - loss_at(loss, ctx, x + i, x0 - 2 * h);
         x[i] = x0;
-        num[i] = (lp - lm) / (2.0 * FD_EPS);
+        num[i] = (8.0 * d1 - d2) / (12.0 * h);
     }
 }
 
@@ -116,28 +120,29 @@ static double op_loss(void *ctx) {
 }
 
 // Pairs of tokens of one stream that write a common slot, and tokens that read a slot they wrote themselves.
-static void count_collisions(const OpCase *c, int *shared_writes, int *read_own_write) {
+static void count_collisions(int B, int T, int H, int W, int R, const int *wslot, const int *rslot,
+                             int *shared_writes, int *read_own_write) {
     *shared_writes = *read_own_write = 0;
-    for (int b = 0; b < c->B; b++)
-        for (int h = 0; h < c->H; h++)
-            for (int t = 0; t < c->T; t++) {
-                const int *kt = c->wslot + sdm_tok_off(c->T, c->H, b, t, h, c->W);
-                const int *qt = c->rslot + sdm_tok_off(c->T, c->H, b, t, h, c->R);
-                for (int w = 0; w < c->W; w++) {
-                    for (int j = 0; j < c->R; j++) *read_own_write += qt[j] == kt[w];
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                const int *kt = wslot + sdm_tok_off(T, H, b, t, h, W), *qt = rslot + sdm_tok_off(T, H, b, t, h, R);
+                for (int w = 0; w < W; w++) {
+                    for (int j = 0; j < R; j++) *read_own_write += qt[j] == kt[w];
                     for (int u = 0; u < t; u++) {
-                        const int *ku = c->wslot + sdm_tok_off(c->T, c->H, b, u, h, c->W);
-                        for (int x = 0; x < c->W; x++) *shared_writes += ku[x] == kt[w];
+                        const int *ku = wslot + sdm_tok_off(T, H, b, u, h, W);
+                        for (int x = 0; x < W; x++) *shared_writes += ku[x] == kt[w];
                     }
                 }
             }
 }
 
-static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, uint64_t seed) {
+// gamma_lo: log-decays drawn in [gamma_lo, 0] (0: no decay)
+static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, double gamma_lo, uint64_t seed) {
     Rng rng = rng_make(seed);
-    OpCase c = op_case_make(&rng, B, T, H, N, d, W, R, -1.5);
+    OpCase c = op_case_make(&rng, B, T, H, N, d, W, R, gamma_lo);
     int shared, own;
-    count_collisions(&c, &shared, &own);
+    count_collisions(B, T, H, W, R, c.wslot, c.rslot, &shared, &own);
     CHECK(shared > 0 && own > 0, "op case B%d T%d H%d N%d: collisions %d, reads of own writes %d", B, T, H, N, shared, own);
     double *dkappa = (double *)sdm_malloc(sizeof(double) * op_n(&c, W));
     double *dgamma = (double *)sdm_malloc(sizeof(double) * op_n(&c, W));
@@ -148,7 +153,7 @@ static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, u
     sdm_op_backward_ref(B, T, H, N, d, W, R, c.wslot, c.kappa, c.gamma, c.beta, c.v, c.rslot, c.rho, c.bank0, c.dout,
                         c.dbank, dkappa, dgamma, dbeta, dv, drho, dbank0);
     char what[96];
-    snprintf(what, sizeof what, "op B%d T%d H%d N%d d%d W%d R%d", B, T, H, N, d, W, R);
+    snprintf(what, sizeof what, "op B%d T%d H%d N%d d%d W%d R%d gamma>=%g", B, T, H, N, d, W, R, gamma_lo);
     printf("%s: %d shared writes, %d reads of own writes\n", what, shared, own);
     check_grad("op dkappa", op_loss, &c, c.kappa, op_n(&c, W), dkappa);
     check_grad("op dgamma", op_loss, &c, c.gamma, op_n(&c, W), dgamma);
@@ -160,9 +165,304 @@ static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, u
     op_case_free(&c);
 }
 
+// Untouched rows keep their value bit for bit; a full wipe (alpha = 0) makes each written row kappa_i beta v_t exactly.
+static void test_op_facts(void) {
+    Rng rng = rng_make(11);
+    OpCase c = op_case_make(&rng, 2, 4, 2, 12, 3, 2, 3, -2.0);
+    op_case_forward(&c);
+    int untouched = 0, untouched_equal = 0;
+    for (int b = 0; b < c.B; b++)
+        for (int h = 0; h < c.H; h++)
+            for (int i = 0; i < c.N; i++) {
+                int written = 0;
+                for (int t = 0; t < c.T; t++)
+                    for (int w = 0; w < c.W; w++) written |= c.wslot[sdm_tok_off(c.T, c.H, b, t, h, c.W) + w] == i;
+                if (written) continue;
+                size_t row = ((size_t)(b * c.H + h) * c.N + i) * c.d;
+                untouched++;
+                untouched_equal += memcmp(c.bank + row, c.bank0 + row, sizeof(double) * c.d) == 0;
+            }
+    CHECK(untouched > 0 && untouched_equal == untouched, "untouched rows: %d of %d bitwise equal", untouched_equal, untouched);
+
+    // full wipe: exp(gamma) underflows to 0, so a written row forgets everything before the write
+    for (size_t i = 0; i < op_n(&c, c.W); i++) c.gamma[i] = -1e4;
+    op_case_forward(&c);
+    double *rows = (double *)sdm_malloc(sizeof(double) * op_nbank(&c)), *expect = (double *)sdm_malloc(sizeof(double) * op_n(&c, c.d));
+    memcpy(rows, c.bank0, sizeof(double) * op_nbank(&c));
+    for (int b = 0; b < c.B; b++)
+        for (int h = 0; h < c.H; h++) {
+            double *M = rows + (size_t)(b * c.H + h) * c.N * c.d;
+            for (int t = 0; t < c.T; t++) {
+                size_t ow = sdm_tok_off(c.T, c.H, b, t, h, c.W), orr = sdm_tok_off(c.T, c.H, b, t, h, c.R);
+                size_t od = sdm_tok_off(c.T, c.H, b, t, h, c.d), ob = sdm_tok_off(c.T, c.H, b, t, h, 1);
+                for (int w = 0; w < c.W; w++)
+                    for (int k = 0; k < c.d; k++) M[(size_t)c.wslot[ow + w] * c.d + k] = c.kappa[ow + w] * c.beta[ob] * c.v[od + k];
+                for (int k = 0; k < c.d; k++) {
+                    expect[od + k] = 0.0;
+                    for (int j = 0; j < c.R; j++) expect[od + k] += c.rho[orr + j] * M[(size_t)c.rslot[orr + j] * c.d + k];
+                }
+            }
+        }
+    check_close("full wipe: readings", c.out, expect, op_n(&c, c.d), 1e-14);
+    check_close("full wipe: final bank", c.bank, rows, op_nbank(&c), 1e-14);
+    free(rows);
+    free(expect);
+    op_case_free(&c);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// product-key top-k
+
+// Brute force over all N slots in the selection order of sdm_pk_topk_ref: float32 score summed left to right, then
+// the larger sub-key index sum, then the larger slot. Writes the k best slots in ascending order.
+static void brute_topk(int F, const int *dims, int k, const double *scores, int *slot) {
+    int N = 1;
+    for (int f = 0; f < F; f++) N *= dims[f];
+    SdmPkCand *all = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * N);
+    int digit[SDM_MAX_FACTORS];
+    for (int i = 0; i < N; i++) {
+        sdm_pk_digits(F, dims, i, digit);
+        float sc = (float)scores[digit[0]];
+        int sum = digit[0];
+        for (int f = 1, o = dims[0]; f < F; o += dims[f], f++) {
+            sc = sc + (float)scores[o + digit[f]];
+            sum += digit[f];
+        }
+        all[i].score = sc;
+        all[i].digit_sum = sum;
+        all[i].index = i;
+    }
+    qsort(all, (size_t)N, sizeof(SdmPkCand), sdm_pk_cmp);
+    for (int j = 0; j < k; j++) slot[j] = all[j].index;
+    qsort(slot, (size_t)k, sizeof(int), sdm_int_cmp);
+    free(all);
+}
+
+// Random trials for one factorisation. quantized: scores on a grid of 1/4 in [-1, 1] (exact float sums, many ties).
+// Counts trials where the k-th and (k+1)-th slots tie in float score (the tie rule decides the selection).
+static void test_topk_dims(int F, const int *dims, int quantized, int trials, Rng *rng, int *boundary_ties) {
+    int N = 1, K = 0;
+    for (int f = 0; f < F; f++) { N *= dims[f]; K += dims[f]; }
+    double *s = (double *)sdm_malloc(sizeof(double) * K), *score = (double *)sdm_malloc(sizeof(double) * N);
+    int *slot = (int *)sdm_malloc(sizeof(int) * N), *ref = (int *)sdm_malloc(sizeof(int) * N);
+    SdmPkCand *all = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * (N + 1));
+    int mismatches = 0, bad_scores = 0;
+    for (int trial = 0; trial < trials; trial++) {
+        int k = 1 + (int)rng_below(rng, (uint32_t)N);
+        for (int i = 0; i < K; i++) s[i] = quantized ? 0.25 * ((int)rng_below(rng, 9) - 4) : rng_range(rng, -2.0, 2.0);
+        sdm_pk_topk_ref(F, dims, k, s, slot, score);
+        brute_topk(F, dims, k, s, ref);
+        mismatches += memcmp(slot, ref, sizeof(int) * k) != 0;
+        int digit[SDM_MAX_FACTORS];
+        for (int j = 0; j < k; j++) {
+            sdm_pk_digits(F, dims, slot[j], digit);
+            double e = 0.0;
+            for (int f = 0, o = 0; f < F; o += dims[f], f++) e += s[o + digit[f]];
+            bad_scores += e != score[j] || (j > 0 && slot[j] <= slot[j - 1]);
+        }
+        if (k < N) { // is the boundary decided by the tie rule?
+            brute_topk(F, dims, N, s, ref); // all slots; recompute float scores of the k-th and (k+1)-th best
+            for (int i = 0; i < N; i++) {
+                sdm_pk_digits(F, dims, i, digit);
+                float sc = (float)s[digit[0]];
+                for (int f = 1, o = dims[0]; f < F; o += dims[f], f++) sc = sc + (float)s[o + digit[f]];
+                all[i].score = sc;
+                all[i].digit_sum = 0;
+                all[i].index = i;
+            }
+            qsort(all, (size_t)N, sizeof(SdmPkCand), sdm_pk_cmp);
+            *boundary_ties += all[k - 1].score == all[k].score;
+        }
+    }
+    CHECK(mismatches == 0, "top-k F=%d n1=%d quantized=%d: %d of %d trials differ from brute force", F, dims[0], quantized, mismatches, trials);
+    CHECK(bad_scores == 0, "top-k F=%d: %d selected scores not the double sum or slots not ascending", F, bad_scores);
+    free(s); free(score); free(slot); free(ref); free(all);
+}
+
+static void test_topk(void) {
+    static const int d1[] = {7}, d2a[] = {3, 5}, d2b[] = {4, 4}, d3a[] = {2, 3, 4}, d3b[] = {3, 3, 3}, d4[] = {2, 3, 2, 2};
+    const int *dims[] = {d1, d2a, d2b, d3a, d3b, d4};
+    const int F[] = {1, 2, 2, 3, 3, 4};
+    Rng rng = rng_make(5);
+    int ties = 0;
+    for (int c = 0; c < 6; c++)
+        for (int q = 0; q < 2; q++) test_topk_dims(F[c], dims[c], q, 150, &rng, &ties);
+    printf("top-k: %d trials with a float32 tie at the k-th / (k+1)-th boundary\n", ties);
+    CHECK(ties > 100, "top-k tie inputs: only %d boundary ties exercised", ties);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// the layer
+
+typedef struct {
+    SdmDims s;
+    int B, T;
+    double *t[SDM_P_COUNT];     // parameters (NULL when absent)
+    double *x, *dy, *y;         // input [B,T,D], loss weights on y, scratch output
+    int *wslot0, *rslot0;       // selection of the unperturbed forward
+    int selection_changes;      // forwards (during finite differences) whose selection differed
+} LayerCase;
+
+static SdmDims layer_dims(int H, int d, int F, const int *dims, int W, int R) {
+    SdmDims s;
+    memset(&s, 0, sizeof s);
+    s.heads = H; s.head_dim = d; s.dim = H * d; s.n_factors = F; s.slots = 1;
+    for (int f = 0; f < F; f++) { s.factor_dims[f] = dims[f]; s.slots *= dims[f]; s.key_dim += dims[f]; }
+    s.writes = W; s.reads = R; s.chunk = 4;
+    s.write_act = s.read_act = SDM_ACT_SOFTMAX;
+    s.write_scale = s.read_scale = 1.0f;
+    s.norm_eps = 1e-6f;
+    return s;
+}
+
+// Random parameters (gates by their init formulas) and input. The sub-key weights are larger than the others so
+// that score gaps are wide enough for finite differences never to change the selection.
+static LayerCase layer_case_make(const SdmDims *s, int B, int T, uint64_t seed) {
+    LayerCase c;
+    c.s = *s; c.B = B; c.T = T; c.selection_changes = 0;
+    Rng rng = rng_make(seed);
+    for (int i = 0; i < SDM_P_COUNT; i++) {
+        size_t n = sdm_ref_param_numel(s, i);
+        double scale = (i == SDM_P_WK || i == SDM_P_WQ) ? 1.5 : 0.6;
+        c.t[i] = n ? rand_array(&rng, n, -scale, scale) : NULL;
+    }
+    for (int h = 0; h < s->heads; h++) {
+        c.t[SDM_P_A_LOG][h] = sdm_init_A_log(&rng, SDM_A_INIT_LO, SDM_A_INIT_HI);
+        c.t[SDM_P_DT_BIAS][h] = sdm_init_dt_bias(&rng);
+    }
+    size_t n = (size_t)B * T * s->dim;
+    c.x = rand_array(&rng, n, -1.0, 1.0);
+    c.dy = rand_array(&rng, n, -1.0, 1.0);
+    c.y = (double *)sdm_malloc(sizeof(double) * n);
+    size_t nh = (size_t)B * T * s->heads;
+    c.wslot0 = (int *)sdm_malloc(sizeof(int) * nh * s->writes);
+    c.rslot0 = (int *)sdm_malloc(sizeof(int) * nh * s->reads);
+    return c;
+}
+
+static void layer_case_free(LayerCase *c) {
+    for (int i = 0; i < SDM_P_COUNT; i++) free(c->t[i]);
+    free(c->x); free(c->dy); free(c->y); free(c->wslot0); free(c->rslot0);
+}
+
+static double layer_loss(void *ctx) {
+    LayerCase *c = (LayerCase *)ctx;
+    SdmRefParams p = sdm_ref_params_from(c->t);
+    SdmRefTrace tr = sdm_ref_trace_alloc(&c->s, c->B, c->T);
+    sdm_layer_forward_trace_ref(&c->s, c->B, c->T, &p, c->x, &tr);
+    size_t nh = (size_t)c->B * c->T * c->s.heads;
+    c->selection_changes += memcmp(tr.wslot, c->wslot0, sizeof(int) * nh * c->s.writes) != 0 ||
+                            memcmp(tr.rslot, c->rslot0, sizeof(int) * nh * c->s.reads) != 0;
+    double l = dot_all(c->dy, tr.y, (size_t)c->B * c->T * c->s.dim);
+    sdm_ref_trace_free(&tr);
+    return l;
+}
+
+// Finite differences of the whole layer against sdm_layer_backward_ref for x and every parameter tensor.
+static void test_layer_gradients(const char *name, const SdmDims *s, int B, int T, uint64_t seed) {
+    LayerCase c = layer_case_make(s, B, T, seed);
+    SdmRefParams p = sdm_ref_params_from(c.t);
+    SdmRefTrace tr = sdm_ref_trace_alloc(s, B, T);
+    sdm_layer_forward_trace_ref(s, B, T, &p, c.x, &tr);
+    size_t nh = (size_t)B * T * s->heads, nx = (size_t)B * T * s->dim;
+    memcpy(c.wslot0, tr.wslot, sizeof(int) * nh * s->writes);
+    memcpy(c.rslot0, tr.rslot, sizeof(int) * nh * s->reads);
+    int shared, own;
+    count_collisions(B, T, s->heads, s->writes, s->reads, tr.wslot, tr.rslot, &shared, &own);
+    CHECK(shared > 0, "%s: no tokens share a write slot", name);
+    // y equals the plain wrapper's output
+    sdm_layer_forward_ref(s, B, T, &p, c.x, c.y);
+    CHECK(memcmp(c.y, tr.y, sizeof(double) * nx) == 0, "%s: sdm_layer_forward_ref differs from the traced forward", name);
+    double *grad[SDM_P_COUNT];
+    for (int i = 0; i < SDM_P_COUNT; i++) {
+        size_t n = sdm_ref_param_numel(s, i);
+        grad[i] = n ? (double *)sdm_calloc(n, sizeof(double)) : NULL;
+    }
+    SdmRefGrads g = sdm_ref_grads_from(grad);
+    double *dx = (double *)sdm_malloc(sizeof(double) * nx);
+    sdm_layer_backward_ref(s, B, T, &p, c.x, c.dy, dx, &g);
+    int finite = 1;
+    for (size_t i = 0; i < nx; i++) finite &= isfinite(dx[i]) && isfinite(tr.y[i]);
+    CHECK(finite, "%s: non-finite output or dx", name);
+    printf("%s: %d shared writes, %d reads of own writes\n", name, shared, own);
+    char what[160];
+    snprintf(what, sizeof what, "%s: dx", name);
+    check_grad(what, layer_loss, &c, c.x, nx, dx);
+    for (int i = 0; i < SDM_P_COUNT; i++) {
+        size_t n = sdm_ref_param_numel(s, i);
+        if (!n) continue;
+        snprintf(what, sizeof what, "%s: d%s", name, sdm_ref_param_name(i));
+        check_grad(what, layer_loss, &c, c.t[i], n, grad[i]);
+    }
+    CHECK(c.selection_changes == 0, "%s: %d perturbed forwards changed the selection", name, c.selection_changes);
+    for (int i = 0; i < SDM_P_COUNT; i++) free(grad[i]);
+    free(dx);
+    sdm_ref_trace_free(&tr);
+    layer_case_free(&c);
+}
+
+// Gates at their extremes through the whole layer: A_log large (g -> -inf, alpha = 0: full wipe) and A_log very
+// negative (g = -0, alpha = 1: no decay). Outputs and gradients stay finite and the per-entry decays are as expected.
+static void test_layer_gate_extremes(void) {
+    static const int dims[] = {2, 3};
+    SdmDims s = layer_dims(2, 2, 2, dims, 2, 2);
+    s.learned_bank = 1;
+    const double A_log[2] = {60.0, -800.0};
+    for (int e = 0; e < 2; e++) {
+        LayerCase c = layer_case_make(&s, 2, 5, 21);
+        for (int h = 0; h < s.heads; h++) c.t[SDM_P_A_LOG][h] = A_log[e];
+        SdmRefParams p = sdm_ref_params_from(c.t);
+        SdmRefTrace tr = sdm_ref_trace_alloc(&s, c.B, c.T);
+        sdm_layer_forward_trace_ref(&s, c.B, c.T, &p, c.x, &tr);
+        size_t ng = (size_t)c.B * c.T * s.heads * s.writes;
+        int alpha_ok = 1;
+        for (size_t i = 0; i < ng; i++) alpha_ok &= exp(tr.gamma[i]) == (e == 0 ? 0.0 : 1.0);
+        CHECK(alpha_ok, "A_log %g: alpha not %s", A_log[e], e == 0 ? "0" : "1");
+        double *grad[SDM_P_COUNT];
+        for (int i = 0; i < SDM_P_COUNT; i++) {
+            size_t n = sdm_ref_param_numel(&s, i);
+            grad[i] = n ? (double *)sdm_calloc(n, sizeof(double)) : NULL;
+        }
+        SdmRefGrads g = sdm_ref_grads_from(grad);
+        size_t nx = (size_t)c.B * c.T * s.dim;
+        double *dx = (double *)sdm_malloc(sizeof(double) * nx);
+        sdm_layer_backward_ref(&s, c.B, c.T, &p, c.x, c.dy, dx, &g);
+        int finite = 1;
+        for (size_t i = 0; i < nx; i++) finite &= isfinite(tr.y[i]) && isfinite(dx[i]);
+        for (int i = 0; i < SDM_P_COUNT; i++)
+            for (size_t j = 0; j < sdm_ref_param_numel(&s, i); j++) finite &= isfinite(grad[i][j]);
+        CHECK(finite, "A_log %g: non-finite output or gradient", A_log[e]);
+        for (int i = 0; i < SDM_P_COUNT; i++) free(grad[i]);
+        free(dx);
+        sdm_ref_trace_free(&tr);
+        layer_case_free(&c);
+    }
+}
+
 int main(void) {
-    test_op_gradients(1, 6, 1, 5, 3, 2, 2, 1);
-    test_op_gradients(2, 7, 2, 6, 4, 3, 2, 2);
-    test_op_gradients(1, 5, 2, 4, 2, 4, 3, 3); // W = N: every token touches every slot
+    test_op_gradients(1, 6, 1, 5, 3, 2, 2, -1.5, 1);
+    test_op_gradients(2, 7, 2, 6, 4, 3, 2, -1.5, 2);
+    test_op_gradients(1, 5, 2, 4, 2, 4, 3, -1.5, 3); // W = N: every token touches every slot
+    test_op_gradients(2, 6, 1, 5, 3, 2, 3, 0.0, 4);  // no decay (alpha = 1)
+    test_op_facts();
+    test_topk();
+
+    static const int f2a[] = {2, 3}, f2b[] = {3, 2}, f3a[] = {2, 2, 2}, f3b[] = {2, 3, 2};
+    SdmDims s = layer_dims(1, 3, 2, f2a, 2, 2); // H = 1, zero bank, plain readout
+    test_layer_gradients("layer H1 F2 zero bank", &s, 2, 5, 31);
+    s = layer_dims(2, 3, 2, f2b, 3, 2); // H = 2, learned bank, gate, readings norm
+    s.learned_bank = s.output_gate = s.normalize_readings = 1;
+    test_layer_gradients("layer H2 F2 bank+gate+norm", &s, 2, 5, 32);
+    s = layer_dims(2, 2, 3, f3a, 2, 3); // 3 factors, key-weighted decay, softmax scales
+    s.learned_bank = s.output_gate = s.key_weighted_decay = 1;
+    s.write_scale = 1.7f; s.read_scale = 0.6f;
+    test_layer_gradients("layer H2 F3 kwd+bank+gate", &s, 2, 4, 33);
+    s = layer_dims(1, 3, 3, f3b, 3, 2); // other activations, readings norm without the gate
+    s.write_act = SDM_ACT_SIGMOID; s.read_act = SDM_ACT_L2_NORMALIZE; s.normalize_readings = s.key_weighted_decay = 1;
+    test_layer_gradients("layer H1 F3 sigmoid/l2 kwd+norm", &s, 1, 6, 34);
+    s = layer_dims(2, 2, 2, f2a, 2, 2);
+    s.write_act = SDM_ACT_IDENTITY; s.read_act = SDM_ACT_SIGMOID; s.learned_bank = 1;
+    test_layer_gradients("layer H2 F2 identity/sigmoid bank", &s, 1, 5, 35);
+    test_layer_gate_extremes();
     return test_summary();
 }
