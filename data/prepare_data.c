@@ -1,0 +1,147 @@
+// prepare_data: text or JSONL files -> bytes-tokenized train/validation shards (data/README.md), or the
+// embedded recall dataset with --recall. Exits non-zero with a file:line (or file and offset) message on bad input.
+#define _POSIX_C_SOURCE 200809L  // clock_gettime
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "data/dataset.h"
+#include "data/prepare.h"
+
+static void usage(void) {
+    fputs("usage: prepare_data [options] -o DIR INPUT...     text or JSONL files (- reads standard input)\n"
+          "       prepare_data --recall [recall options] -o DIR   the embedded associative-recall dataset\n"
+          "options:\n"
+          "  --format auto|text|jsonl  input format (auto: .jsonl/.json/.ndjson are JSONL, anything else text)\n"
+          "  --unit file|para|line     documents of a text input: the whole file (default), blank-line separated\n"
+          "                            paragraphs, or single lines\n"
+          "  --field NAME              JSONL member holding the text (default text)\n"
+          "  --val-every K             every K-th document goes to validation (default 100, 0: none)\n"
+          "  --shard-tokens N          tokens per shard (default 100000000)\n"
+          "  --skip-bad                report and skip invalid UTF-8 and malformed JSONL lines (default: refuse)\n"
+          "  --quiet                   no progress line\n"
+          "recall options (defaults give data/generated, the dataset training uses when no data is named):\n"
+          "  --seed S --train-tokens N --val-tokens N --min-gap G --max-gap G --min-facts F --max-facts F\n"
+          "  --queries-per-fact Q\n"
+          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (recall: DIR/recall_train_*, recall_val_*)\n",
+          stderr);
+    exit(2);
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static unsigned long long parse_count(const char *opt, const char *s) {
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (!*s || *end || s[0] == '-') sdm_die("%s: expected a non-negative integer, got \"%s\"", opt, s);
+    return v;
+}
+
+static int parse_int(const char *opt, const char *s) {
+    unsigned long long v = parse_count(opt, s);
+    if (v > 1000000000ull) sdm_die("%s: %s is too large", opt, s);
+    return (int)v;
+}
+
+static double g_start;
+
+static void print_progress(const Preparer *pp) {
+    static uint64_t next = 0;
+    if (pp->bytes_read < next) return;
+    next = pp->bytes_read + (64u << 20);
+    double mb = (double)pp->bytes_read / 1e6;
+    fprintf(stderr, "\rprepare_data: %.0f MB read, %llu documents, %llu tokens, %.0f MB/s", mb,
+            (unsigned long long)pp->docs, (unsigned long long)(pp->train.total_tokens + pp->val.total_tokens),
+            mb / SDM_MAX(now_seconds() - g_start, 1e-9));
+}
+
+static PrepUnit input_unit(const char *path, const char *format, PrepUnit text_unit) {
+    if (strcmp(format, "jsonl") == 0) return PREP_JSONL;
+    if (strcmp(format, "text") == 0) return text_unit;
+    const char *dot = strrchr(path, '.');
+    if (dot && (!strcmp(dot, ".jsonl") || !strcmp(dot, ".json") || !strcmp(dot, ".ndjson"))) return PREP_JSONL;
+    return text_unit;
+}
+
+static void run_recall(const char *dir, const RecallConfig *c) {
+    char err[DATA_ERR_LEN];
+    double t0 = now_seconds();
+    if (recall_dataset_write(dir, c, err)) sdm_die("%s", err);
+    fprintf(stderr, "prepare_data: recall dataset in %s (%.1f s)\n", dir, now_seconds() - t0);
+}
+
+int main(int argc, char **argv) {
+    const char *dir = NULL, *format = "auto";
+    PrepUnit text_unit = PREP_TEXT_FILE;
+    int val_every = 100, skip_bad = 0, quiet = 0, recall = 0, first_input = argc;
+    unsigned long long shard_tokens = 100000000ull;
+    const char *field = "text";
+    RecallConfig rc = recall_default_config();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int has_value = i + 1 < argc;
+        if (!strcmp(a, "--skip-bad")) skip_bad = 1;
+        else if (!strcmp(a, "--quiet")) quiet = 1;
+        else if (!strcmp(a, "--recall")) recall = 1;
+        else if (a[0] != '-' || !strcmp(a, "-")) { first_input = i; break; }
+        else if (!has_value) usage();
+        else if (!strcmp(a, "-o")) dir = argv[++i];
+        else if (!strcmp(a, "--format")) format = argv[++i];
+        else if (!strcmp(a, "--field")) field = argv[++i];
+        else if (!strcmp(a, "--val-every")) val_every = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--shard-tokens")) shard_tokens = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--seed")) rc.seed = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--train-tokens")) rc.train_tokens = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--val-tokens")) rc.val_tokens = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--min-gap")) rc.min_gap = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--max-gap")) rc.max_gap = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--min-facts")) rc.min_facts = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--max-facts")) rc.max_facts = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--queries-per-fact")) rc.queries_per_fact = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--unit")) {
+            const char *u = argv[++i];
+            if (!strcmp(u, "file")) text_unit = PREP_TEXT_FILE;
+            else if (!strcmp(u, "para")) text_unit = PREP_TEXT_PARA;
+            else if (!strcmp(u, "line")) text_unit = PREP_TEXT_LINE;
+            else sdm_die("--unit: expected file, para or line, got \"%s\"", u);
+        } else usage();
+    }
+    if (!dir) usage();
+    if (strcmp(format, "auto") && strcmp(format, "text") && strcmp(format, "jsonl"))
+        sdm_die("--format: expected auto, text or jsonl, got \"%s\"", format);
+    if (recall) {
+        if (first_input < argc) sdm_die("--recall takes no input files");
+        run_recall(dir, &rc);
+        return 0;
+    }
+    if (first_input >= argc) sdm_die("no input files (see prepare_data with no arguments for usage)");
+
+    char err[DATA_ERR_LEN];
+    Preparer pp;
+    g_start = now_seconds();
+    if (dataset_make_dir(dir, err) || preparer_open(&pp, dir, shard_tokens, err)) sdm_die("%s", err);
+    pp.val_every = val_every;
+    pp.skip_bad = skip_bad;
+    pp.field = field;
+    pp.progress = quiet ? NULL : print_progress;
+    for (int i = first_input; i < argc; i++)
+        if (preparer_add_file(&pp, argv[i], input_unit(argv[i], format, text_unit), err)) sdm_die("%s", err);
+    uint64_t train_tokens = pp.train.total_tokens, val_tokens = pp.val.total_tokens;
+    int train_shards = pp.train.num_shards + (pp.train.f != NULL), val_shards = pp.val.num_shards + (pp.val.f != NULL);
+    uint64_t docs = pp.docs, val_docs = pp.val_docs, skipped = pp.skipped, bytes = pp.bytes_read;
+    if (preparer_close(&pp, err)) sdm_die("%s", err);
+    double secs = now_seconds() - g_start;
+    if (!quiet) fputc('\n', stderr);
+    printf("prepare_data: %llu documents (%llu train, %llu validation), %llu skipped\n", (unsigned long long)docs,
+           (unsigned long long)(docs - val_docs), (unsigned long long)val_docs, (unsigned long long)skipped);
+    printf("prepare_data: %llu train tokens in %d shard(s), %llu validation tokens in %d shard(s), in %s\n",
+           (unsigned long long)train_tokens, train_shards, (unsigned long long)val_tokens, val_shards, dir);
+    printf("prepare_data: %.1f MB in %.2f s = %.0f MB/s\n", (double)bytes / 1e6, secs, (double)bytes / 1e6 / SDM_MAX(secs, 1e-9));
+    if (val_docs == 0) fprintf(stderr, "prepare_data: warning: no validation documents (see --val-every)\n");
+    return 0;
+}
