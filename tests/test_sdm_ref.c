@@ -117,29 +117,38 @@ static void test_op_facts(void) {
 // ---------------------------------------------------------------------------------------------------------------
 // product-key top-k
 
-// Brute force over all N slots in the selection order of sdm_pk_topk_ref: float32 score summed left to right, then
-// the larger sub-key index sum, then the larger slot. Writes the k best slots in ascending order.
-static void brute_topk(int F, const int *dims, int k, const double *scores, int *slot) {
+// The tie rule of §10.1 written independently of sdm_pk_before: larger float32 score first, then the larger sum of
+// sub-key indices, then the larger first-factor index, then the larger second-factor index, and so on.
+typedef struct { float score; int sum; int digit[SDM_MAX_FACTORS]; int slot; } BruteSlot; // unused digits 0
+static int brute_cmp(const void *pa, const void *pb) {
+    const BruteSlot *a = (const BruteSlot *)pa, *b = (const BruteSlot *)pb;
+    if (a->score != b->score) return a->score > b->score ? -1 : 1;
+    if (a->sum != b->sum) return a->sum > b->sum ? -1 : 1;
+    for (int f = 0; f < SDM_MAX_FACTORS; f++)
+        if (a->digit[f] != b->digit[f]) return a->digit[f] > b->digit[f] ? -1 : 1;
+    return 0;
+}
+
+// All N slots with their float32 scores summed left to right, sorted best first (by brute_cmp).
+static BruteSlot *brute_rank(int F, const int *dims, const double *scores, int *N_out) {
     int N = 1;
     for (int f = 0; f < F; f++) N *= dims[f];
-    SdmPkCand *all = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * N);
-    int digit[SDM_MAX_FACTORS];
+    BruteSlot *all = (BruteSlot *)sdm_malloc(sizeof(BruteSlot) * N);
     for (int i = 0; i < N; i++) {
-        sdm_pk_digits(F, dims, i, digit);
-        float sc = (float)scores[digit[0]];
-        int sum = digit[0];
+        BruteSlot *x = all + i;
+        memset(x->digit, 0, sizeof x->digit);
+        for (int f = F - 1, r = i; f >= 0; r /= dims[f], f--) x->digit[f] = r % dims[f];
+        x->score = (float)scores[x->digit[0]];
+        x->sum = x->digit[0];
         for (int f = 1, o = dims[0]; f < F; o += dims[f], f++) {
-            sc = sc + (float)scores[o + digit[f]];
-            sum += digit[f];
+            x->score = x->score + (float)scores[o + x->digit[f]];
+            x->sum += x->digit[f];
         }
-        all[i].score = sc;
-        all[i].digit_sum = sum;
-        all[i].index = i;
+        x->slot = i;
     }
-    qsort(all, (size_t)N, sizeof(SdmPkCand), sdm_pk_cmp);
-    for (int j = 0; j < k; j++) slot[j] = all[j].index;
-    qsort(slot, (size_t)k, sizeof(int), sdm_int_cmp);
-    free(all);
+    qsort(all, (size_t)N, sizeof(BruteSlot), brute_cmp);
+    *N_out = N;
+    return all;
 }
 
 // Random trials for one factorisation. quantized: scores on a grid of 1/4 in [-1, 1] (exact float sums, many ties).
@@ -149,14 +158,17 @@ static void test_topk_dims(int F, const int *dims, int quantized, int trials, Rn
     for (int f = 0; f < F; f++) { N *= dims[f]; K += dims[f]; }
     double *s = (double *)sdm_malloc(sizeof(double) * K), *score = (double *)sdm_malloc(sizeof(double) * N);
     int *slot = (int *)sdm_malloc(sizeof(int) * N), *ref = (int *)sdm_malloc(sizeof(int) * N);
-    SdmPkCand *all = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * (N + 1));
     int mismatches = 0, bad_scores = 0;
     for (int trial = 0; trial < trials; trial++) {
         int k = 1 + (int)rng_below(rng, (uint32_t)N);
         for (int i = 0; i < K; i++) s[i] = quantized ? 0.25 * ((int)rng_below(rng, 9) - 4) : rng_range(rng, -2.0, 2.0);
         sdm_pk_topk_ref(F, dims, k, s, slot, score);
-        brute_topk(F, dims, k, s, ref);
+        int n_all;
+        BruteSlot *all = brute_rank(F, dims, s, &n_all);
+        for (int j = 0; j < k; j++) ref[j] = all[j].slot;
+        qsort(ref, (size_t)k, sizeof(int), cmp_int);
         mismatches += memcmp(slot, ref, sizeof(int) * k) != 0;
+        if (k < N) *boundary_ties += all[k - 1].score == all[k].score; // the tie rule decides the boundary
         int digit[SDM_MAX_FACTORS];
         for (int j = 0; j < k; j++) {
             sdm_pk_digits(F, dims, slot[j], digit);
@@ -164,23 +176,11 @@ static void test_topk_dims(int F, const int *dims, int quantized, int trials, Rn
             for (int f = 0, o = 0; f < F; o += dims[f], f++) e += s[o + digit[f]];
             bad_scores += e != score[j] || (j > 0 && slot[j] <= slot[j - 1]);
         }
-        if (k < N) { // is the boundary decided by the tie rule?
-            brute_topk(F, dims, N, s, ref); // all slots; recompute float scores of the k-th and (k+1)-th best
-            for (int i = 0; i < N; i++) {
-                sdm_pk_digits(F, dims, i, digit);
-                float sc = (float)s[digit[0]];
-                for (int f = 1, o = dims[0]; f < F; o += dims[f], f++) sc = sc + (float)s[o + digit[f]];
-                all[i].score = sc;
-                all[i].digit_sum = 0;
-                all[i].index = i;
-            }
-            qsort(all, (size_t)N, sizeof(SdmPkCand), sdm_pk_cmp);
-            *boundary_ties += all[k - 1].score == all[k].score;
-        }
+        free(all);
     }
     CHECK(mismatches == 0, "top-k F=%d n1=%d quantized=%d: %d of %d trials differ from brute force", F, dims[0], quantized, mismatches, trials);
     CHECK(bad_scores == 0, "top-k F=%d: %d selected scores not the double sum or slots not ascending", F, bad_scores);
-    free(s); free(score); free(slot); free(ref); free(all);
+    free(s); free(score); free(slot); free(ref);
 }
 
 static void test_topk(void) {
