@@ -10,7 +10,7 @@ CC       ?= gcc
 NVCC     := $(CUDA_HOME)/bin/nvcc
 BUILD    := build
 
-CFLAGS    := -std=c11 -O2 -Wall -Wextra -I. -MMD -MP
+CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -O2 -Wall -Wextra -I. -MMD -MP
 SANITIZE  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 NVCCFLAGS := -O3 -std=c++17 -arch=$(GPU_ARCH) -I. -MMD -MP -Xcompiler -Wall,-Wextra \
              -I$(NCCL_HOME)/include --expt-relaxed-constexpr -lineinfo

@@ -223,11 +223,13 @@ static inline int cfg_parse_numbers(const char *value, double *out, int max, cha
     snprintf(buf, sizeof buf, "%s", value);
     if (*cfg_trim(buf) == 0) return 0;
     int n = 0;
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    for (char *tok = buf; tok; n++) { // split on commas by hand: strtok would clobber a caller's strtok
+        char *comma = strchr(tok, ',');
+        if (comma) *comma = 0;
         char *t = cfg_trim(tok);
         if (n == max) { snprintf(err, CFG_ERR, "more than %d entries", max); return -1; }
-        if (!cfg_parse_double(t, &out[n])) { snprintf(err, CFG_ERR, "'%s' is not a number", t); return -1; }
-        n++;
+        if (!cfg_parse_double(t, &out[n])) { snprintf(err, CFG_ERR, "'%.100s' is not a number", t); return -1; }
+        tok = comma ? comma + 1 : NULL;
     }
     return n;
 }
