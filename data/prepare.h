@@ -34,8 +34,6 @@ struct Preparer {
     uint64_t docs, val_docs, skipped, bytes_read;
     // internals
     ShardWriter train, val;
-    int32_t *tok;
-    size_t tok_cap;
     ByteBuf block, doc;     // input lines; the document being assembled (text units)
     uint64_t doc_bad_line;  // first line of the current document with invalid UTF-8 (0: none)
     size_t doc_bad_col;
@@ -53,20 +51,17 @@ static inline int preparer_open(Preparer *pp, const char *dir, uint64_t shard_to
     return 0;
 }
 
-// One valid document (UTF-8 already checked): BOS + bytes + EOS into the train or the validation stream.
-// Empty documents carry nothing to learn and are left out.
+// One valid document (UTF-8 already checked): BOS + bytes + EOS (SDM_SPEC §10.7) into the train or the
+// validation stream. Empty documents carry nothing to learn and are left out.
 static inline int preparer_add_document(Preparer *pp, const uint8_t *text, size_t n, char *err) {
+    static const int32_t bos = TOK_BOS, eos = TOK_EOS;
     if (n == 0) return 0;
-    if (pp->tok_cap < n + 2) {
-        free(pp->tok);
-        pp->tok_cap = SDM_MAX(n + 2, 2 * pp->tok_cap);
-        pp->tok = (int32_t *)sdm_malloc(pp->tok_cap * sizeof(int32_t));
-    }
-    size_t m = tok_encode_document(text, n, pp->tok);
     int to_val = pp->val_every > 0 && (pp->docs + 1) % (uint64_t)pp->val_every == 0;
+    ShardWriter *w = to_val ? &pp->val : &pp->train;
     pp->docs++;
     pp->val_docs += (uint64_t)to_val;
-    return shard_writer_append(to_val ? &pp->val : &pp->train, pp->tok, m, err);
+    if (shard_writer_append(w, &bos, 1, err) || shard_writer_append_bytes(w, text, n, err)) return -1;
+    return shard_writer_append(w, &eos, 1, err);
 }
 
 // A bad document: reported and counted when skipping, an error otherwise. what: "invalid UTF-8 at column 3".
@@ -185,7 +180,6 @@ static inline int preparer_close(Preparer *pp, char *err) {
     if (rc == 0 && pp->docs == pp->val_docs)
         rc = data_fail(err, "no training documents in the input (%llu read, %llu skipped)",
                        (unsigned long long)pp->docs, (unsigned long long)pp->skipped);
-    free(pp->tok);
     bytebuf_free(&pp->block);
     bytebuf_free(&pp->doc);
     jsonl_parser_free(&pp->jp);

@@ -247,21 +247,58 @@ static inline int shard_writer_finish(ShardWriter *w, char *err) {
     return 0;
 }
 
+// Room for how many of n more tokens before the shard is full or the buffer must be flushed (opens a shard).
+static inline int shard_writer_room(ShardWriter *w, size_t n, size_t *room, char *err) {
+    if (!w->f && shard_writer_start(w, err)) return -1;
+    if (w->buf_used + 4 > SHARD_WRITE_BUF && shard_writer_flush_buf(w, err)) return -1;
+    size_t buf_room = (SHARD_WRITE_BUF - w->buf_used) / (size_t)w->h.bytes_per_token;
+    *room = (size_t)SDM_MIN((uint64_t)SDM_MIN(n, buf_room), w->shard_limit - w->h.count);
+    return 0;
+}
+
+// m tokens were encoded into the buffer: count them, and finish the shard when it is full.
+static inline int shard_writer_advance(ShardWriter *w, size_t m, char *err) {
+    w->buf_used += m * (size_t)w->h.bytes_per_token;
+    w->h.count += m;
+    w->total_tokens += m;
+    return w->h.count == w->shard_limit ? shard_writer_finish(w, err) : 0;
+}
+
 // tokens [n]: appended to the stream; each must be in [0, vocab).
 static inline int shard_writer_append(ShardWriter *w, const int32_t *tokens, size_t n, char *err) {
-    const int bpt = w->h.bytes_per_token;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= w->h.vocab)
             return data_fail(err, "%s: refusing to write token %d (vocab %u)", w->prefix, tokens[i], w->h.vocab);
-        if (!w->f && shard_writer_start(w, err)) return -1;
-        if (w->buf_used + 4 > SHARD_WRITE_BUF && shard_writer_flush_buf(w, err)) return -1;
+    while (n > 0) {
+        size_t m;
+        if (shard_writer_room(w, n, &m, err)) return -1;
         uint8_t *p = w->buf + w->buf_used;
-        uint32_t t = (uint32_t)tokens[i];
-        if (bpt == 2) { p[0] = (uint8_t)t; p[1] = (uint8_t)(t >> 8); } else data_write_u32le(p, t);
-        w->buf_used += (size_t)bpt;
-        w->h.count++;
-        w->total_tokens++;
-        if (w->h.count == w->shard_limit && shard_writer_finish(w, err)) return -1;
+        if (w->h.bytes_per_token == 2)
+            for (size_t i = 0; i < m; i++) { p[2 * i] = (uint8_t)tokens[i]; p[2 * i + 1] = (uint8_t)(tokens[i] >> 8); }
+        else
+            for (size_t i = 0; i < m; i++) data_write_u32le(p + 4 * i, (uint32_t)tokens[i]);
+        if (shard_writer_advance(w, m, err)) return -1;
+        tokens += m;
+        n -= m;
+    }
+    return 0;
+}
+
+// bytes [n] appended as the tokens 0..255 (the bytes tokenizer's identity map, without building an int32 copy:
+// this is the prepare tool's hot loop). The vocab is at least 258, so every byte is a valid token.
+static inline int shard_writer_append_bytes(ShardWriter *w, const uint8_t *bytes, size_t n, char *err) {
+    if (w->h.vocab < 256) return data_fail(err, "%s: bytes need a vocab of at least 256 (have %u)", w->prefix, w->h.vocab);
+    while (n > 0) {
+        size_t m;
+        if (shard_writer_room(w, n, &m, err)) return -1;
+        uint8_t *p = w->buf + w->buf_used;
+        if (w->h.bytes_per_token == 2)
+            for (size_t i = 0; i < m; i++) { p[2 * i] = bytes[i]; p[2 * i + 1] = 0; }
+        else
+            for (size_t i = 0; i < m; i++) data_write_u32le(p + 4 * i, bytes[i]);
+        if (shard_writer_advance(w, m, err)) return -1;
+        bytes += m;
+        n -= m;
     }
     return 0;
 }
