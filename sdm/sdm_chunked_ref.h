@@ -465,7 +465,8 @@ static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d
     if (T < 1 || S < 1) return;
     int nc;
     SdmChunk *chunks = sdm_chunks_prepare(B, T, H, N, d, W, R, C, wslot, kappa, gamma, beta, v, rslot, rho, &nc);
-    double *bank = (double *)sdm_malloc(sizeof(double) * nbank), *out = (double *)sdm_malloc(sizeof(double) * (size_t)S * T * d);
+    double *bank = (double *)sdm_malloc(sizeof(double) * nbank);
+    double *out = (double *)sdm_malloc(sizeof(double) * (size_t)S * T * d);
     memcpy(bank, bank_init, sizeof(double) * nbank);
     sdm_chunks_forward(chunks, nc, B, T, H, N, bank, out); // bank is now final; the chunks hold the saves
     SdmChunkGrad *cgs = (SdmChunkGrad *)sdm_malloc(sizeof(SdmChunkGrad) * (size_t)nc * S);
@@ -475,8 +476,10 @@ static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d
             SdmChunkGrad *cg = cgs + c * S + bh;
             *cg = sdm_chunk_grad_alloc(C, d, W, R);
             for (int t = 0; t < C && c * C + t < T; t++)
-                memcpy(cg->dO + (size_t)t * d, dout + sdm_tok_off(T, H, bh / H, c * C + t, bh % H, d), sizeof(double) * d);
-            sdm_chunk_backward_step(chunks + c * S + bh, bank + (size_t)bh * N * d, dbank_init + (size_t)bh * N * d, cg);
+                memcpy(cg->dO + (size_t)t * d, dout + sdm_tok_off(T, H, bh / H, c * C + t, bh % H, d),
+                       sizeof(double) * d);
+            size_t row0 = (size_t)bh * N * d;
+            sdm_chunk_backward_step(chunks + c * S + bh, bank + row0, dbank_init + row0, cg);
         }
     // Phase B: per-entry gradients of every chunk, scattered to the token-major outputs (real tokens only)
     SdmChunkInputGrads lg;

@@ -257,7 +257,7 @@ static inline int sdm_int_cmp(const void *a, const void *b) {
 static inline void sdm_pk_topk_ref(int F, const int *dims, int k, const double *scores, int *slot, double *score) {
     int max_n = 1, N = 1;
     for (int f = 0; f < F; f++) { max_n = SDM_MAX(max_n, dims[f]); N *= dims[f]; }
-    if (k < 1 || k > N) sdm_die("product-key top-k: k = %d outside [1, %d]", k, N);
+    if (F < 1 || F > SDM_MAX_FACTORS || k < 1 || k > N) sdm_die("product-key top-k: F = %d, k = %d, N = %d", F, k, N);
     SdmPkCand *fac = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * max_n);
     SdmPkCand *cur = (SdmPkCand *)sdm_malloc(sizeof(SdmPkCand) * max_n);
     int ncur = sdm_pk_factor_list(scores, dims[0], k, cur), off = dims[0];
@@ -498,6 +498,19 @@ static inline void sdm_ref_trace_free(SdmRefTrace *tr) {
     free(tr->rn); free(tr->r); free(tr->y);
 }
 
+// Die unless the layer's dimensions are consistent: D = H d, N = prod n_f, K = sum n_f, 1 <= W, R <= N.
+static inline void sdm_ref_check_dims(const SdmDims *s) {
+    if (s->n_factors < 1 || s->n_factors > SDM_MAX_FACTORS) sdm_die("sdm layer: %d product-key factors", s->n_factors);
+    long prod = 1, sum = 0;
+    for (int f = 0; f < s->n_factors; f++) { prod *= s->factor_dims[f]; sum += s->factor_dims[f]; }
+    if (s->heads < 1 || s->heads * s->head_dim != s->dim)
+        sdm_die("sdm layer: dim %d != heads %d x head_dim %d", s->dim, s->heads, s->head_dim);
+    if (prod != s->slots || sum != s->key_dim)
+        sdm_die("sdm layer: factor dims do not give N = %d, K = %d", s->slots, s->key_dim);
+    if (s->writes < 1 || s->writes > s->slots || s->reads < 1 || s->reads > s->slots)
+        sdm_die("sdm layer: writes %d / reads %d outside [1, N = %d]", s->writes, s->reads, s->slots);
+}
+
 // Addressing of one kind (writes or reads) for all tokens and heads: top-k of the head's score block, then the
 // weight activation. z [n, H*K] -> slot, score, weight [n, H, k].
 static inline void sdm_ref_address(const SdmDims *s, size_t n, int k, SdmAct act, double scale, const double *z,
@@ -513,6 +526,7 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
                                                const double *x /*[B,T,D]*/, SdmRefTrace *tr) {
     int D = s->dim, H = s->heads, d = s->head_dim, N = s->slots, W = s->writes, R = s->reads;
     int n = B * T, HK = H * s->key_dim;
+    sdm_ref_check_dims(s);
     if (tr->B != B || tr->T != T) sdm_die("sdm_layer_forward_trace_ref: trace allocated for another B, T");
     // §1.3 projections
     sdm_linear_ref(n, D, HK, x, p->wk, p->bk, tr->zK);
@@ -551,7 +565,8 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
             sdm_layernorm_ref(d, s->norm_eps, oi, p->ln_w, p->ln_b, rni, tr->ln_mean + i, tr->ln_rstd + i);
         else memcpy(rni, oi, sizeof(double) * d);
     }
-    for (size_t i = 0; i < (size_t)n * D; i++) tr->r[i] = s->output_gate ? sdm_sigmoid(tr->zG[i]) * tr->rn[i] : tr->rn[i];
+    for (size_t i = 0; i < (size_t)n * D; i++)
+        tr->r[i] = s->output_gate ? sdm_sigmoid(tr->zG[i]) * tr->rn[i] : tr->rn[i];
     sdm_linear_ref(n, D, D, tr->r, p->wo, p->bo, tr->y);
 }
 
@@ -563,124 +578,133 @@ static inline void sdm_layer_forward_ref(const SdmDims *s, int B, int T, const S
     sdm_ref_trace_free(&tr);
 }
 
-// The gradients of the memory op's inputs, as the layer backward computes them (for stage-by-stage comparison).
+// Every intermediate gradient of one layer backward, for stage-by-stage comparison with the GPU ("n" = B*T tokens).
 typedef struct {
-    double *dout;                       // [n, H, d] gradient of the op's readings
-    double *dkappa, *dgamma;            // [n, H, W] (dkappa: the op's, before the key-weighted-decay chain)
+    double *dout;                       // [n, H, d] gradient of the op readings
+    double *dkappa_op, *dgamma;         // [n, H, W] the op's gradients of kappa and gamma
     double *dbeta;                      // [n, H]
     double *dv;                         // [n, D]
     double *drho;                       // [n, H, R]
-    double *dbank_init;                 // [B, H, N, d]
-} SdmRefOpGrads;
+    double *dbank_init;                 // [B, H, N, d] gradient of each sequence's initial bank
+    double *dkappa;                     // [n, H, W] total kappa gradient (with the key-weighted decay path)
+    double *dg;                         // [n, H] gradient of the log-decay g
+    double *dwscore, *drscore;          // [n, H, W], [n, H, R] gradients of the raw selected scores
+    double *dzK, *dzQ;                  // [n, H*K] gradients of the sub-key scores
+    double *da, *dc;                    // [n, H] gradients of the gate pre-activations
+    double *dzG;                        // [n, D] output-gate pre-activation gradient (output_gate only, else NULL)
+} SdmRefGradTrace;
 
-static inline SdmRefOpGrads sdm_ref_op_grads_alloc(const SdmDims *s, int B, int T) {
-    size_t n = (size_t)B * T, H = (size_t)s->heads;
-    SdmRefOpGrads o;
-    o.dout = sdm_ref_zeros(n * s->dim);
-    o.dkappa = sdm_ref_zeros(n * H * s->writes); o.dgamma = sdm_ref_zeros(n * H * s->writes);
-    o.dbeta = sdm_ref_zeros(n * H); o.dv = sdm_ref_zeros(n * s->dim); o.drho = sdm_ref_zeros(n * H * s->reads);
+static inline SdmRefGradTrace sdm_ref_grad_trace_alloc(const SdmDims *s, int B, int T) {
+    size_t n = (size_t)B * T, H = (size_t)s->heads, D = (size_t)s->dim, nW = n * H * s->writes, nR = n * H * s->reads;
+    SdmRefGradTrace o;
+    o.dout = sdm_ref_zeros(n * D);
+    o.dkappa_op = sdm_ref_zeros(nW); o.dgamma = sdm_ref_zeros(nW);
+    o.dbeta = sdm_ref_zeros(n * H); o.dv = sdm_ref_zeros(n * D); o.drho = sdm_ref_zeros(nR);
     o.dbank_init = sdm_ref_zeros((size_t)B * H * s->slots * s->head_dim);
+    o.dkappa = sdm_ref_zeros(nW); o.dg = sdm_ref_zeros(n * H);
+    o.dwscore = sdm_ref_zeros(nW); o.drscore = sdm_ref_zeros(nR);
+    o.dzK = sdm_ref_zeros(n * H * s->key_dim); o.dzQ = sdm_ref_zeros(n * H * s->key_dim);
+    o.da = sdm_ref_zeros(n * H); o.dc = sdm_ref_zeros(n * H);
+    o.dzG = s->output_gate ? sdm_ref_zeros(n * D) : NULL;
     return o;
 }
 
-static inline void sdm_ref_op_grads_free(SdmRefOpGrads *o) {
-    free(o->dout); free(o->dkappa); free(o->dgamma); free(o->dbeta); free(o->dv); free(o->drho); free(o->dbank_init);
+static inline void sdm_ref_grad_trace_free(SdmRefGradTrace *o) {
+    free(o->dout); free(o->dkappa_op); free(o->dgamma); free(o->dbeta); free(o->dv); free(o->drho);
+    free(o->dbank_init); free(o->dkappa); free(o->dg); free(o->dwscore); free(o->drscore); free(o->dzK);
+    free(o->dzQ); free(o->da); free(o->dc); free(o->dzG);
 }
 
-// Readout backward (§1.9, §4.5): from dy to the gradient of the op readings dout [n, H, d]; accumulates dwo, dbo,
-// dwg/dbg (through dzG), dln_w, dln_b, and dx from the Wg branch.
+// Readout backward (§1.9, §4.5): from dy to the gradient of the op readings gt->dout [n, H, d] (and gt->dzG);
+// accumulates dwo, dbo, dwg, dbg, dln_w, dln_b, and dx from the Wg branch.
 static inline void sdm_ref_readout_backward(const SdmDims *s, int n, const SdmRefParams *p, const double *x,
                                             const SdmRefTrace *tr, const double *dy, double *dx, SdmRefGrads *g,
-                                            double *dout) {
+                                            SdmRefGradTrace *gt) {
     int D = s->dim, H = s->heads, d = s->head_dim;
     double *dr = sdm_ref_zeros((size_t)n * D);
     double *drn = sdm_ref_zeros((size_t)n * D);
     sdm_linear_backward_ref(n, D, D, tr->r, p->wo, dy, dr, g->wo, g->bo);
     if (s->output_gate) {
-        double *dzG = sdm_ref_zeros((size_t)n * D);
         for (size_t i = 0; i < (size_t)n * D; i++) {
             double sg = sdm_sigmoid(tr->zG[i]);
             drn[i] = sg * dr[i];
-            dzG[i] = dr[i] * tr->rn[i] * sg * (1.0 - sg);
+            gt->dzG[i] = dr[i] * tr->rn[i] * sg * (1.0 - sg);
         }
-        sdm_linear_backward_ref(n, D, D, x, p->wg, dzG, dx, g->wg, g->bg);
-        free(dzG);
+        sdm_linear_backward_ref(n, D, D, x, p->wg, gt->dzG, dx, g->wg, g->bg);
     } else {
         memcpy(drn, dr, sizeof(double) * n * D);
     }
     for (int i = 0; i < n * H; i++) {
         size_t o = (size_t)i * d;
         if (s->normalize_readings)
-            sdm_layernorm_backward_ref(d, tr->o + o, p->ln_w, tr->ln_mean[i], tr->ln_rstd[i], drn + o, dout + o,
+            sdm_layernorm_backward_ref(d, tr->o + o, p->ln_w, tr->ln_mean[i], tr->ln_rstd[i], drn + o, gt->dout + o,
                                        g->ln_w, g->ln_b);
-        else memcpy(dout + o, drn + o, sizeof(double) * d);
+        else memcpy(gt->dout + o, drn + o, sizeof(double) * d);
     }
     free(dr);
     free(drn);
 }
 
-// The layer backward with the op-level gradients exposed in og (allocated by sdm_ref_op_grads_alloc).
+// The layer backward with every intermediate gradient kept in gt (allocated by sdm_ref_grad_trace_alloc).
 // dx [B,T,D] is overwritten; parameter gradients accumulate into g.
 static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, const SdmRefParams *p,
                                                 const double *x, const double *dy, const SdmRefTrace *tr,
-                                                double *dx, SdmRefGrads *g, SdmRefOpGrads *og) {
+                                                double *dx, SdmRefGrads *g, SdmRefGradTrace *gt) {
     int D = s->dim, H = s->heads, d = s->head_dim, N = s->slots, W = s->writes, R = s->reads, K = s->key_dim;
-    int n = B * T, k_max = SDM_MAX(W, R);
+    int n = B * T;
     memset(dx, 0, sizeof(double) * n * D);
-    sdm_ref_readout_backward(s, n, p, x, tr, dy, dx, g, og->dout);
+    sdm_ref_readout_backward(s, n, p, x, tr, dy, dx, g, gt);
     // §4 the memory op (no gradient on the final bank)
     sdm_op_backward_ref(B, T, H, N, d, W, R, tr->wslot, tr->kappa, tr->gamma, tr->beta, tr->v, tr->rslot, tr->rho,
-                        tr->bank_init, og->dout, NULL, og->dkappa, og->dgamma, og->dbeta, og->dv, og->drho,
-                        og->dbank_init);
+                        tr->bank_init, gt->dout, NULL, gt->dkappa_op, gt->dgamma, gt->dbeta, gt->dv, gt->drho,
+                        gt->dbank_init);
     if (s->learned_bank) { // §4.5 dM0 = sum over the per-sequence copies
         size_t bank_seq = (size_t)H * N * d;
-        for (int b = 0; b < B; b++) sdm_axpy(g->bank, 1.0, og->dbank_init + b * bank_seq, (int)bank_seq);
+        for (int b = 0; b < B; b++) sdm_axpy(g->bank, 1.0, gt->dbank_init + b * bank_seq, (int)bank_seq);
     }
-    double *dzK = sdm_ref_zeros((size_t)n * H * K), *dzQ = sdm_ref_zeros((size_t)n * H * K);
-    double *da = sdm_ref_zeros((size_t)n * H), *dc = sdm_ref_zeros((size_t)n * H);
-    double *dkap = sdm_ref_zeros((size_t)k_max), *de = sdm_ref_zeros((size_t)k_max);
     for (int i = 0; i < n * H; i++) {
         int h = i % H;
         size_t ow = (size_t)i * W, orr = (size_t)i * R;
         // §1.8 key-weighted decay: gamma = g kappa, else gamma = g
-        double dg = 0.0;
+        gt->dg[i] = 0.0;
         for (int w = 0; w < W; w++) {
-            dkap[w] = og->dkappa[ow + w];
+            gt->dkappa[ow + w] = gt->dkappa_op[ow + w];
             if (s->key_weighted_decay) {
-                dg += tr->kappa[ow + w] * og->dgamma[ow + w];
-                dkap[w] += tr->g[i] * og->dgamma[ow + w];
+                gt->dg[i] += tr->kappa[ow + w] * gt->dgamma[ow + w];
+                gt->dkappa[ow + w] += tr->g[i] * gt->dgamma[ow + w];
             } else {
-                dg += og->dgamma[ow + w];
+                gt->dg[i] += gt->dgamma[ow + w];
             }
         }
         // §1.6 activations, §1.5 step 7 routing to the sub-key scores
-        sdm_act_backward_ref(s->write_act, s->write_scale, W, tr->wscore + ow, tr->kappa + ow, dkap, de);
-        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, W, tr->wslot + ow, de, dzK + (size_t)i * K);
-        sdm_act_backward_ref(s->read_act, s->read_scale, R, tr->rscore + orr, tr->rho + orr, og->drho + orr, de);
-        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, R, tr->rslot + orr, de, dzQ + (size_t)i * K);
+        sdm_act_backward_ref(s->write_act, s->write_scale, W, tr->wscore + ow, tr->kappa + ow, gt->dkappa + ow,
+                             gt->dwscore + ow);
+        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, W, tr->wslot + ow, gt->dwscore + ow,
+                                 gt->dzK + (size_t)i * K);
+        sdm_act_backward_ref(s->read_act, s->read_scale, R, tr->rscore + orr, tr->rho + orr, gt->drho + orr,
+                             gt->drscore + orr);
+        sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, R, tr->rslot + orr, gt->drscore + orr,
+                                 gt->dzQ + (size_t)i * K);
         // §1.4 gates
-        double dA_log = 0.0;
-        da[i] = sdm_gate_decay_backward(tr->a[i], p->A_log[h], p->dt_bias[h], dg, &dA_log);
-        g->A_log[h] += dA_log;
-        g->dt_bias[h] += da[i];
-        dc[i] = og->dbeta[i] * tr->beta[i] * (1.0 - tr->beta[i]);
+        gt->da[i] = sdm_gate_decay_backward(tr->a[i], p->A_log[h], p->dt_bias[h], gt->dg[i], &g->A_log[h]);
+        g->dt_bias[h] += gt->da[i];
+        gt->dc[i] = gt->dbeta[i] * tr->beta[i] * (1.0 - tr->beta[i]);
     }
     // §1.3 projections
-    sdm_linear_backward_ref(n, D, H * K, x, p->wk, dzK, dx, g->wk, g->bk);
-    sdm_linear_backward_ref(n, D, H * K, x, p->wq, dzQ, dx, g->wq, g->bq);
-    sdm_linear_backward_ref(n, D, D, x, p->wv, og->dv, dx, g->wv, g->bv);
-    sdm_linear_backward_ref(n, D, H, x, p->wa, da, dx, g->wa, g->ba);
-    sdm_linear_backward_ref(n, D, H, x, p->wb, dc, dx, g->wb, g->bb);
-    free(dzK); free(dzQ); free(da); free(dc); free(dkap); free(de);
+    sdm_linear_backward_ref(n, D, H * K, x, p->wk, gt->dzK, dx, g->wk, g->bk);
+    sdm_linear_backward_ref(n, D, H * K, x, p->wq, gt->dzQ, dx, g->wq, g->bq);
+    sdm_linear_backward_ref(n, D, D, x, p->wv, gt->dv, dx, g->wv, g->bv);
+    sdm_linear_backward_ref(n, D, H, x, p->wa, gt->da, dx, g->wa, g->ba);
+    sdm_linear_backward_ref(n, D, H, x, p->wb, gt->dc, dx, g->wb, g->bb);
 }
 
 static inline void sdm_layer_backward_ref(const SdmDims *s, int B, int T, const SdmRefParams *p, const double *x,
                                           const double *dy, double *dx /*overwritten*/, SdmRefGrads *g) {
     SdmRefTrace tr = sdm_ref_trace_alloc(s, B, T);
-    SdmRefOpGrads og = sdm_ref_op_grads_alloc(s, B, T);
+    SdmRefGradTrace gt = sdm_ref_grad_trace_alloc(s, B, T);
     sdm_layer_forward_trace_ref(s, B, T, p, x, &tr);
-    sdm_layer_backward_trace_ref(s, B, T, p, x, dy, &tr, dx, g, &og);
-    sdm_ref_op_grads_free(&og);
+    sdm_layer_backward_trace_ref(s, B, T, p, x, dy, &tr, dx, g, &gt);
+    sdm_ref_grad_trace_free(&gt);
     sdm_ref_trace_free(&tr);
 }
 

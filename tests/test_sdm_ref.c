@@ -47,7 +47,8 @@ static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, d
     OpCase c = op_case_make(&rng, B, T, H, N, d, W, R, gamma_lo);
     int shared, own;
     count_collisions(B, T, H, W, R, T, c.wslot, c.rslot, &shared, &own);
-    CHECK(shared > 0 && own > 0, "op case B%d T%d H%d N%d: collisions %d, reads of own writes %d", B, T, H, N, shared, own);
+    CHECK(shared > 0 && own > 0, "op case B%d T%d H%d N%d: collisions %d, reads of own writes %d", B, T, H, N, shared,
+          own);
     double *dkappa = (double *)sdm_malloc(sizeof(double) * op_n(&c, W));
     double *dgamma = (double *)sdm_malloc(sizeof(double) * op_n(&c, W));
     double *dbeta = (double *)sdm_malloc(sizeof(double) * op_n(&c, 1));
@@ -69,6 +70,30 @@ static void test_op_gradients(int B, int T, int H, int N, int d, int W, int R, d
     op_case_free(&c);
 }
 
+// Under a full wipe every written row becomes kappa_i beta v_t, whatever it held: the expected final bank rows
+// [B,H,N,d] and readings [B,T,H,d], computed without the delta rule.
+static void wipe_expectation(const OpCase *c, double *rows, double *expect) {
+    int d = c->d;
+    memcpy(rows, c->bank0, sizeof(double) * op_nbank(c));
+    for (int b = 0; b < c->B; b++)
+        for (int h = 0; h < c->H; h++) {
+            double *M = rows + (size_t)(b * c->H + h) * c->N * d;
+            for (int t = 0; t < c->T; t++) {
+                size_t ow = sdm_tok_off(c->T, c->H, b, t, h, c->W), orr = sdm_tok_off(c->T, c->H, b, t, h, c->R);
+                size_t od = sdm_tok_off(c->T, c->H, b, t, h, d), ob = sdm_tok_off(c->T, c->H, b, t, h, 1);
+                for (int w = 0; w < c->W; w++) {
+                    double *row = M + (size_t)c->wslot[ow + w] * d;
+                    for (int k = 0; k < d; k++) row[k] = c->kappa[ow + w] * c->beta[ob] * c->v[od + k];
+                }
+                for (int k = 0; k < d; k++) {
+                    expect[od + k] = 0.0;
+                    for (int j = 0; j < c->R; j++)
+                        expect[od + k] += c->rho[orr + j] * M[(size_t)c->rslot[orr + j] * d + k];
+                }
+            }
+        }
+}
+
 // Untouched rows keep their value bit for bit; a full wipe (alpha = 0) makes each written row kappa_i beta v_t exactly.
 static void test_op_facts(void) {
     Rng rng = rng_make(11);
@@ -86,27 +111,15 @@ static void test_op_facts(void) {
                 untouched++;
                 untouched_equal += memcmp(c.bank + row, c.bank0 + row, sizeof(double) * c.d) == 0;
             }
-    CHECK(untouched > 0 && untouched_equal == untouched, "untouched rows: %d of %d bitwise equal", untouched_equal, untouched);
+    CHECK(untouched > 0 && untouched_equal == untouched, "untouched rows: %d of %d bitwise equal", untouched_equal,
+          untouched);
 
     // full wipe: exp(gamma) underflows to 0, so a written row forgets everything before the write
     for (size_t i = 0; i < op_n(&c, c.W); i++) c.gamma[i] = -1e4;
     op_case_forward(&c);
-    double *rows = (double *)sdm_malloc(sizeof(double) * op_nbank(&c)), *expect = (double *)sdm_malloc(sizeof(double) * op_n(&c, c.d));
-    memcpy(rows, c.bank0, sizeof(double) * op_nbank(&c));
-    for (int b = 0; b < c.B; b++)
-        for (int h = 0; h < c.H; h++) {
-            double *M = rows + (size_t)(b * c.H + h) * c.N * c.d;
-            for (int t = 0; t < c.T; t++) {
-                size_t ow = sdm_tok_off(c.T, c.H, b, t, h, c.W), orr = sdm_tok_off(c.T, c.H, b, t, h, c.R);
-                size_t od = sdm_tok_off(c.T, c.H, b, t, h, c.d), ob = sdm_tok_off(c.T, c.H, b, t, h, 1);
-                for (int w = 0; w < c.W; w++)
-                    for (int k = 0; k < c.d; k++) M[(size_t)c.wslot[ow + w] * c.d + k] = c.kappa[ow + w] * c.beta[ob] * c.v[od + k];
-                for (int k = 0; k < c.d; k++) {
-                    expect[od + k] = 0.0;
-                    for (int j = 0; j < c.R; j++) expect[od + k] += c.rho[orr + j] * M[(size_t)c.rslot[orr + j] * c.d + k];
-                }
-            }
-        }
+    double *rows = (double *)sdm_malloc(sizeof(double) * op_nbank(&c));
+    double *expect = (double *)sdm_malloc(sizeof(double) * op_n(&c, c.d));
+    wipe_expectation(&c, rows, expect);
     check_close("full wipe: readings", c.out, expect, op_n(&c, c.d), 1e-14);
     check_close("full wipe: final bank", c.bank, rows, op_nbank(&c), 1e-14);
     free(rows);
@@ -178,13 +191,15 @@ static void test_topk_dims(int F, const int *dims, int quantized, int trials, Rn
         }
         free(all);
     }
-    CHECK(mismatches == 0, "top-k F=%d n1=%d quantized=%d: %d of %d trials differ from brute force", F, dims[0], quantized, mismatches, trials);
+    CHECK(mismatches == 0, "top-k F=%d n1=%d quantized=%d: %d of %d trials differ from brute force", F, dims[0],
+          quantized, mismatches, trials);
     CHECK(bad_scores == 0, "top-k F=%d: %d selected scores not the double sum or slots not ascending", F, bad_scores);
     free(s); free(score); free(slot); free(ref);
 }
 
 static void test_topk(void) {
-    static const int d1[] = {7}, d2a[] = {3, 5}, d2b[] = {4, 4}, d3a[] = {2, 3, 4}, d3b[] = {3, 3, 3}, d4[] = {2, 3, 2, 2};
+    static const int d1[] = {7}, d2a[] = {3, 5}, d2b[] = {4, 4}, d3a[] = {2, 3, 4}, d3b[] = {3, 3, 3};
+    static const int d4[] = {2, 3, 2, 2};
     const int *dims[] = {d1, d2a, d2b, d3a, d3b, d4};
     const int F[] = {1, 2, 2, 3, 3, 4};
     Rng rng = rng_make(5);
@@ -276,7 +291,8 @@ static void test_layer_gradients(const char *name, const SdmDims *s, int B, int 
     CHECK(shared > 0, "%s: no tokens share a write slot", name);
     // y equals the plain wrapper's output
     sdm_layer_forward_ref(s, B, T, &p, c.x, c.y);
-    CHECK(memcmp(c.y, tr.y, sizeof(double) * nx) == 0, "%s: sdm_layer_forward_ref differs from the traced forward", name);
+    CHECK(memcmp(c.y, tr.y, sizeof(double) * nx) == 0, "%s: sdm_layer_forward_ref differs from the traced forward",
+          name);
     double *grad[SDM_P_COUNT];
     for (int i = 0; i < SDM_P_COUNT; i++) {
         size_t n = sdm_ref_param_numel(s, i);
