@@ -87,7 +87,8 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
     if (s->B < 1 || s->T < 1 || s->H < 1 || s->N < 1 || s->d < 1) return "B, T, H, N, d must be >= 1";
     if (s->W < 1 || s->R < 1 || s->W > s->N || s->R > s->N) return "W and R must be in 1..N";
     if (s->C < 1 || s->C > SDM_OP_MAX_CHUNK) return "chunk size C must be in 1..256";
-    if (s->d % 8 != 0) return "row width d must be a multiple of 8";
+    if (s->d % 8 != 0 || s->d > 4096) return "row width d must be a multiple of 8 and <= 4096";
+    if (s->W > 1024 || s->R > 1024) return "W and R must be <= 1024";
     if ((long long)sdm_op_chunk(s) * (s->W + s->R) > SDM_OP_SMEM_SLOTS)
         return "C * (W + R) must be <= 49152 (slot lists of one chunk live in shared memory)";
     if ((long long)s->B * s->H * s->N * s->d >= (1ll << 40)) return "bank larger than 2^40 elements";
@@ -127,7 +128,9 @@ typedef struct {
     // scratch (backward)
     size_t wsum;                  // [S][C][d] write-path gradient of delta for the current chunk
     size_t dx;                    // [S][Tp][d]
-    size_t omega, eta, psi, phi;  // [S][Tp][W] x3, [S][Tp][R]
+    size_t omega, eta, psi, dmu;  // [S][Tp][W]: per-entry dots, then gradients of kappa, gamma, lambda, mu
+    size_t phi, dlamr;            // [S][Tp][R]: per-entry dots, then gradients of rho, lambda'
+
     size_t dS, dL;                // [S][nc][C][C]
     size_t scratch_bytes;
 } SdmOpLayout;
@@ -162,7 +165,8 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     off = 0;
     SDM_OP_TAKE(wsum, (size_t)L.S * L.C * s->d * 4);
     SDM_OP_TAKE(dx, rows * 4);
-    SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(phi, er * 4);
+    SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(dmu, ew * 4);
+    SDM_OP_TAKE(phi, er * 4); SDM_OP_TAKE(dlamr, er * 4);
     SDM_OP_TAKE(dS, cc * 4); SDM_OP_TAKE(dL, cc * 4);
     L.scratch_bytes = off;
 #undef SDM_OP_TAKE

@@ -1,0 +1,225 @@
+// tests/bench_sdm_op.cu: op-only timings of the GPU SDM memory op (sdm/sdm_op.cuh): training forward, backward,
+// prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots. Median of repeated runs (CUDA events)
+// after a warm-up. For each: time, the op's device memory, and the byte floor (bank rows that must move, over the
+// 4.3 TB/s measured HBM bandwidth):
+//   forward (training): per token and head read W + R rows, write W rows and W snapshot rows  -> (3W + R) d 2 bytes
+//   prefill:            read W + R rows, write W rows                                           -> (2W + R) d 2 bytes
+//   backward: fp32 G rows read + written at W + R rows, W snapshot rows read, W rows restored, R bank rows read
+//                                                                      -> (2W + 2R) d 4 + (2W + R) d 2 bytes
+//   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
+#include <algorithm>
+#include <vector>
+
+#include "core/cuda_common.cuh"
+#include "core/rng.h"
+#include "sdm/sdm_op.cuh"
+
+#define HBM_BYTES_PER_S 4.3e12
+
+// k distinct slots of [0, n) ascending (k << n: rejection)
+static void draw_slots(Rng *rng, int n, int k, int *out) {
+    for (int i = 0; i < k; i++) {
+        int x, dup;
+        do {
+            x = (int)rng_below(rng, (uint32_t)n);
+            dup = 0;
+            for (int j = 0; j < i; j++) dup |= out[j] == x;
+        } while (dup);
+        out[i] = x;
+    }
+    std::sort(out, out + k);
+}
+
+static float *dev_random(Rng *rng, size_t n, float lo, float hi) {
+    std::vector<float> h(n);
+    for (size_t i = 0; i < n; i++) h[i] = (float)rng_range(rng, lo, hi);
+    float *d;
+    cudaCheck(cudaMalloc(&d, n * 4));
+    cudaCheck(cudaMemcpy(d, h.data(), n * 4, cudaMemcpyHostToDevice));
+    return d;
+}
+
+// positive weights summing to 1 per group of k
+static float *dev_weights(Rng *rng, size_t groups, int k) {
+    std::vector<float> h(groups * k);
+    for (size_t g = 0; g < groups; g++) {
+        double s = 0.0;
+        for (int i = 0; i < k; i++) s += (h[g * k + i] = (float)exp(rng_normal(rng)));
+        for (int i = 0; i < k; i++) h[g * k + i] = (float)(h[g * k + i] / s);
+    }
+    float *d;
+    cudaCheck(cudaMalloc(&d, h.size() * 4));
+    cudaCheck(cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static int *dev_slots(Rng *rng, size_t groups, int k, int n) {
+    std::vector<int> h(groups * k);
+    for (size_t g = 0; g < groups; g++) draw_slots(rng, n, k, h.data() + g * k);
+    int *d;
+    cudaCheck(cudaMalloc(&d, h.size() * 4));
+    cudaCheck(cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static SdmOpInputs make_inputs(Rng *rng, const SdmOpShape *s) {
+    size_t tok = (size_t)s->B * s->T * s->H;
+    SdmOpInputs in;
+    in.wslot = dev_slots(rng, tok, s->W, s->N);
+    in.rslot = dev_slots(rng, tok, s->R, s->N);
+    in.kappa = dev_weights(rng, tok, s->W);
+    in.rho = dev_weights(rng, tok, s->R);
+    in.gamma = dev_random(rng, tok * s->W, -0.1f, 0.f);
+    in.beta = dev_random(rng, tok, 0.05f, 0.95f);
+    in.v = dev_random(rng, tok * s->d, -1.f, 1.f);
+    return in;
+}
+
+static void free_inputs(SdmOpInputs *in) {
+    cudaFree((void *)in->wslot); cudaFree((void *)in->rslot); cudaFree((void *)in->kappa); cudaFree((void *)in->rho);
+    cudaFree((void *)in->gamma); cudaFree((void *)in->beta); cudaFree((void *)in->v);
+}
+
+static void *dev_bank(Rng *rng, size_t n) { // bf16 bank, random values
+    std::vector<__nv_bfloat16> h(1 << 20);
+    for (size_t i = 0; i < h.size(); i++) h[i] = __float2bfloat16((float)(0.02 * rng_normal(rng)));
+    char *d;
+    cudaCheck(cudaMalloc(&d, n * 2));
+    for (size_t off = 0; off < n; off += h.size())
+        cudaCheck(cudaMemcpy(d + off * 2, h.data(), std::min(h.size(), n - off) * 2, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+static double gib(size_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
+
+static void report(const char *what, float ms, double floor_bytes) {
+    double floor_ms = floor_bytes / HBM_BYTES_PER_S * 1e3;
+    printf("  %-34s %9.3f ms   floor %7.3f ms (%6.2f GB)   floor/time %5.1f%%\n", what, ms, floor_ms, floor_bytes / 1e9,
+           100.0 * floor_ms / ms);
+}
+
+// Training forward + backward, prefill, and the forward with the host-loop schedule at one shape.
+static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, int reps) {
+    SdmOpShape s;
+    memset(&s, 0, sizeof(s));
+    s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
+    s.snapshot = SDM_SNAP_NONE; s.training = 1;
+    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, DB=%d)\n", B, T, H, N, d, W, R, C, sdm_op_col_block(&s));
+    Rng rng = rng_make(1234);
+    SdmOpInputs in = make_inputs(&rng, &s);
+    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
+    void *bank = dev_bank(&rng, bank_n);
+    float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
+    cudaCheck(cudaMalloc(&out, tok * d * 4));
+    SdmOpGrads g;
+    cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
+    cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
+    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, bank_n * 4));
+    size_t saved_b = sdm_op_saved_bytes(&s), scratch_b = sdm_op_scratch_bytes(&s);
+    void *saved, *scratch;
+    cudaCheck(cudaMalloc(&saved, saved_b));
+    cudaCheck(cudaMalloc(&scratch, scratch_b));
+    printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
+           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4), gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
+    cudaEvent_t e0, e1, e2;
+    cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
+    std::vector<float> tf, tb, tp, th;
+    for (int r = 0; r <= reps; r++) { // first round is the warm-up
+        float a, b;
+        cudaCheck(cudaEventRecord(e0));
+        sdm_op_forward(&s, &in, bank, out, saved, 0);
+        cudaCheck(cudaEventRecord(e1));
+        sdm_op_backward(&s, &in, bank, dout, NULL, &g, saved, scratch, 0);
+        cudaCheck(cudaEventRecord(e2));
+        cudaCheck(cudaEventSynchronize(e2));
+        cudaCheck(cudaEventElapsedTime(&a, e0, e1));
+        cudaCheck(cudaEventElapsedTime(&b, e1, e2));
+        if (r) { tf.push_back(a); tb.push_back(b); }
+    }
+    SdmOpShape sp = s;
+    sp.training = 0;
+    for (int r = 0; r <= reps; r++) {
+        float a, b;
+        cudaCheck(cudaEventRecord(e0));
+        sdm_op_forward(&sp, &in, bank, out, saved, 0);
+        cudaCheck(cudaEventRecord(e1));
+        g_sdm_op_host_loop = 1;
+        sdm_op_forward(&sp, &in, bank, out, saved, 0);
+        g_sdm_op_host_loop = 0;
+        cudaCheck(cudaEventRecord(e2));
+        cudaCheck(cudaEventSynchronize(e2));
+        cudaCheck(cudaEventElapsedTime(&a, e0, e1));
+        cudaCheck(cudaEventElapsedTime(&b, e1, e2));
+        if (r) { tp.push_back(a); th.push_back(b); }
+    }
+    double th_ = (double)tok;
+    report("forward (training)", median(tf), th_ * (3.0 * W + R) * d * 2);
+    report("backward", median(tb), th_ * ((2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
+    report("forward + backward", median(tf) + median(tb),
+           th_ * ((3.0 * W + R) * d * 2 + (2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
+    report("prefill (persistent CTAs)", median(tp), th_ * (2.0 * W + R) * d * 2);
+    report("prefill (host loop over chunks)", median(th), th_ * (2.0 * W + R) * d * 2);
+    cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
+    cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv); cudaFree(g.dbank_init);
+    free_inputs(&in);
+}
+
+// Decode steps for a batch of B streams per head, timed as 100 steps of a captured CUDA graph.
+static void bench_decode(int B, int H, int N, int d, int W, int R) {
+    SdmOpShape s;
+    memset(&s, 0, sizeof(s));
+    s.B = B; s.T = 1; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = 64;
+    Rng rng = rng_make(99);
+    SdmOpInputs in = make_inputs(&rng, &s);
+    size_t bank_n = (size_t)B * H * N * d;
+    void *bank = dev_bank(&rng, bank_n);
+    float *out;
+    cudaCheck(cudaMalloc(&out, (size_t)B * H * d * 4));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    const int steps = 100;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < steps; i++) sdm_op_decode(&s, &in, bank, out, st);
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1));
+    std::vector<float> t;
+    for (int r = 0; r <= 10; r++) {
+        float ms;
+        cudaCheck(cudaEventRecord(e0, st));
+        cudaCheck(cudaGraphLaunch(exec, st));
+        cudaCheck(cudaEventRecord(e1, st));
+        cudaCheck(cudaEventSynchronize(e1));
+        cudaCheck(cudaEventElapsedTime(&ms, e0, e1));
+        if (r) t.push_back(ms / steps);
+    }
+    char what[64];
+    snprintf(what, sizeof(what), "decode step, batch %d (H=%d)", B, H);
+    report(what, median(t), (double)B * H * (2.0 * W + R) * d * 2);
+    printf("    = %.1f us per step\n", median(t) * 1e3);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    cudaFree(bank); cudaFree(out);
+    free_inputs(&in);
+}
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 5;
+    cudaDeviceProp p;
+    cudaCheck(cudaGetDeviceProperties(&p, 0));
+    printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, reps);
+    bench_decode(1, 2, 65536, 1024, 64, 64);
+    bench_decode(32, 2, 65536, 1024, 64, 64);
+    return 0;
+}

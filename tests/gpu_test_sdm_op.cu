@@ -1,0 +1,496 @@
+// tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
+// (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, decode = prefill =
+// training forward, bitwise determinism, snapshot modes, refusals.
+// Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2.
+#include "core/cuda_common.cuh"
+#include "core/rng.h"
+#include "sdm/sdm_op.cuh"
+#include "sdm/sdm_ref.h"
+#include "tests/test.h"
+
+#define TOL_FP32 1e-5
+#define TOL_BF16 1e-2
+#define TOL_CHUNK_FP32 1e-5 // GPU at chunk size C vs GPU at C = 64, fp32 mode
+#define TOL_FP8 0.1         // kappa/gamma/rho gradients with fp8 snapshots vs none (fp32 bank)
+#define TOL_INT4 0.4        // same with int4 snapshots
+
+typedef enum { GAMMA_UNIFORM, GAMMA_ZERO, GAMMA_VERY_NEGATIVE } GammaMode;
+
+// Host inputs of one case, in the op's token-major layout.
+typedef struct {
+    int B, T, H, N, d, W, R;
+    int *wslot, *rslot;
+    double *kappa, *gamma, *beta, *v, *rho, *bank, *dout, *dbank_final;
+} Case;
+
+// k distinct slots of [0, n), ascending
+static void draw_slots(Rng *rng, int n, int k, int *out, int *scratch) {
+    if (2 * k > n) { // partial Fisher-Yates
+        for (int i = 0; i < n; i++) scratch[i] = i;
+        for (int i = 0; i < k; i++) {
+            int j = i + (int)rng_below(rng, (uint32_t)(n - i)), x = scratch[i];
+            scratch[i] = scratch[j]; scratch[j] = x;
+            out[i] = scratch[i];
+        }
+    } else {
+        for (int i = 0; i < k; i++) {
+            int x, dup;
+            do {
+                x = (int)rng_below(rng, (uint32_t)n);
+                dup = 0;
+                for (int j = 0; j < i; j++) dup |= out[j] == x;
+            } while (dup);
+            out[i] = x;
+        }
+    }
+    for (int i = 1; i < k; i++) // insertion sort
+        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) { int x = out[j]; out[j] = out[j - 1]; out[j - 1] = x; }
+}
+
+// positive weights summing to 1 (a softmax of normal scores)
+static void draw_softmax(Rng *rng, int k, double *w) {
+    double s = 0.0;
+    for (int i = 0; i < k; i++) s += (w[i] = exp(rng_normal(rng)));
+    for (int i = 0; i < k; i++) w[i] /= s;
+}
+
+static double *draw_normal(Rng *rng, size_t n, double std) {
+    double *x = (double *)sdm_malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) x[i] = std * rng_normal(rng);
+    return x;
+}
+
+static Case make_case(uint64_t seed, int B, int T, int H, int N, int d, int W, int R, GammaMode gm, int with_dfinal) {
+    Case c;
+    memset(&c, 0, sizeof(c));
+    c.B = B; c.T = T; c.H = H; c.N = N; c.d = d; c.W = W; c.R = R;
+    Rng rng = rng_make(seed);
+    size_t tok = (size_t)B * T * H;
+    c.wslot = (int *)sdm_malloc(tok * W * sizeof(int));
+    c.rslot = (int *)sdm_malloc(tok * R * sizeof(int));
+    c.kappa = (double *)sdm_malloc(tok * W * sizeof(double));
+    c.gamma = (double *)sdm_malloc(tok * W * sizeof(double));
+    c.rho = (double *)sdm_malloc(tok * R * sizeof(double));
+    c.beta = (double *)sdm_malloc(tok * sizeof(double));
+    int *scratch = (int *)sdm_malloc((size_t)N * sizeof(int));
+    for (size_t i = 0; i < tok; i++) {
+        draw_slots(&rng, N, W, c.wslot + i * W, scratch);
+        draw_slots(&rng, N, R, c.rslot + i * R, scratch);
+        draw_softmax(&rng, W, c.kappa + i * W);
+        draw_softmax(&rng, R, c.rho + i * R);
+        for (int k = 0; k < W; k++)
+            c.gamma[i * W + k] = gm == GAMMA_ZERO ? 0.0 : gm == GAMMA_VERY_NEGATIVE ? rng_range(&rng, -60.0, -30.0)
+                                                                                 : rng_range(&rng, -3.0, 0.0);
+        c.beta[i] = rng_range(&rng, 0.02, 0.98);
+    }
+    free(scratch);
+    c.v = draw_normal(&rng, tok * d, 1.0);
+    c.bank = draw_normal(&rng, (size_t)B * H * N * d, 0.5);
+    c.dout = draw_normal(&rng, tok * d, 1.0);
+    c.dbank_final = with_dfinal ? draw_normal(&rng, (size_t)B * H * N * d, 0.3) : NULL;
+    return c;
+}
+
+static void free_case(Case *c) {
+    free(c->wslot); free(c->rslot); free(c->kappa); free(c->gamma); free(c->rho); free(c->beta);
+    free(c->v); free(c->bank); free(c->dout); free(c->dbank_final);
+}
+
+// tokens of one chunk sharing a write slot with an earlier token of the same chunk (per stream)
+static long count_collisions(const Case *c, int C) {
+    long n = 0;
+    for (int b = 0; b < c->B; b++)
+        for (int h = 0; h < c->H; h++)
+            for (int t = 0; t < c->T; t++)
+                for (int u = (t / C) * C; u < t; u++) {
+                    const int *x = c->wslot + sdm_tok_off(c->T, c->H, b, t, h, c->W);
+                    const int *y = c->wslot + sdm_tok_off(c->T, c->H, b, u, h, c->W);
+                    for (int i = 0; i < c->W; i++)
+                        for (int j = 0; j < c->W; j++) n += x[i] == y[j];
+                }
+    return n;
+}
+
+// ---- device side ----------------------------------------------------------------------------------------------
+
+typedef struct {
+    SdmOpInputs in;
+    void *bank;
+    float *out, *dout, *dbank_final;
+    SdmOpGrads g;
+    void *saved, *scratch;
+} Dev;
+
+static float *to_dev_f(const double *x, size_t n) {
+    float *h = (float *)sdm_malloc(n * sizeof(float)), *d;
+    for (size_t i = 0; i < n; i++) h[i] = (float)x[i];
+    cudaCheck(cudaMalloc(&d, n * sizeof(float)));
+    cudaCheck(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    free(h);
+    return d;
+}
+static int *to_dev_i(const int *x, size_t n) {
+    int *d;
+    cudaCheck(cudaMalloc(&d, n * sizeof(int)));
+    cudaCheck(cudaMemcpy(d, x, n * sizeof(int), cudaMemcpyHostToDevice));
+    return d;
+}
+static float *dev_f(size_t n) { float *d; cudaCheck(cudaMalloc(&d, n * sizeof(float))); return d; }
+
+static size_t bank_elems(const Case *c) { return (size_t)c->B * c->H * c->N * c->d; }
+
+// the initial bank in the bank dtype; the oracle's copy is rounded the same way
+static void upload_bank(const Case *c, int fp32, void *dst, double *rounded) {
+    size_t n = bank_elems(c);
+    if (fp32) {
+        float *h = (float *)sdm_malloc(n * 4);
+        for (size_t i = 0; i < n; i++) rounded[i] = h[i] = (float)c->bank[i];
+        cudaCheck(cudaMemcpy(dst, h, n * 4, cudaMemcpyHostToDevice));
+        free(h);
+    } else {
+        __nv_bfloat16 *h = (__nv_bfloat16 *)sdm_malloc(n * 2);
+        for (size_t i = 0; i < n; i++) { h[i] = __float2bfloat16((float)c->bank[i]); rounded[i] = __bfloat162float(h[i]); }
+        cudaCheck(cudaMemcpy(dst, h, n * 2, cudaMemcpyHostToDevice));
+        free(h);
+    }
+}
+
+static double *bank_to_host(const Case *c, int fp32, const void *src) {
+    size_t n = bank_elems(c);
+    double *r = (double *)sdm_malloc(n * sizeof(double));
+    if (fp32) {
+        float *h = (float *)sdm_malloc(n * 4);
+        cudaCheck(cudaMemcpy(h, src, n * 4, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) r[i] = h[i];
+        free(h);
+    } else {
+        __nv_bfloat16 *h = (__nv_bfloat16 *)sdm_malloc(n * 2);
+        cudaCheck(cudaMemcpy(h, src, n * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) r[i] = __bfloat162float(h[i]);
+        free(h);
+    }
+    return r;
+}
+
+static double *to_host(const float *d, size_t n) {
+    float *h = (float *)sdm_malloc(n * 4);
+    cudaCheck(cudaMemcpy(h, d, n * 4, cudaMemcpyDeviceToHost));
+    double *r = (double *)sdm_malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) r[i] = h[i];
+    free(h);
+    return r;
+}
+
+static SdmOpShape shape_of(const Case *c, int C, int fp32, SdmSnapshot snap, int training) {
+    SdmOpShape s;
+    s.B = c->B; s.T = c->T; s.H = c->H; s.N = c->N; s.d = c->d; s.W = c->W; s.R = c->R; s.C = C;
+    s.bank_fp32 = fp32; s.snapshot = snap; s.training = training;
+    return s;
+}
+
+static Dev dev_alloc(const Case *c, const SdmOpShape *s) {
+    Dev D;
+    memset(&D, 0, sizeof(D));
+    size_t tok = (size_t)c->B * c->T * c->H;
+    D.in.wslot = to_dev_i(c->wslot, tok * c->W);
+    D.in.rslot = to_dev_i(c->rslot, tok * c->R);
+    D.in.kappa = to_dev_f(c->kappa, tok * c->W);
+    D.in.gamma = to_dev_f(c->gamma, tok * c->W);
+    D.in.rho = to_dev_f(c->rho, tok * c->R);
+    D.in.beta = to_dev_f(c->beta, tok);
+    D.in.v = to_dev_f(c->v, tok * c->d);
+    D.dout = to_dev_f(c->dout, tok * c->d);
+    D.dbank_final = c->dbank_final ? to_dev_f(c->dbank_final, bank_elems(c)) : NULL;
+    cudaCheck(cudaMalloc(&D.bank, bank_elems(c) * 4));
+    D.out = dev_f(tok * c->d);
+    D.g.dkappa = dev_f(tok * c->W); D.g.dgamma = dev_f(tok * c->W); D.g.drho = dev_f(tok * c->R);
+    D.g.dbeta = dev_f(tok); D.g.dv = dev_f(tok * c->d); D.g.dbank_init = dev_f(bank_elems(c));
+    cudaCheck(cudaMalloc(&D.saved, sdm_op_saved_bytes(s)));
+    cudaCheck(cudaMalloc(&D.scratch, sdm_op_scratch_bytes(s)));
+    return D;
+}
+
+static void dev_free(Dev *D) {
+    cudaFree((void *)D->in.wslot); cudaFree((void *)D->in.rslot); cudaFree((void *)D->in.kappa);
+    cudaFree((void *)D->in.gamma); cudaFree((void *)D->in.rho); cudaFree((void *)D->in.beta); cudaFree((void *)D->in.v);
+    cudaFree(D->dout); cudaFree(D->dbank_final); cudaFree(D->bank); cudaFree(D->out);
+    cudaFree(D->g.dkappa); cudaFree(D->g.dgamma); cudaFree(D->g.drho); cudaFree(D->g.dbeta); cudaFree(D->g.dv);
+    cudaFree(D->g.dbank_init); cudaFree(D->saved); cudaFree(D->scratch);
+}
+
+// Everything one GPU run produces, on the host.
+typedef struct { double *out, *bank_final, *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank_init; } Result;
+
+static void free_result(Result *r) {
+    free(r->out); free(r->bank_final); free(r->dkappa); free(r->dgamma); free(r->dbeta); free(r->dv); free(r->drho);
+    free(r->dbank_init);
+}
+
+static void poison(void *p, size_t bytes) { cudaCheck(cudaMemset(p, 0xFF, bytes)); } // NaN in fp32 and bf16
+
+// Forward (training) then backward on the GPU. rounded_bank: the initial bank in the bank dtype.
+static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
+    SdmOpShape s = shape_of(c, C, fp32, snap, 1);
+    Dev D = dev_alloc(c, &s);
+    size_t tok = (size_t)c->B * c->T * c->H;
+    upload_bank(c, fp32, D.bank, rounded_bank);
+    poison(D.out, tok * c->d * 4);
+    poison(D.saved, sdm_op_saved_bytes(&s));
+    poison(D.scratch, sdm_op_scratch_bytes(&s));
+    poison(D.g.dkappa, tok * c->W * 4); poison(D.g.dgamma, tok * c->W * 4); poison(D.g.drho, tok * c->R * 4);
+    poison(D.g.dbeta, tok * 4); poison(D.g.dv, tok * c->d * 4); poison(D.g.dbank_init, bank_elems(c) * 4);
+    sdm_op_forward(&s, &D.in, D.bank, D.out, D.saved, 0);
+    Result r;
+    r.bank_final = bank_to_host(c, fp32, D.bank);
+    r.out = to_host(D.out, tok * c->d);
+    sdm_op_backward(&s, &D.in, D.bank, D.dout, D.dbank_final, &D.g, D.saved, D.scratch, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    r.dkappa = to_host(D.g.dkappa, tok * c->W); r.dgamma = to_host(D.g.dgamma, tok * c->W);
+    r.drho = to_host(D.g.drho, tok * c->R); r.dbeta = to_host(D.g.dbeta, tok); r.dv = to_host(D.g.dv, tok * c->d);
+    r.dbank_init = to_host(D.g.dbank_init, bank_elems(c));
+    dev_free(&D);
+    return r;
+}
+
+static Result run_ref(const Case *c, const double *bank_init) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    Result r;
+    r.out = (double *)sdm_malloc(tok * c->d * sizeof(double));
+    r.bank_final = (double *)sdm_malloc(bank_elems(c) * sizeof(double));
+    memcpy(r.bank_final, bank_init, bank_elems(c) * sizeof(double));
+    sdm_op_forward_ref(c->B, c->T, c->H, c->N, c->d, c->W, c->R, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot,
+                       c->rho, r.bank_final, r.out);
+    r.dkappa = (double *)sdm_malloc(tok * c->W * sizeof(double)); r.dgamma = (double *)sdm_malloc(tok * c->W * sizeof(double));
+    r.drho = (double *)sdm_malloc(tok * c->R * sizeof(double)); r.dbeta = (double *)sdm_malloc(tok * sizeof(double));
+    r.dv = (double *)sdm_malloc(tok * c->d * sizeof(double));
+    r.dbank_init = (double *)sdm_malloc(bank_elems(c) * sizeof(double));
+    sdm_op_backward_ref(c->B, c->T, c->H, c->N, c->d, c->W, c->R, c->wslot, c->kappa, c->gamma, c->beta, c->v,
+                        c->rslot, c->rho, bank_init, c->dout, c->dbank_final, r.dkappa, r.dgamma, r.dbeta, r.dv,
+                        r.drho, r.dbank_init);
+    return r;
+}
+
+// Compares every output; returns the largest relative error.
+static double compare(const char *name, const Case *c, const Result *x, const Result *ref, double tol) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    struct { const char *what; const double *a, *b; size_t n; } f[] = {
+        {"out", x->out, ref->out, tok * c->d}, {"bank_final", x->bank_final, ref->bank_final, bank_elems(c)},
+        {"dkappa", x->dkappa, ref->dkappa, tok * c->W}, {"dgamma", x->dgamma, ref->dgamma, tok * c->W},
+        {"dbeta", x->dbeta, ref->dbeta, tok}, {"dv", x->dv, ref->dv, tok * c->d},
+        {"drho", x->drho, ref->drho, tok * c->R}, {"dbank_init", x->dbank_init, ref->dbank_init, bank_elems(c)}};
+    double worst = 0.0;
+    char buf[160];
+    for (int i = 0; i < 8; i++) {
+        double e = rel_error(f[i].a, f[i].b, f[i].n);
+        if (!(e <= worst)) worst = e; // NaN sticks
+        snprintf(buf, sizeof(buf), "%s %s", name, f[i].what);
+        check_close(buf, f[i].a, f[i].b, f[i].n, tol);
+    }
+    printf("  %-58s max rel err %.2e (tol %.0e)\n", name, worst, tol);
+    return worst;
+}
+
+static int bitwise_equal(const Case *c, const Result *x, const Result *y) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    return !memcmp(x->out, y->out, tok * c->d * 8) && !memcmp(x->bank_final, y->bank_final, bank_elems(c) * 8) &&
+           !memcmp(x->dkappa, y->dkappa, tok * c->W * 8) && !memcmp(x->dgamma, y->dgamma, tok * c->W * 8) &&
+           !memcmp(x->dbeta, y->dbeta, tok * 8) && !memcmp(x->dv, y->dv, tok * c->d * 8) &&
+           !memcmp(x->drho, y->drho, tok * c->R * 8) && !memcmp(x->dbank_init, y->dbank_init, bank_elems(c) * 8);
+}
+
+// ---- test groups ----------------------------------------------------------------------------------------------
+
+typedef struct {
+    int B, T, H, N, d, W, R, C;
+    GammaMode gm;
+    int collide; // 1: the case must have in-chunk slot collisions
+} Spec;
+
+static void test_against_oracle(void) {
+    const Spec specs[] = {
+        {2, 100, 2, 64, 16, 8, 8, 16, GAMMA_UNIFORM, 1},      // small bank, T % C != 0
+        {1, 200, 1, 4096, 32, 16, 16, 64, GAMMA_UNIFORM, 0},  // large bank
+        {3, 300, 4, 256, 8, 32, 24, 256, GAMMA_UNIFORM, 1},   // H = 4, C = 256, ragged last chunk
+        {1, 130, 1, 512, 8, 128, 128, 64, GAMMA_UNIFORM, 1},  // W = R = 128
+        {8, 77, 1, 16, 8, 1, 1, 16, GAMMA_UNIFORM, 1},        // W = R = 1, B = 8
+        {2, 90, 2, 256, 8, 128, 1, 32, GAMMA_UNIFORM, 1},     // W = 128, R = 1
+        {2, 90, 1, 256, 8, 1, 128, 32, GAMMA_UNIFORM, 0},     // W = 1, R = 128
+        {2, 100, 2, 32, 16, 8, 8, 64, GAMMA_ZERO, 1},         // no decay
+        {2, 100, 2, 32, 16, 8, 8, 64, GAMMA_VERY_NEGATIVE, 1} // full wipe
+    };
+    int n = (int)(sizeof(specs) / sizeof(specs[0]));
+    for (int fp32 = 1; fp32 >= 0; fp32--)
+        for (int i = 0; i < n; i++) {
+            const Spec *p = &specs[i];
+            if (!fp32 && i > 3) break; // bf16: the first four shapes
+            Case c = make_case(1000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
+            if (p->collide) CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
+            double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+            Result g = run_gpu(&c, p->C, fp32, SDM_SNAP_NONE, rb);
+            Result ref = run_ref(&c, rb);
+            char name[128];
+            snprintf(name, sizeof(name), "%s B%d T%d H%d N%d d%d W%d R%d C%d g%d", fp32 ? "fp32" : "bf16", p->B, p->T,
+                     p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm);
+            compare(name, &c, &g, &ref, fp32 ? TOL_FP32 : TOL_BF16);
+            free_result(&g); free_result(&ref); free(rb); free_case(&c);
+        }
+}
+
+// Same inputs at C = 16..256 (fp32): all equal to C = 64 and to the oracle; C = 64 twice bitwise equal; the
+// host-loop schedule bitwise equal to the persistent one.
+static void test_chunk_invariance_and_determinism(void) {
+    Case c = make_case(77, 2, 300, 2, 128, 16, 16, 16, GAMMA_UNIFORM, 1);
+    double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+    Result base = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
+    Result ref = run_ref(&c, rb);
+    compare("fp32 C=64 vs oracle", &c, &base, &ref, TOL_FP32);
+    const int Cs[] = {16, 32, 128, 256};
+    for (int i = 0; i < 4; i++) {
+        Result r = run_gpu(&c, Cs[i], 1, SDM_SNAP_NONE, rb);
+        char name[64];
+        snprintf(name, sizeof(name), "fp32 C=%d vs C=64", Cs[i]);
+        compare(name, &c, &r, &base, TOL_CHUNK_FP32);
+        free_result(&r);
+    }
+    Result again = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
+    CHECK(bitwise_equal(&c, &base, &again), "fp32: two runs differ");
+    g_sdm_op_host_loop = 1;
+    Result hl = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
+    g_sdm_op_host_loop = 0;
+    CHECK(bitwise_equal(&c, &base, &hl), "fp32: host-loop schedule differs from the persistent one");
+    for (int i = 0; i < 2; i++) { // bf16 bank determinism
+        Result x = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb), y = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb);
+        CHECK(bitwise_equal(&c, &x, &y), "bf16: two runs differ");
+        free_result(&x); free_result(&y);
+    }
+    printf("  chunk invariance / determinism / schedules checked\n");
+    free_result(&base); free_result(&ref); free_result(&again); free_result(&hl); free(rb); free_case(&c);
+}
+
+// fp32 bank: bf16 snapshots leave the forward bit-identical to none; fp8/int4 gradients within TOL_FP8/TOL_INT4.
+static void test_snapshot_modes(void) {
+    Case c = make_case(91, 2, 200, 2, 128, 64, 16, 16, GAMMA_UNIFORM, 0);
+    double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+    Result none = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
+    size_t tok = (size_t)c.B * c.T * c.H;
+    const SdmSnapshot modes[] = {SDM_SNAP_BF16, SDM_SNAP_FP8, SDM_SNAP_INT4};
+    const double tols[] = {TOL_BF16, TOL_FP8, TOL_INT4};
+    const char *names[] = {"bf16", "fp8", "int4"};
+    for (int i = 0; i < 3; i++) {
+        Result r = run_gpu(&c, 64, 1, modes[i], rb);
+        CHECK(!memcmp(r.out, none.out, tok * c.d * 8) && !memcmp(r.bank_final, none.bank_final, bank_elems(&c) * 8),
+              "%s snapshots changed the forward", names[i]);
+        double ek = rel_error(r.dkappa, none.dkappa, tok * c.W), eg = rel_error(r.dgamma, none.dgamma, tok * c.W);
+        double er = rel_error(r.drho, none.drho, tok * c.R), eb = rel_error(r.dbeta, none.dbeta, tok);
+        double ev = rel_error(r.dv, none.dv, tok * c.d), eG = rel_error(r.dbank_init, none.dbank_init, bank_elems(&c));
+        printf("  snapshot %-4s vs none: dkappa %.2e dgamma %.2e drho %.2e dbeta %.2e dv %.2e dbank %.2e (tol %.0e)\n",
+               names[i], ek, eg, er, eb, ev, eG, tols[i]);
+        CHECK(ek <= tols[i] && eg <= tols[i] && er <= tols[i], "%s snapshot gradients off", names[i]);
+        CHECK(eb <= TOL_FP32 && ev <= TOL_FP32 && eG <= TOL_FP32, "%s snapshots changed bank-free gradients", names[i]);
+        free_result(&r);
+    }
+    free_result(&none); free(rb); free_case(&c);
+}
+
+// T decode steps = one prefill = the training forward (outputs and final bank); prefill bitwise = training forward.
+static void test_decode(int fp32) {
+    Case c = make_case(55 + fp32, 3, 150, 2, 96, 32, 12, 10, GAMMA_UNIFORM, 0);
+    double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+    size_t tok = (size_t)c.B * c.T * c.H;
+    SdmOpShape st = shape_of(&c, 64, fp32, SDM_SNAP_NONE, 1), sp = shape_of(&c, 64, fp32, SDM_SNAP_NONE, 0);
+    Dev D = dev_alloc(&c, &st);
+    // training forward
+    upload_bank(&c, fp32, D.bank, rb);
+    poison(D.out, tok * c.d * 4);
+    sdm_op_forward(&st, &D.in, D.bank, D.out, D.saved, 0);
+    double *o_train = to_host(D.out, tok * c.d), *b_train = bank_to_host(&c, fp32, D.bank);
+    // prefill
+    upload_bank(&c, fp32, D.bank, rb);
+    poison(D.out, tok * c.d * 4);
+    poison(D.saved, sdm_op_saved_bytes(&sp));
+    sdm_op_forward(&sp, &D.in, D.bank, D.out, D.saved, 0);
+    double *o_pre = to_host(D.out, tok * c.d), *b_pre = bank_to_host(&c, fp32, D.bank);
+    CHECK(!memcmp(o_pre, o_train, tok * c.d * 8) && !memcmp(b_pre, b_train, bank_elems(&c) * 8),
+          "%s prefill differs from the training forward", fp32 ? "fp32" : "bf16");
+    // decode: step t reads the [B,1,H,...] slice of token t
+    Case s1 = c;
+    s1.T = 1;
+    SdmOpShape sd = shape_of(&s1, 64, fp32, SDM_SNAP_NONE, 0);
+    size_t S = (size_t)c.B * c.H;
+    int *ws = (int *)sdm_malloc(S * c.W * sizeof(int)), *rs = (int *)sdm_malloc(S * c.R * sizeof(int));
+    double *kap = (double *)sdm_malloc(S * c.W * 8), *gam = (double *)sdm_malloc(S * c.W * 8);
+    double *rho = (double *)sdm_malloc(S * c.R * 8), *bet = (double *)sdm_malloc(S * 8), *vv = (double *)sdm_malloc(S * c.d * 8);
+    double *o_dec = (double *)sdm_malloc(tok * c.d * 8);
+    upload_bank(&c, fp32, D.bank, rb);
+    float *dout1 = dev_f(S * c.d);
+    for (int t = 0; t < c.T; t++) {
+        for (int b = 0; b < c.B; b++)
+            for (int h = 0; h < c.H; h++) {
+                size_t i = (size_t)b * c.H + h;
+                memcpy(ws + i * c.W, c.wslot + sdm_tok_off(c.T, c.H, b, t, h, c.W), c.W * sizeof(int));
+                memcpy(kap + i * c.W, c.kappa + sdm_tok_off(c.T, c.H, b, t, h, c.W), c.W * 8);
+                memcpy(gam + i * c.W, c.gamma + sdm_tok_off(c.T, c.H, b, t, h, c.W), c.W * 8);
+                memcpy(rs + i * c.R, c.rslot + sdm_tok_off(c.T, c.H, b, t, h, c.R), c.R * sizeof(int));
+                memcpy(rho + i * c.R, c.rho + sdm_tok_off(c.T, c.H, b, t, h, c.R), c.R * 8);
+                bet[i] = c.beta[sdm_tok_off(c.T, c.H, b, t, h, 1)];
+                memcpy(vv + i * c.d, c.v + sdm_tok_off(c.T, c.H, b, t, h, c.d), c.d * 8);
+            }
+        SdmOpInputs in1;
+        in1.wslot = to_dev_i(ws, S * c.W); in1.rslot = to_dev_i(rs, S * c.R); in1.kappa = to_dev_f(kap, S * c.W);
+        in1.gamma = to_dev_f(gam, S * c.W); in1.rho = to_dev_f(rho, S * c.R); in1.beta = to_dev_f(bet, S);
+        in1.v = to_dev_f(vv, S * c.d);
+        poison(dout1, S * c.d * 4);
+        sdm_op_decode(&sd, &in1, D.bank, dout1, 0);
+        double *o1 = to_host(dout1, S * c.d);
+        for (int b = 0; b < c.B; b++)
+            for (int h = 0; h < c.H; h++)
+                memcpy(o_dec + sdm_tok_off(c.T, c.H, b, t, h, c.d), o1 + ((size_t)b * c.H + h) * c.d, c.d * 8);
+        free(o1);
+        cudaFree((void *)in1.wslot); cudaFree((void *)in1.rslot); cudaFree((void *)in1.kappa); cudaFree((void *)in1.gamma);
+        cudaFree((void *)in1.rho); cudaFree((void *)in1.beta); cudaFree((void *)in1.v);
+    }
+    double *b_dec = bank_to_host(&c, fp32, D.bank);
+    double tol = fp32 ? TOL_FP32 : TOL_BF16;
+    const char *nm = fp32 ? "fp32" : "bf16";
+    char buf[96];
+    snprintf(buf, sizeof(buf), "%s decode out vs prefill", nm);
+    check_close(buf, o_dec, o_pre, tok * c.d, tol);
+    snprintf(buf, sizeof(buf), "%s decode bank vs prefill", nm);
+    check_close(buf, b_dec, b_pre, bank_elems(&c), tol);
+    // and against the oracle
+    Result ref = run_ref(&c, rb);
+    snprintf(buf, sizeof(buf), "%s decode out vs oracle", nm);
+    check_close(buf, o_dec, ref.out, tok * c.d, tol);
+    printf("  %s decode: out vs prefill %.2e, bank vs prefill %.2e, out vs oracle %.2e\n", nm,
+           rel_error(o_dec, o_pre, tok * c.d), rel_error(b_dec, b_pre, bank_elems(&c)), rel_error(o_dec, ref.out, tok * c.d));
+    free_result(&ref);
+    free(ws); free(rs); free(kap); free(gam); free(rho); free(bet); free(vv); free(o_dec); free(b_dec);
+    free(o_train); free(b_train); free(o_pre); free(b_pre); free(rb);
+    cudaFree(dout1);
+    dev_free(&D);
+    free_case(&c);
+}
+
+static void test_refusals(void) {
+    SdmOpShape s;
+    memset(&s, 0, sizeof(s));
+    s.B = 1; s.T = 64; s.H = 1; s.N = 256; s.d = 64; s.W = 8; s.R = 8; s.C = 64;
+    CHECK(sdm_op_check(&s) == NULL, "valid shape refused: %s", sdm_op_check(&s));
+    s.d = 12; CHECK(sdm_op_check(&s) != NULL, "d = 12 accepted"); s.d = 64;
+    s.C = 300; CHECK(sdm_op_check(&s) != NULL, "C = 300 accepted"); s.C = 64;
+    s.W = 300; CHECK(sdm_op_check(&s) != NULL, "W > N accepted"); s.W = 8;
+    s.N = 1 << 16; s.T = 256; s.C = 256; s.W = s.R = 128;
+    CHECK(sdm_op_check(&s) != NULL, "C*(W+R) over the shared-memory limit accepted");
+    s.W = s.R = 8; s.snapshot = SDM_SNAP_BF16; s.bank_fp32 = 0;
+    CHECK(sdm_op_check(&s) != NULL, "bf16 snapshots over a bf16 bank accepted");
+}
+
+int main(void) {
+    test_refusals();
+    test_against_oracle();
+    test_chunk_invariance_and_determinism();
+    test_snapshot_modes();
+    test_decode(1);
+    test_decode(0);
+    return test_summary();
+}
