@@ -206,7 +206,7 @@ static inline double sdm_gate_decay_backward(double a, double A_log, double dt_b
 // further entry whose float32 score equals the last kept one's (§10.1); then merge factors left to right, forming
 // every sum of a kept partial tuple and a kept sub-key, and keep the best k after each merge. This equals the brute-
 // force top-k over all N slots except when float32 rounding makes the sums of distinct sub-key scores equal (then a
-// dropped candidate may win the index tie-break); the GPU implements exactly this algorithm, so both agree anyway.
+// dropped candidate may win the index tie-break); a GPU kernel that follows this algorithm matches it in every case.
 
 typedef struct {
     float score;   // float32 partial slot score over the factors merged so far
