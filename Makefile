@@ -28,6 +28,7 @@ endif
 
 PROGRAMS   := train_sdm infer_sdm prepare_data
 CPU_TESTS  := $(patsubst tests/%.c,$(BUILD)/%,$(wildcard tests/test_*.c))
+CPU_SCRIPTS := $(wildcard tests/test_*.sh)
 GPU_TESTS  := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/gpu_test_*.cu))
 BENCHES    := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/bench_*.cu))
 
@@ -57,7 +58,7 @@ $(BUILD):
 compile-cuda: $(PROGRAMS) $(GPU_TESTS) $(BENCHES)
 
 test-cpu: $(CPU_TESTS)
-	tests/run_all.sh $(CPU_TESTS)
+	tests/run_all.sh $(CPU_TESTS) $(CPU_SCRIPTS)
 
 test: compile-cuda
 	$(MAKE) --no-print-directory test-cpu
