@@ -252,6 +252,15 @@ static inline const ParamSpec *model_layer_param(const ModelDesc *m, int l, cons
     return model_find(m, name);
 }
 
+// SDM gate parameters at init (SDM_SPEC §1.4): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the inverse
+// softplus of dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4), so that softplus(a + dt_bias) starts near dt. One draw each.
+static inline double model_init_A_log(Rng *r, double A_lo, double A_hi) { return log(fmax(rng_range(r, A_lo, A_hi), 1e-4)); }
+
+static inline double model_init_dt_bias(Rng *r) {
+    double dt = fmax(exp(rng_range(r, log(0.001), log(0.1))), 1e-4);
+    return dt + log(-expm1(-dt));
+}
+
 // Initialise tensor p into out[0..numel) (SDM_SPEC §6.7, §1.4). Each tensor draws from its own stream, derived from
 // the seed and the tensor's index, so the values do not depend on how the work is split.
 static inline void model_init_tensor(const ModelDesc *m, int index, unsigned long long seed, float *out) {
@@ -263,12 +272,8 @@ static inline void model_init_tensor(const ModelDesc *m, int index, unsigned lon
         case INIT_TRUNC_NORMAL: v = rng_trunc_normal(&r, p->std, p->bound); break;
         case INIT_ONES: v = 1; break;
         case INIT_ZEROS: v = 0; break;
-        case INIT_A_LOG: v = log(fmax(rng_range(&r, m->A_lo, m->A_hi), 1e-4)); break;
-        case INIT_DT_BIAS: {
-            double dt = fmax(exp(rng_range(&r, log(0.001), log(0.1))), 1e-4);
-            v = dt + log(1 - exp(-dt)); // inverse softplus of dt
-            break;
-        }
+        case INIT_A_LOG: v = model_init_A_log(&r, m->A_lo, m->A_hi); break;
+        case INIT_DT_BIAS: v = model_init_dt_bias(&r); break;
         }
         out[i] = (float)v;
     }

@@ -8,8 +8,15 @@
 
 #include "core/common.h"
 
-static inline double ref_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
-static inline double ref_softplus(double x) { return x > 30 ? x : log1p(exp(x)); }
+// 1 / (1 + e^-x) without overflow for large |x|
+static inline double ref_sigmoid(double x) {
+    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
+    double e = exp(x);
+    return e / (1.0 + e);
+}
+
+// log(1 + e^x) without overflow
+static inline double ref_softplus(double x) { return x > 0.0 ? x + log1p(exp(-x)) : log1p(exp(x)); }
 
 // y[n, out] = x[n, in] . w[out, in]^T + b[out] (b may be NULL)
 static inline void ref_linear_forward(const double *x, const double *w, const double *b, double *y, int n, int in,

@@ -13,6 +13,7 @@
 
 #include "core/common.h"
 #include "core/rng.h"
+#include "core/ref_ops.h"
 #include "sdm/sdm_dims.h"
 
 // Offset of the (b, t, h) entry of a token-major [B,T,H,width] array.
@@ -159,42 +160,17 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
 
 // ---- scalar functions --------------------------------------------------------------------------------------------
 
-static inline double sdm_sigmoid(double x) {
-    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
-    double e = exp(x);
-    return e / (1.0 + e);
-}
-
-// log(1 + e^x) without overflow
-static inline double sdm_softplus(double x) { return x > 0.0 ? x + log1p(exp(-x)) : log1p(exp(x)); }
-
 // ---- gates (§1.4) ------------------------------------------------------------------------------------------------
-
-#define SDM_A_INIT_LO 0.0   // A_init_range
-#define SDM_A_INIT_HI 16.0
-#define SDM_DT_INIT_MIN 0.001
-#define SDM_DT_INIT_MAX 0.1
-
-// A_log = log(max(U(A_lo, A_hi), 1e-4)); one draw from rng.
-static inline double sdm_init_A_log(Rng *rng, double A_lo, double A_hi) {
-    return log(SDM_MAX(rng_range(rng, A_lo, A_hi), 1e-4));
-}
-
-// dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4); dt_bias = dt + log(1 - exp(-dt)), the inverse softplus of dt. One draw.
-static inline double sdm_init_dt_bias(Rng *rng) {
-    double dt = SDM_MAX(exp(rng_range(rng, log(SDM_DT_INIT_MIN), log(SDM_DT_INIT_MAX))), 1e-4);
-    return dt + log(-expm1(-dt));
-}
 
 // g = -exp(A_log) softplus(a + dt_bias) <= 0, the head's log-decay of one token
 static inline double sdm_gate_decay(double a, double A_log, double dt_bias) {
-    return -exp(A_log) * sdm_softplus(a + dt_bias);
+    return -exp(A_log) * ref_softplus(a + dt_bias);
 }
 
 // Gradients of g for upstream dg: dA_log += dg g, and the returned da (= d dt_bias).
 static inline double sdm_gate_decay_backward(double a, double A_log, double dt_bias, double dg, double *dA_log) {
     *dA_log += dg * sdm_gate_decay(a, A_log, dt_bias);
-    return -dg * exp(A_log) * sdm_sigmoid(a + dt_bias);
+    return -dg * exp(A_log) * ref_sigmoid(a + dt_bias);
 }
 
 // ---- product-key top-k (§1.5, §10.1-2) ---------------------------------------------------------------------------
@@ -316,7 +292,7 @@ static inline void sdm_act_forward_ref(SdmAct act, double scale, int k, const do
     } else if (act == SDM_ACT_IDENTITY) {
         for (int i = 0; i < k; i++) w[i] = e[i];
     } else {
-        for (int i = 0; i < k; i++) w[i] = sdm_sigmoid(e[i]);
+        for (int i = 0; i < k; i++) w[i] = ref_sigmoid(e[i]);
     }
 }
 
@@ -338,26 +314,6 @@ static inline void sdm_act_backward_ref(SdmAct act, double scale, int k, const d
 }
 
 // ---- affine maps and the readings LayerNorm ----------------------------------------------------------------------
-
-// y[n, out] = x[n, in] . w[out, in]^T + b[out] (b may be NULL)
-static inline void sdm_linear_ref(int n, int in, int out, const double *x, const double *w, const double *b,
-                                  double *y) {
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++)
-            y[(size_t)t * out + o] = (b ? b[o] : 0.0) + sdm_dot(w + (size_t)o * in, x + (size_t)t * in, in);
-}
-
-// Accumulates dx[n, in] += dy . w, dw[out, in] += dy^T . x, db[out] += sum_t dy (db may be NULL).
-static inline void sdm_linear_backward_ref(int n, int in, int out, const double *x, const double *w, const double *dy,
-                                           double *dx, double *dw, double *db) {
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++) {
-            double g = dy[(size_t)t * out + o];
-            sdm_axpy(dx + (size_t)t * in, g, w + (size_t)o * in, in);
-            sdm_axpy(dw + (size_t)o * in, g, x + (size_t)t * in, in);
-            if (db) db[o] += g;
-        }
-}
 
 // y[d] = (x - mean) rstd w + b with rstd = 1/sqrt(var + eps) (biased variance); returns mean and rstd.
 static inline void sdm_layernorm_ref(int d, double eps, const double *x, const double *w, const double *b, double *y,
@@ -529,17 +485,17 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
     sdm_ref_check_dims(s);
     if (tr->B != B || tr->T != T) sdm_die("sdm_layer_forward_trace_ref: trace allocated for another B, T");
     // §1.3 projections
-    sdm_linear_ref(n, D, HK, x, p->wk, p->bk, tr->zK);
-    sdm_linear_ref(n, D, HK, x, p->wq, p->bq, tr->zQ);
-    sdm_linear_ref(n, D, D, x, p->wv, p->bv, tr->v);
-    sdm_linear_ref(n, D, H, x, p->wa, p->ba, tr->a);
-    sdm_linear_ref(n, D, H, x, p->wb, p->bb, tr->c);
-    if (s->output_gate) sdm_linear_ref(n, D, D, x, p->wg, p->bg, tr->zG);
+    ref_linear_forward(x, p->wk, p->bk, tr->zK, n, D, HK);
+    ref_linear_forward(x, p->wq, p->bq, tr->zQ, n, D, HK);
+    ref_linear_forward(x, p->wv, p->bv, tr->v, n, D, D);
+    ref_linear_forward(x, p->wa, p->ba, tr->a, n, D, H);
+    ref_linear_forward(x, p->wb, p->bb, tr->c, n, D, H);
+    if (s->output_gate) ref_linear_forward(x, p->wg, p->bg, tr->zG, n, D, D);
     // §1.4 gates
     for (int i = 0; i < n * H; i++) {
         int h = i % H;
         tr->g[i] = sdm_gate_decay(tr->a[i], p->A_log[h], p->dt_bias[h]);
-        tr->beta[i] = sdm_sigmoid(tr->c[i]);
+        tr->beta[i] = ref_sigmoid(tr->c[i]);
     }
     // §1.5-§1.6 addressing and weights
     sdm_ref_address(s, (size_t)n, W, s->write_act, s->write_scale, tr->zK, tr->wslot, tr->wscore, tr->kappa);
@@ -566,8 +522,8 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
         else memcpy(rni, oi, sizeof(double) * d);
     }
     for (size_t i = 0; i < (size_t)n * D; i++)
-        tr->r[i] = s->output_gate ? sdm_sigmoid(tr->zG[i]) * tr->rn[i] : tr->rn[i];
-    sdm_linear_ref(n, D, D, tr->r, p->wo, p->bo, tr->y);
+        tr->r[i] = s->output_gate ? ref_sigmoid(tr->zG[i]) * tr->rn[i] : tr->rn[i];
+    ref_linear_forward(tr->r, p->wo, p->bo, tr->y, n, D, D);
 }
 
 static inline void sdm_layer_forward_ref(const SdmDims *s, int B, int T, const SdmRefParams *p,
@@ -623,14 +579,14 @@ static inline void sdm_ref_readout_backward(const SdmDims *s, int n, const SdmRe
     int D = s->dim, H = s->heads, d = s->head_dim;
     double *dr = sdm_ref_zeros((size_t)n * D);
     double *drn = sdm_ref_zeros((size_t)n * D);
-    sdm_linear_backward_ref(n, D, D, tr->r, p->wo, dy, dr, g->wo, g->bo);
+    ref_linear_backward(tr->r, p->wo, dy, dr, g->wo, g->bo, n, D, D);
     if (s->output_gate) {
         for (size_t i = 0; i < (size_t)n * D; i++) {
-            double sg = sdm_sigmoid(tr->zG[i]);
+            double sg = ref_sigmoid(tr->zG[i]);
             drn[i] = sg * dr[i];
             gt->dzG[i] = dr[i] * tr->rn[i] * sg * (1.0 - sg);
         }
-        sdm_linear_backward_ref(n, D, D, x, p->wg, gt->dzG, dx, g->wg, g->bg);
+        ref_linear_backward(x, p->wg, gt->dzG, dx, g->wg, g->bg, n, D, D);
     } else {
         memcpy(drn, dr, sizeof(double) * n * D);
     }
@@ -691,11 +647,11 @@ static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, 
         gt->dc[i] = gt->dbeta[i] * tr->beta[i] * (1.0 - tr->beta[i]);
     }
     // §1.3 projections
-    sdm_linear_backward_ref(n, D, H * K, x, p->wk, gt->dzK, dx, g->wk, g->bk);
-    sdm_linear_backward_ref(n, D, H * K, x, p->wq, gt->dzQ, dx, g->wq, g->bq);
-    sdm_linear_backward_ref(n, D, D, x, p->wv, gt->dv, dx, g->wv, g->bv);
-    sdm_linear_backward_ref(n, D, H, x, p->wa, gt->da, dx, g->wa, g->ba);
-    sdm_linear_backward_ref(n, D, H, x, p->wb, gt->dc, dx, g->wb, g->bb);
+    ref_linear_backward(x, p->wk, gt->dzK, dx, g->wk, g->bk, n, D, H * K);
+    ref_linear_backward(x, p->wq, gt->dzQ, dx, g->wq, g->bq, n, D, H * K);
+    ref_linear_backward(x, p->wv, gt->dv, dx, g->wv, g->bv, n, D, D);
+    ref_linear_backward(x, p->wa, gt->da, dx, g->wa, g->ba, n, D, H);
+    ref_linear_backward(x, p->wb, gt->dc, dx, g->wb, g->bb, n, D, H);
 }
 
 static inline void sdm_layer_backward_ref(const SdmDims *s, int B, int T, const SdmRefParams *p, const double *x,

@@ -1,6 +1,7 @@
 // tests/test_sdm_ref.c: the double-precision SDM reference checked against itself:
 // central finite differences against every analytic gradient (op and layer), product-key top-k against a
 // brute-force top-k, and SDM facts (untouched slots, full wipe, no decay, shared slots).
+#include "core/model.h"
 #include "sdm/sdm_ref.h"
 #include "core/rng.h"
 #include "tests/test.h"
@@ -246,8 +247,8 @@ static LayerCase layer_case_make(const SdmDims *s, int B, int T, uint64_t seed) 
         c.t[i] = n ? rand_array(&rng, n, -scale, scale) : NULL;
     }
     for (int h = 0; h < s->heads; h++) {
-        c.t[SDM_P_A_LOG][h] = sdm_init_A_log(&rng, SDM_A_INIT_LO, SDM_A_INIT_HI);
-        c.t[SDM_P_DT_BIAS][h] = sdm_init_dt_bias(&rng);
+        c.t[SDM_P_A_LOG][h] = model_init_A_log(&rng, 0.0, 16.0);
+        c.t[SDM_P_DT_BIAS][h] = model_init_dt_bias(&rng);
     }
     size_t n = (size_t)B * T * s->dim;
     c.x = rand_array(&rng, n, -1.0, 1.0);
