@@ -1,0 +1,877 @@
+// sdm/sdm_layer.cuh: the SDM layer on the GPU around the memory op (SDM_SPEC §1, §4.5, §10): the fused input
+// projection, gates, product-key top-k with the softmax weights, key-weighted decay, the readout (LayerNorm,
+// output gate, output projection), the bank copy from M0 and the dM0 batch sum, and the layer forward/backward.
+// Layout follows sdm/sdm_ref.h and sdm/sdm_op.h: token-major [B,T,H,...] per-token per-head arrays; a "problem"
+// p = token*H + h is one token and head. Precision: parameters, activations and matmul inputs in the layer's
+// compute dtype (bf16, or fp32 for the all-fp32 test mode); gates, weights, scores, LayerNorm statistics, the op's
+// inputs/outputs and every parameter gradient in fp32. No floating-point atomics anywhere.
+#ifndef SDM_SDM_LAYER_CUH
+#define SDM_SDM_LAYER_CUH
+
+#include "core/cuda_common.cuh"
+#include "core/matmul.cuh"
+#include "sdm/sdm_dims.h"
+#include "sdm/sdm_op.cuh"
+
+#define SL_FULL_MASK 0xffffffffu
+
+// ---- small device helpers ----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sl_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
+
+__device__ __forceinline__ float sl_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SL_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float sl_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SL_FULL_MASK, v, o));
+    return v;
+}
+
+// Order-preserving map float32 -> uint32 (a < b  <=>  ord(a) < ord(b)); -0 maps like +0 since the CPU reference
+// compares floats, for which the two are a tie. ord(-inf) = 0x007fffff > 0, so 0 can mean "no candidate".
+__device__ __forceinline__ uint32_t sl_f2ord(float v) {
+    if (v == 0.0f) v = 0.0f;
+    uint32_t u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float sl_ord2f(uint32_t o) {
+    return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+// =================================================================================================================
+// Product-key top-k (SDM_SPEC §1.5, §10.1-2), the selection of sdm_pk_topk_ref:
+//   slot score = float32 sum of its factor scores, left to right ((s1 + s2) + s3) ...; ties between equal float32
+//   scores go to the larger sum of sub-key indices, then the larger slot index; each factor keeps only its best
+//   min(k, n_f) sub-keys plus every sub-key tied with the last kept one, and the k best tuples of kept sub-keys win.
+// Method, one warp per problem: sort each factor's scores descending. Over positions in the sorted lists the score
+// never increases along any axis, so the grid points scoring >= any value form a down-set, and a down-set of size m
+// lies inside R_m = {positions p : prod_f (p_f + 1) <= m}. Scoring the fixed table R_cap (cap = 2k) gives the
+// k-th largest score tau exactly (a down-set of size k lies in R_k, inside R_cap); if fewer than cap table points
+// score >= tau, all grid points scoring >= tau are in the table and the k best of them by the full order are the
+// answer. Otherwise (many exact ties at tau) the warp searches the whole kept grid instead (slow, rare).
+// Keys: 64 bits, high word ord(score), low word digit_sum * N + slot: the k largest keys are the k selected slots.
+// With F >= 3 the CPU keeps only k partial tuples after each merge; the two agree unless float32 rounding makes
+// two different partial sums tie after the next addition.
+// =================================================================================================================
+
+#define TOPK_WARPS_MAX 4
+
+typedef struct {
+    int F, dims[SDM_MAX_FACTORS], N, key_dim; // factor widths (first factor most significant), N = prod, K = sum
+    int k, cap;                               // slots selected per problem; table bound min(2k, 256)
+    int n_table;                              // |R_cap| (positions clipped to the factor widths)
+    uint32_t *table;                          // device [n_table]: positions, one byte per factor (factor f at 8f)
+    int sort_len[SDM_MAX_FACTORS];            // per-factor sort length (next power of two >= n_f)
+    int sort_total;                           // sum of sort_len
+    size_t smem_per_warp;                     // shared memory per warp (bytes)
+    int warps;                                // problems per block
+} TopkPlan;
+
+static inline int next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
+
+// Visits every position p (p_f < dims[f]) with prod(p_f + 1) <= cap; stores them when out != NULL; returns count.
+static inline int topk_table_fill(const int *dims, int F, int f, int prod, uint32_t packed, int cap, uint32_t *out,
+                                  int n) {
+    if (f == F) {
+        if (out) out[n] = packed;
+        return n + 1;
+    }
+    for (int p = 0; p < dims[f] && prod * (p + 1) <= cap; p++)
+        n = topk_table_fill(dims, F, f + 1, prod * (p + 1), packed | ((uint32_t)p << (8 * f)), cap, out, n);
+    return n;
+}
+
+static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
+    TopkPlan pl;
+    memset(&pl, 0, sizeof(pl));
+    pl.F = s->n_factors;
+    if (pl.F < 1 || pl.F > SDM_MAX_FACTORS) sdm_die("top-k: %d factors not supported (1..%d)", pl.F, SDM_MAX_FACTORS);
+    pl.N = 1;
+    for (int f = 0; f < pl.F; f++) {
+        pl.dims[f] = s->factor_dims[f];
+        pl.N *= pl.dims[f];
+        pl.key_dim += pl.dims[f];
+        pl.sort_len[f] = next_pow2(pl.dims[f]);
+        pl.sort_total += pl.sort_len[f];
+    }
+    pl.k = k;
+    pl.cap = SDM_MIN(2 * k, 256);
+    if (k < 1 || k > pl.N) sdm_die("top-k: k = %d outside [1, N = %d]", k, pl.N);
+    if (k >= 256) sdm_die("top-k: the GPU top-k supports k < 256 (got %d)", k);
+    if (((double)pl.key_dim + 1.0) * pl.N >= 4294967296.0)
+        sdm_die("top-k: (sum of factor widths + 1) * N must stay below 2^32 (tie-break key)");
+    pl.n_table = topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
+    uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * (size_t)pl.n_table);
+    topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
+    cudaCheck(cudaMalloc(&pl.table, sizeof(uint32_t) * (size_t)pl.n_table));
+    cudaCheck(cudaMemcpy(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table, cudaMemcpyHostToDevice));
+    free(tab);
+    // sorted factor keys, candidates, selected keys (u64), table scores (u32)
+    pl.smem_per_warp = 8 * ((size_t)pl.sort_total + pl.cap + k) + 4 * (size_t)pl.n_table;
+    pl.smem_per_warp = (pl.smem_per_warp + 15) & ~(size_t)15;
+    if (pl.smem_per_warp > 200 * 1024)
+        sdm_die("top-k: factor widths too large for shared memory (%zu bytes per problem)", pl.smem_per_warp);
+    pl.warps = (int)SDM_MAX(1, SDM_MIN(TOPK_WARPS_MAX, (96 * 1024) / pl.smem_per_warp));
+    return pl;
+}
+
+static inline void topk_plan_free(TopkPlan *pl) {
+    cudaCheck(cudaFree(pl->table));
+    pl->table = NULL;
+}
+
+// Descending bitonic sort of a[0..n) (n a power of two) by one warp in shared memory.
+__device__ void warp_bitonic_sort_desc(unsigned long long *a, int n, int lane) {
+    for (int size = 2; size <= n; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = lane; i < (n >> 1); i += 32) {
+                int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                bool desc = (lo & size) == 0;
+                unsigned long long x = a[lo], y = a[hi];
+                if ((x < y) == desc) { a[lo] = y; a[hi] = x; }
+            }
+            __syncwarp();
+        }
+}
+
+// Count of kept sub-keys of one sorted factor: the first min(k, n) plus every further one tied with the last kept.
+__device__ int kept_count(const unsigned long long *sorted, int n, int k, int lane) {
+    int kk = min(k, n);
+    uint32_t t = (uint32_t)(sorted[kk - 1] >> 32);
+    for (int base = kk; base < n; base += 32) {
+        int i = base + lane;
+        unsigned nontie = __ballot_sync(SL_FULL_MASK, !(i < n && (uint32_t)(sorted[i] >> 32) == t));
+        if (nontie) return base + __ffs(nontie) - 1;
+    }
+    return n;
+}
+
+// Key of the grid point with sorted positions pos[f]: ord(float32 score) << 32 | (digit_sum * N + slot).
+__device__ __forceinline__ unsigned long long grid_key(const TopkPlan &pl, const unsigned long long *sorted,
+                                                       const int *pos) {
+    float v = 0.0f;
+    uint32_t dsum = 0, slot = 0;
+    int soff = 0;
+#pragma unroll
+    for (int f = 0; f < SDM_MAX_FACTORS; f++)
+        if (f < pl.F) {
+            unsigned long long e = sorted[soff + pos[f]];
+            float s = sl_ord2f((uint32_t)(e >> 32));
+            uint32_t idx = (uint32_t)e;
+            v = f == 0 ? s : v + s;
+            dsum += idx;
+            slot = slot * (uint32_t)pl.dims[f] + idx;
+            soff += pl.sort_len[f];
+        }
+    return ((unsigned long long)sl_f2ord(v) << 32) | (dsum * (uint32_t)pl.N + slot);
+}
+
+// Largest 64-bit threshold x with #(keys >= x) >= k over the whole kept grid (G points), by bisection on the bits.
+__device__ unsigned long long grid_kth_key(const TopkPlan &pl, const unsigned long long *sorted, const int *m,
+                                           unsigned long long G, int lane) {
+    unsigned long long x = 0;
+    for (int bit = 63; bit >= 0; bit--) {
+        unsigned long long c = x | (1ull << bit);
+        int cnt = 0;
+        for (unsigned long long g = lane; g < G; g += 32) {
+            int pos[SDM_MAX_FACTORS];
+            unsigned long long r = g;
+#pragma unroll
+            for (int f = SDM_MAX_FACTORS - 1; f >= 0; f--)
+                if (f < pl.F) { pos[f] = (int)(r % (unsigned)m[f]); r /= (unsigned)m[f]; }
+            cnt += grid_key(pl, sorted, pos) >= c;
+        }
+        if (__reduce_add_sync(SL_FULL_MASK, cnt) >= pl.k) x = c;
+    }
+    return x;
+}
+
+// One warp per problem p = token*H + h: scores are z[token*ldz + col0 + h*K + (factor blocks)].
+// Outputs per problem, sorted by ascending slot: slot [P,k], weight [P,k] = softmax(scale * score),
+// score [P,k] (float32 slot score, may be NULL), gamma [P,k] (may be NULL: writes only): g[p] * weight
+// (key_weighted_decay) or g[p].
+__global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
+                                    float scale, const float *g, int kwd, int *slot_out, float *weight_out,
+                                    float *score_out, float *gamma_out) {
+    extern __shared__ unsigned char topk_smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = blockIdx.x * pl.warps + warp;
+    if (p >= P) return;
+    unsigned long long *sorted = (unsigned long long *)(topk_smem + warp * pl.smem_per_warp);
+    unsigned long long *cand = sorted + pl.sort_total, *sel = cand + pl.cap;
+    uint32_t *rval = (uint32_t *)(sel + pl.k);
+    const int k = pl.k;
+    size_t zrow = (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * pl.key_dim;
+
+    // 1. sort each factor descending (ties: larger sub-key index first) and count its kept sub-keys
+    int m[SDM_MAX_FACTORS];
+    unsigned long long G = 1;
+    for (int f = 0, off = 0, soff = 0; f < pl.F; off += pl.dims[f], soff += pl.sort_len[f], f++) {
+        for (int i = lane; i < pl.sort_len[f]; i += 32)
+            sorted[soff + i] = i < pl.dims[f]
+                ? ((unsigned long long)sl_f2ord(load_act(z, zrow + off + i, fp32)) << 32) | (uint32_t)i : 0ull;
+        __syncwarp();
+        warp_bitonic_sort_desc(sorted + soff, pl.sort_len[f], lane);
+        m[f] = kept_count(sorted + soff, pl.dims[f], k, lane);
+        G *= (unsigned long long)m[f];
+    }
+#pragma unroll
+    for (int f = 0; f < SDM_MAX_FACTORS; f++)
+        if (f >= pl.F) m[f] = 1;
+
+    // 2. score the table points inside the kept grid (0 = outside)
+    for (int r = lane; r < pl.n_table; r += 32) {
+        uint32_t pk = pl.table[r];
+        int pos[SDM_MAX_FACTORS];
+        bool in = true;
+#pragma unroll
+        for (int f = 0; f < SDM_MAX_FACTORS; f++) {
+            pos[f] = (int)((pk >> (8 * f)) & 255u);
+            if (f < pl.F && pos[f] >= m[f]) in = false;
+        }
+        rval[r] = in ? (uint32_t)(grid_key(pl, sorted, pos) >> 32) : 0u;
+    }
+    __syncwarp();
+
+    // 3. tau = the k-th largest table score, by bisection on its 32 bits
+    uint32_t tau = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        uint32_t c = tau | (1u << bit);
+        int cnt = 0;
+        for (int r = lane; r < pl.n_table; r += 32) cnt += rval[r] >= c;
+        if (__reduce_add_sync(SL_FULL_MASK, cnt) >= k) tau = c;
+    }
+    int n_ge = 0;
+    for (int r = lane; r < pl.n_table; r += 32) n_ge += rval[r] >= tau;
+    n_ge = __reduce_add_sync(SL_FULL_MASK, n_ge);
+
+    if (n_ge < pl.cap || G <= (unsigned long long)pl.cap) {
+        // 4a. the candidates (all grid points scoring >= tau) in table order, then the k best by rank
+        int n_c = 0;
+        for (int base = 0; base < pl.n_table; base += 32) {
+            int r = base + lane;
+            bool take = r < pl.n_table && rval[r] >= tau;
+            unsigned b = __ballot_sync(SL_FULL_MASK, take);
+            if (take) {
+                uint32_t pk = pl.table[r];
+                int pos[SDM_MAX_FACTORS];
+#pragma unroll
+                for (int f = 0; f < SDM_MAX_FACTORS; f++) pos[f] = (int)((pk >> (8 * f)) & 255u);
+                cand[n_c + __popc(b & ((1u << lane) - 1))] = grid_key(pl, sorted, pos);
+            }
+            n_c += __popc(b);
+        }
+        __syncwarp();
+        for (int c = lane; c < n_c; c += 32) {
+            unsigned long long key = cand[c];
+            int rank = 0;
+            for (int j = 0; j < n_c; j++) rank += cand[j] > key;
+            if (rank < k) sel[rank] = key;
+        }
+    } else {
+        // 4b. heavy ties: exact threshold over the whole kept grid, then collect the k keys above it
+        unsigned long long x = grid_kth_key(pl, sorted, m, G, lane);
+        int n_c = 0;
+        for (unsigned long long base = 0; base < G; base += 32) {
+            unsigned long long gi = base + lane;
+            unsigned long long key = 0;
+            if (gi < G) {
+                int pos[SDM_MAX_FACTORS];
+                unsigned long long r = gi;
+#pragma unroll
+                for (int f = SDM_MAX_FACTORS - 1; f >= 0; f--)
+                    if (f < pl.F) { pos[f] = (int)(r % (unsigned)m[f]); r /= (unsigned)m[f]; }
+                key = grid_key(pl, sorted, pos);
+            }
+            bool take = gi < G && key >= x;
+            unsigned b = __ballot_sync(SL_FULL_MASK, take);
+            if (take) sel[n_c + __popc(b & ((1u << lane) - 1))] = key;
+            n_c += __popc(b);
+        }
+    }
+    __syncwarp();
+
+    // 5. order by ascending slot, softmax over the k scores, write out
+    float mx = -INFINITY;
+    for (int j = lane; j < k; j += 32) mx = fmaxf(mx, sl_ord2f((uint32_t)(sel[j] >> 32)));
+    mx = sl_warp_max(mx);
+    float sum = 0.0f;
+    for (int j = lane; j < k; j += 32) sum += expf(scale * (sl_ord2f((uint32_t)(sel[j] >> 32)) - mx));
+    sum = sl_warp_sum(sum);
+    for (int j = lane; j < k; j += 32) {
+        uint32_t slot = (uint32_t)sel[j] % (uint32_t)pl.N;
+        int pos = 0;
+        for (int i = 0; i < k; i++) pos += (uint32_t)sel[i] % (uint32_t)pl.N < slot;
+        float e = sl_ord2f((uint32_t)(sel[j] >> 32));
+        float w = expf(scale * (e - mx)) / sum;
+        size_t o = (size_t)p * k + pos;
+        slot_out[o] = (int)slot;
+        weight_out[o] = w;
+        if (score_out) score_out[o] = e;
+        if (gamma_out) gamma_out[o] = kwd ? g[p] * w : g[p];
+    }
+}
+
+static inline void topk_forward(const TopkPlan *pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
+                                float scale, const float *g, int kwd, int *slot, float *weight, float *score,
+                                float *gamma, cudaStream_t s) {
+    size_t smem = pl->smem_per_warp * pl->warps;
+    if (smem > 48 * 1024)
+        cudaCheck(cudaFuncSetAttribute(topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, fp32, ldz, col0, H, P, scale, g,
+                                                                             kwd, slot, weight, score, gamma);
+    cudaCheckLast();
+}
+
+// =================================================================================================================
+// Addressing backward, one warp per problem: the softmax backward de = scale * w * (dw - <w, dw>), then the
+// routing of each selected score's gradient to its F sub-key entries (§1.5 step 7) in a fixed order (lane f adds
+// factor f's entries for j = 0..k-1), written as the full K-wide block of dz (zeros where nothing was selected).
+// For writes (gates != 0) it also chains key-weighted decay and the gates (§1.4, §1.8, §4.5):
+//   dw_j = dkappa_j + (kwd ? g dgamma_j : 0),  dg = sum_j (kwd ? kappa_j dgamma_j : dgamma_j),
+//   da = dg * (-exp(A_log) sigmoid(a + dt_bias)) -> dz[col_a + h],  dc = dbeta beta (1 - beta) -> dz[col_c + h],
+//   gate_grad[token, h] = da (for d dt_bias), gate_grad[token, H + h] = dg * g (for d A_log).
+// =================================================================================================================
+
+typedef struct {
+    const void *z;                          // the forward projections [tokens, ldz] (for a)
+    const float *dgamma, *g, *beta, *dbeta; // [P,k], [P], [P], [P]
+    const void *A_log, *dt_bias;            // [H] compute dtype
+    int kwd, col_a, col_c;
+    float *gate_grad;                       // [tokens, 2H]
+} WriteGateArgs;
+
+__global__ void address_backward_kernel(TopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
+                                        int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
+                                        WriteGateArgs ga) {
+    extern __shared__ float addr_smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (p >= P) return;
+    const int k = pl.k, K = pl.key_dim;
+    float *acc = addr_smem + warp * (K + k), *de = acc + K;
+    size_t base = (size_t)p * k;
+    float gp = gates ? ga.g[p] : 0.0f;
+    float wdw = 0.0f, dg = 0.0f;
+    for (int j = lane; j < k; j += 32) {
+        float dwj = dw[base + j];
+        if (gates) {
+            float dgam = ga.dgamma[base + j];
+            if (ga.kwd) { dwj += gp * dgam; dg += w[base + j] * dgam; }
+            else dg += dgam;
+        }
+        de[j] = dwj;
+        wdw += w[base + j] * dwj;
+    }
+    wdw = sl_warp_sum(wdw);
+    for (int j = lane; j < k; j += 32) de[j] = scale * w[base + j] * (de[j] - wdw);
+    for (int i = lane; i < K; i += 32) acc[i] = 0.0f;
+    __syncwarp();
+    if (lane < pl.F) {
+        int off = 0, stride = 1;
+        for (int f = 0; f < lane; f++) off += pl.dims[f];
+        for (int f = pl.F - 1; f > lane; f--) stride *= pl.dims[f];
+        for (int j = 0; j < k; j++) acc[off + (slot[base + j] / stride) % pl.dims[lane]] += de[j];
+    }
+    __syncwarp();
+    size_t zrow = (size_t)(p / H) * ldz;
+    int h = p % H;
+    for (int i = lane; i < K; i += 32) store_act(dz, zrow + col0 + (size_t)h * K + i, acc[i], fp32);
+    if (gates) {
+        dg = sl_warp_sum(dg);
+        if (lane == 0) {
+            size_t tok = (size_t)(p / H);
+            float a = load_act(ga.z, tok * ldz + ga.col_a + h, fp32);
+            float A = expf(load_act(ga.A_log, h, fp32)), dtb = load_act(ga.dt_bias, h, fp32);
+            float da = dg * (-A * sl_sigmoid(a + dtb));
+            float b = ga.beta[p];
+            store_act(dz, zrow + ga.col_a + h, da, fp32);
+            store_act(dz, zrow + ga.col_c + h, ga.dbeta[p] * b * (1.0f - b), fp32);
+            ga.gate_grad[tok * 2 * H + h] = da;
+            ga.gate_grad[tok * 2 * H + H + h] = dg * gp;
+        }
+    }
+}
+
+static inline void address_backward(const TopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
+                                    int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
+                                    const WriteGateArgs *ga, cudaStream_t s) {
+    const int warps = 4;
+    size_t smem = sizeof(float) * (size_t)(pl->key_dim + pl->k) * warps;
+    if (smem > 48 * 1024)
+        cudaCheck(cudaFuncSetAttribute(address_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem));
+    WriteGateArgs none;
+    memset(&none, 0, sizeof(none));
+    address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, fp32, ldz,
+                                                                        col0, gates, gates ? *ga : none);
+    cudaCheckLast();
+}
+
+// =================================================================================================================
+// Gates and values from the fused projection (§1.3-§1.4), one block per token:
+//   v[tok, :] = z[tok, col_v : col_v + D] in fp32 (the op's input), g = -exp(A_log) softplus(a + dt_bias),
+//   beta = sigmoid(c), with a = z[tok, col_a + h], c = z[tok, col_c + h].
+// =================================================================================================================
+
+__global__ void unpack_kernel(const void *z, bool fp32, int ldz, int col_v, int col_a, int col_c, int D, int H,
+                              const void *A_log, const void *dt_bias, float *v, float *g, float *beta) {
+    size_t tok = blockIdx.x, row = tok * ldz;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) v[tok * D + i] = load_act(z, row + col_v + i, fp32);
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        float a = load_act(z, row + col_a + h, fp32), c = load_act(z, row + col_c + h, fp32);
+        g[tok * H + h] = -expf(load_act(A_log, h, fp32)) * sl_softplus(a + load_act(dt_bias, h, fp32));
+        beta[tok * H + h] = sl_sigmoid(c);
+    }
+}
+
+// dz[tok, col_v : col_v + D] = dv[tok, :] (the op's value gradient into the fused projection's gradient)
+__global__ void pack_dv_kernel(const float *dv, void *dz, bool fp32, int ldz, int col_v, int D) {
+    size_t tok = blockIdx.x;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) store_act(dz, tok * ldz + col_v + i, dv[tok * D + i], fp32);
+}
+
+// =================================================================================================================
+// Readout (§1.9) over rows p = token*H + h of width d: rn = LayerNorm_d(o) (shared weight/bias) or o;
+// r = sigmoid(zG) * rn or rn. Block-per-row-range kernels: each block owns a fixed contiguous range of rows, so the
+// LayerNorm weight/bias gradients are per-block partial sums added in block order afterwards (deterministic).
+// =================================================================================================================
+
+#define RO_THREADS 128
+#define RO_MAXC 16 // d <= RO_THREADS * RO_MAXC = 2048
+
+typedef struct {
+    int P, d, H, ldz, col_g;
+    int ln, gate;
+    float eps;
+    const void *ln_w, *ln_b; // [d] compute dtype
+    const void *z;           // forward projections (zG)
+    bool fp32;
+    int rows_per_block;
+} ReadoutArgs;
+
+// Sum over the block's 128 threads (fixed order); red: 4 floats of shared memory.
+__device__ float sl_block_sum(float v, float *red) {
+    v = sl_warp_sum(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return (red[0] + red[1]) + (red[2] + red[3]);
+}
+
+__global__ void __launch_bounds__(RO_THREADS) readout_forward_kernel(ReadoutArgs ra, const float *o, void *r,
+                                                                     float *ln_mean, float *ln_rstd) {
+    __shared__ float red[4];
+    int p0 = blockIdx.x * ra.rows_per_block, p1 = min(ra.P, p0 + ra.rows_per_block);
+    for (int p = p0; p < p1; p++) {
+        float x[RO_MAXC];
+        float mean = 0.0f, rstd = 1.0f;
+        const float *orow = o + (size_t)p * ra.d;
+#pragma unroll
+        for (int i = 0; i < RO_MAXC; i++) {
+            int c = threadIdx.x + i * RO_THREADS;
+            x[i] = c < ra.d ? orow[c] : 0.0f;
+        }
+        if (ra.ln) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < RO_MAXC; i++) s += x[i];
+            mean = sl_block_sum(s, red) / ra.d;
+            float q = 0.0f;
+#pragma unroll
+            for (int i = 0; i < RO_MAXC; i++)
+                if (threadIdx.x + i * RO_THREADS < ra.d) q += (x[i] - mean) * (x[i] - mean);
+            rstd = 1.0f / sqrtf(sl_block_sum(q, red) / ra.d + ra.eps);
+            if (threadIdx.x == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
+        }
+        size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
+#pragma unroll
+        for (int i = 0; i < RO_MAXC; i++) {
+            int c = threadIdx.x + i * RO_THREADS;
+            if (c >= ra.d) continue;
+            float y = x[i];
+            if (ra.ln) y = (y - mean) * rstd * load_act(ra.ln_w, c, ra.fp32) + load_act(ra.ln_b, c, ra.fp32);
+            if (ra.gate) y *= sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
+            store_act(r, (size_t)p * ra.d + c, y, ra.fp32);
+        }
+    }
+}
+
+// From dr [P,d] (gradient of r, fp32): dout [P,d] (gradient of the op readings), dzG into dz (gate), and per-block
+// LayerNorm partials: partials[0][block][d] = sum drn * xhat, partials[1][block][d] = sum drn.
+__global__ void __launch_bounds__(RO_THREADS) readout_backward_kernel(ReadoutArgs ra, const float *o,
+                                                                      const float *ln_mean, const float *ln_rstd,
+                                                                      const float *dr, float *dout, void *dz,
+                                                                      float *partials) {
+    __shared__ float red[4];
+    float acc_w[RO_MAXC], acc_b[RO_MAXC];
+#pragma unroll
+    for (int i = 0; i < RO_MAXC; i++) acc_w[i] = acc_b[i] = 0.0f;
+    int p0 = blockIdx.x * ra.rows_per_block, p1 = min(ra.P, p0 + ra.rows_per_block);
+    for (int p = p0; p < p1; p++) {
+        float mean = ra.ln ? ln_mean[p] : 0.0f, rstd = ra.ln ? ln_rstd[p] : 1.0f;
+        size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
+        float xh[RO_MAXC], gw[RO_MAXC];
+        float sg_ = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RO_MAXC; i++) {
+            int c = threadIdx.x + i * RO_THREADS;
+            xh[i] = gw[i] = 0.0f;
+            if (c >= ra.d) continue;
+            size_t idx = (size_t)p * ra.d + c;
+            float x = o[idx], g = dr[idx];
+            xh[i] = ra.ln ? (x - mean) * rstd : x;
+            float w = ra.ln ? load_act(ra.ln_w, c, ra.fp32) : 1.0f;
+            if (ra.gate) {
+                float rn = ra.ln ? xh[i] * w + load_act(ra.ln_b, c, ra.fp32) : x;
+                float sg = sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
+                store_act(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
+                g *= sg;
+            }
+            if (ra.ln) {
+                acc_w[i] += g * xh[i];
+                acc_b[i] += g;
+            }
+            gw[i] = g * w;
+            sg_ += gw[i];
+            sgx += gw[i] * xh[i];
+        }
+        if (ra.ln) {
+            float mean_g = sl_block_sum(sg_, red) / ra.d, mean_gx = sl_block_sum(sgx, red) / ra.d;
+#pragma unroll
+            for (int i = 0; i < RO_MAXC; i++) {
+                int c = threadIdx.x + i * RO_THREADS;
+                if (c < ra.d) dout[(size_t)p * ra.d + c] = rstd * (gw[i] - mean_g - xh[i] * mean_gx);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < RO_MAXC; i++) {
+                int c = threadIdx.x + i * RO_THREADS;
+                if (c < ra.d) dout[(size_t)p * ra.d + c] = gw[i];
+            }
+        }
+    }
+    if (ra.ln) {
+        size_t nb = gridDim.x;
+#pragma unroll
+        for (int i = 0; i < RO_MAXC; i++) {
+            int c = threadIdx.x + i * RO_THREADS;
+            if (c >= ra.d) continue;
+            partials[(size_t)blockIdx.x * ra.d + c] = acc_w[i];
+            partials[(nb + blockIdx.x) * ra.d + c] = acc_b[i];
+        }
+    }
+}
+
+static inline int readout_blocks(int P) { return SDM_MIN(P, 2048); }
+
+// =================================================================================================================
+// The bank: every sequence starts from its own copy of M0 (§1.7), and dM0 is the sum of the copies' gradients
+// over b in order 0..B-1 (§4.5).
+// =================================================================================================================
+
+__global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq; i += (size_t)gridDim.x * blockDim.x) {
+        float x = load_act(m0, i, m0_fp32);
+        for (int b = 0; b < B; b++) store_act(bank, (size_t)b * per_seq + i, x, bank_fp32);
+    }
+}
+
+// dm0[i] += sum_b dbank[b, i]; per_seq % 4 == 0 (d is a multiple of 8)
+__global__ void bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_seq, int B) {
+    size_t n4 = per_seq / 4;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 s = ((const float4 *)dbank)[i];
+        for (int b = 1; b < B; b++) {
+            float4 t = ((const float4 *)(dbank + (size_t)b * per_seq))[i];
+            s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
+        }
+        float4 acc = ((float4 *)dm0)[i];
+        acc.x += s.x; acc.y += s.y; acc.z += s.z; acc.w += s.w;
+        ((float4 *)dm0)[i] = acc;
+    }
+}
+
+// bank [B, per_seq] (bank dtype) = M0 [per_seq] (m0 dtype) for every b, or zeros when m0 is NULL.
+static inline void bank_init(void *bank, int bank_fp32, const void *m0, int m0_fp32, size_t per_seq, int B,
+                             cudaStream_t s) {
+    if (!m0) {
+        cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * (bank_fp32 ? 4 : 2), s));
+        return;
+    }
+    if (bank_fp32 == m0_fp32) { // same dtype: B plain copies
+        size_t bytes = per_seq * (bank_fp32 ? 4 : 2);
+        for (int b = 0; b < B; b++)
+            cudaCheck(cudaMemcpyAsync((char *)bank + (size_t)b * bytes, m0, bytes, cudaMemcpyDeviceToDevice, s));
+        return;
+    }
+    bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_fp32 != 0, m0, m0_fp32 != 0, per_seq, B);
+    cudaCheckLast();
+}
+
+// =================================================================================================================
+// The layer.
+// =================================================================================================================
+
+// Device parameters in the compute dtype. w_in/b_in: the model's consecutive wk, wq, wv, wa, wb (, wg) block
+// [n_in, D] and bk, bq, bv, ba, bb (, bg) block [n_in], n_in = 2*H*K + D + 2*H (+ D with output_gate).
+typedef struct {
+    const void *w_in, *b_in;
+    const void *A_log, *dt_bias; // [H]
+    const void *ln_w, *ln_b;     // [d] (normalize_readings, else NULL)
+    const void *w_out, *b_out;   // [D, D], [D]
+    const void *bank0;           // M0 [H*N, d] (learned_bank, else NULL)
+} SdmLayerParams;
+
+// fp32 gradients, accumulated (+=) by sdm_layer_backward; same shapes as SdmLayerParams.
+typedef struct {
+    float *w_in, *b_in, *A_log, *dt_bias, *ln_w, *ln_b, *w_out, *b_out, *bank0;
+} SdmLayerGrads;
+
+// Stage boundaries recorded with CUDA events when timing is on (see sdm_layer_stage_ms).
+enum { EV_F0, EV_F_PROJ, EV_F_TOPK, EV_F_BANK, EV_F_OP, EV_F_READOUT, EV_F_OUT,
+       EV_B0, EV_B_OUT, EV_B_READOUT, EV_B_OP, EV_B_TOPK, EV_B_SUMS, EV_B_IN, SDM_LAYER_EVENTS };
+
+typedef struct {
+    SdmDims s;
+    int B, T, fp32;      // fp32 = 1: all-fp32 mode (compute dtype fp32); else bf16
+    cudaDataType_t ctype;
+    SdmOpShape op;
+    TopkPlan tw, tr;     // write / read top-k
+    int n_in, ldz;       // fused projection width and its row stride (multiple of 8)
+    int col_zk, col_zq, col_v, col_a, col_c, col_g;
+    // saved by the forward for the backward
+    void *z;             // [BT, ldz] compute dtype: zK | zQ | v | a | c (| zG); the backward overwrites it with dz
+    float *v, *g, *beta; // [BT, D], [BT, H], [BT, H]
+    int *wslot, *rslot;  // [BT, H, W], [BT, H, R]
+    float *kappa, *gamma, *rho;
+    void *bank;          // [B, H, N, d] bank dtype; final bank after the forward, restored by the backward
+    float *o;            // [BT, D] op readings
+    float *ln_mean, *ln_rstd; // [BT, H]
+    void *r;             // [BT, D] compute dtype, the input of Wo
+    void *saved;         // sdm_op_saved_bytes
+    // backward
+    void *scratch;       // sdm_op_scratch_bytes
+    float *dr;           // [BT, D] dY Wo, then (in place) the gradient of the op readings
+    float *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank; // op gradients
+    float *gate_grad;    // [BT, 2H]
+    float *ln_partials;  // [2, readout_blocks, d]
+    size_t device_bytes;
+    int timing;
+    cudaEvent_t ev[SDM_LAYER_EVENTS];
+} SdmLayer;
+
+static inline void *layer_alloc(SdmLayer *L, size_t bytes) {
+    void *p = NULL;
+    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
+    L->device_bytes += bytes;
+    return p;
+}
+
+// NULL when the GPU layer supports the configuration, else the reason.
+static inline const char *sdm_layer_check(const SdmDims *s) {
+    if (s->write_act != SDM_ACT_SOFTMAX || s->read_act != SDM_ACT_SOFTMAX)
+        return "the GPU layer implements only the softmax weight activation (write_act / read_act)";
+    if (s->heads < 1 || s->dim % s->heads != 0 || s->head_dim != s->dim / s->heads) return "D must equal H * d";
+    if (s->head_dim > RO_THREADS * RO_MAXC) return "head dim d must be <= 2048";
+    return NULL;
+}
+
+static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32, int timing) {
+    const char *why = sdm_layer_check(s);
+    if (why) sdm_die("SDM layer: %s", why);
+    SdmLayer L;
+    memset(&L, 0, sizeof(L));
+    L.s = *s;
+    L.B = B; L.T = T; L.fp32 = fp32;
+    L.ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    int D = s->dim, H = s->heads, HK = H * s->key_dim, W = s->writes, R = s->reads, d = s->head_dim;
+    L.op.B = B; L.op.T = T; L.op.H = H; L.op.N = s->slots; L.op.d = d; L.op.W = W; L.op.R = R; L.op.C = s->chunk;
+    L.op.bank_fp32 = s->bank_fp32; L.op.snapshot = s->snapshot; L.op.training = 1;
+    if ((why = sdm_op_check(&L.op))) sdm_die("SDM layer: memory op: %s", why);
+    L.tw = topk_plan_make(s, W);
+    L.tr = topk_plan_make(s, R);
+    L.col_zk = 0; L.col_zq = HK; L.col_v = 2 * HK; L.col_a = 2 * HK + D; L.col_c = L.col_a + H;
+    L.col_g = L.col_c + H;
+    L.n_in = L.col_g + (s->output_gate ? D : 0);
+    L.ldz = (L.n_in + 7) & ~7;
+    size_t BT = (size_t)B * T, P = BT * H, cs = fp32 ? 4 : 2;
+    size_t bank_elems = (size_t)B * H * s->slots * d;
+    L.z = layer_alloc(&L, BT * L.ldz * cs);
+    L.v = (float *)layer_alloc(&L, BT * D * 4);
+    L.g = (float *)layer_alloc(&L, P * 4);
+    L.beta = (float *)layer_alloc(&L, P * 4);
+    L.wslot = (int *)layer_alloc(&L, P * W * 4);
+    L.kappa = (float *)layer_alloc(&L, P * W * 4);
+    L.gamma = (float *)layer_alloc(&L, P * W * 4);
+    L.rslot = (int *)layer_alloc(&L, P * R * 4);
+    L.rho = (float *)layer_alloc(&L, P * R * 4);
+    L.bank = layer_alloc(&L, bank_elems * (s->bank_fp32 ? 4 : 2));
+    L.o = (float *)layer_alloc(&L, BT * D * 4);
+    if (s->normalize_readings) {
+        L.ln_mean = (float *)layer_alloc(&L, P * 4);
+        L.ln_rstd = (float *)layer_alloc(&L, P * 4);
+        L.ln_partials = (float *)layer_alloc(&L, 2 * (size_t)readout_blocks((int)P) * d * 4);
+    }
+    L.r = layer_alloc(&L, BT * D * cs);
+    L.saved = layer_alloc(&L, sdm_op_saved_bytes(&L.op));
+    L.scratch = layer_alloc(&L, sdm_op_scratch_bytes(&L.op));
+    L.dr = (float *)layer_alloc(&L, BT * D * 4);
+    L.dkappa = (float *)layer_alloc(&L, P * W * 4);
+    L.dgamma = (float *)layer_alloc(&L, P * W * 4);
+    L.dbeta = (float *)layer_alloc(&L, P * 4);
+    L.dv = (float *)layer_alloc(&L, BT * D * 4);
+    L.drho = (float *)layer_alloc(&L, P * R * 4);
+    L.dbank = (float *)layer_alloc(&L, bank_elems * 4);
+    L.gate_grad = (float *)layer_alloc(&L, BT * 2 * H * 4);
+    L.timing = timing;
+    if (timing)
+        for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventCreate(&L.ev[i]));
+    return L;
+}
+
+static inline void sdm_layer_destroy(SdmLayer *L) {
+    void *bufs[] = {L->z, L->v, L->g, L->beta, L->wslot, L->kappa, L->gamma, L->rslot, L->rho, L->bank, L->o,
+                    L->ln_mean, L->ln_rstd, L->ln_partials, L->r, L->saved, L->scratch, L->dr, L->dkappa,
+                    L->dgamma, L->dbeta, L->dv, L->drho, L->dbank, L->gate_grad};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree(bufs[i]));
+    if (L->timing)
+        for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventDestroy(L->ev[i]));
+    topk_plan_free(&L->tw);
+    topk_plan_free(&L->tr);
+    memset(L, 0, sizeof(*L));
+}
+
+static inline void layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
+    if (L->timing) cudaCheck(cudaEventRecord(L->ev[ev], s));
+}
+
+static inline SdmOpInputs layer_op_inputs(const SdmLayer *L) {
+    SdmOpInputs in;
+    in.wslot = L->wslot; in.kappa = L->kappa; in.gamma = L->gamma; in.beta = L->beta; in.v = L->v;
+    in.rslot = L->rslot; in.rho = L->rho;
+    return in;
+}
+
+static inline ReadoutArgs layer_readout_args(const SdmLayer *L, const SdmLayerParams *p) {
+    ReadoutArgs ra;
+    ra.P = L->B * L->T * L->s.heads;
+    ra.d = L->s.head_dim; ra.H = L->s.heads; ra.ldz = L->ldz; ra.col_g = L->col_g;
+    ra.ln = L->s.normalize_readings; ra.gate = L->s.output_gate; ra.eps = L->s.norm_eps;
+    ra.ln_w = p->ln_w; ra.ln_b = p->ln_b; ra.z = L->z; ra.fp32 = L->fp32 != 0;
+    ra.rows_per_block = ceil_div(ra.P, readout_blocks(ra.P));
+    return ra;
+}
+
+// Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.
+static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
+    const SdmDims *s = &L->s;
+    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
+    bool f32 = L->fp32 != 0;
+    layer_mark(L, EV_F0, st);
+    matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, p->b_in, L->ctype, BT, L->n_in, D, st);
+    layer_mark(L, EV_F_PROJ, st);
+    unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
+                                      L->v, L->g, L->beta);
+    cudaCheckLast();
+    topk_forward(&L->tw, L->z, f32, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
+                 L->kappa, NULL, L->gamma, st);
+    topk_forward(&L->tr, L->z, f32, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
+                 st);
+    layer_mark(L, EV_F_TOPK, st);
+    bank_init(L->bank, s->bank_fp32, s->learned_bank ? p->bank0 : NULL, L->fp32, (size_t)H * s->slots * s->head_dim,
+              L->B, st);
+    layer_mark(L, EV_F_BANK, st);
+    SdmOpInputs in = layer_op_inputs(L);
+    sdm_op_forward(&L->op, &in, L->bank, L->o, L->saved, st);
+    layer_mark(L, EV_F_OP, st);
+    ReadoutArgs ra = layer_readout_args(L, p);
+    readout_forward_kernel<<<readout_blocks(P), RO_THREADS, 0, st>>>(ra, L->o, L->r, L->ln_mean, L->ln_rstd);
+    cudaCheckLast();
+    layer_mark(L, EV_F_READOUT, st);
+    matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
+    layer_mark(L, EV_F_OUT, st);
+}
+
+// Backward after sdm_layer_forward on the same x: dx [B,T,D] (compute dtype) is overwritten, every parameter
+// gradient in g is accumulated. Consumes the forward's saved state (the op restores the bank; z becomes dz), so it
+// runs once per forward.
+static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, const void *x, const void *dy,
+                                      void *dx, const SdmLayerGrads *g, cudaStream_t st) {
+    const SdmDims *s = &L->s;
+    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim, d = s->head_dim;
+    bool f32 = L->fp32 != 0;
+    void *dz = L->z; // in place: each gradient entry overwrites the forward value only its own thread still reads
+    layer_mark(L, EV_B0, st);
+    // output projection
+    matmul_backward_weight(g->w_out, CUDA_R_32F, dy, D, L->r, L->ctype, BT, D, D, 1, st);
+    matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, st);
+    matmul_backward_input(L->dr, CUDA_R_32F, dy, D, p->w_out, L->ctype, BT, D, D, 0, st);
+    layer_mark(L, EV_B_OUT, st);
+    // readout: gate and LayerNorm; dr becomes the gradient of the op readings in place
+    ReadoutArgs ra = layer_readout_args(L, p);
+    readout_backward_kernel<<<readout_blocks(P), RO_THREADS, 0, st>>>(ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->dr,
+                                                                      dz, L->ln_partials);
+    cudaCheckLast();
+    if (s->normalize_readings) {
+        int nb = readout_blocks(P);
+        colsum_finish_kernel<<<ceil_div(d, 256), 256, 0, st>>>(g->ln_w, L->ln_partials, nb, d, 1);
+        cudaCheckLast();
+        colsum_finish_kernel<<<ceil_div(d, 256), 256, 0, st>>>(g->ln_b, L->ln_partials + (size_t)nb * d, nb, d, 1);
+        cudaCheckLast();
+    }
+    layer_mark(L, EV_B_READOUT, st);
+    // the memory op
+    SdmOpInputs in = layer_op_inputs(L);
+    SdmOpGrads og;
+    og.dkappa = L->dkappa; og.dgamma = L->dgamma; og.dbeta = L->dbeta; og.dv = L->dv; og.drho = L->drho;
+    og.dbank_init = L->dbank;
+    sdm_op_backward(&L->op, &in, L->bank, L->dr, NULL, &og, L->saved, L->scratch, st);
+    layer_mark(L, EV_B_OP, st);
+    // addressing, gates and values back into dz
+    WriteGateArgs ga;
+    ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
+    ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = s->key_weighted_decay;
+    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
+    address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, s->write_scale, P, H, dz, f32, L->ldz, L->col_zk, 1, &ga,
+                     st);
+    address_backward(&L->tr, L->rslot, L->rho, L->drho, s->read_scale, P, H, dz, f32, L->ldz, L->col_zq, 0, NULL,
+                     st);
+    pack_dv_kernel<<<BT, 256, 0, st>>>(L->dv, dz, f32, L->ldz, L->col_v, D);
+    cudaCheckLast();
+    layer_mark(L, EV_B_TOPK, st);
+    // learned bank and gate parameters
+    if (s->learned_bank) {
+        bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B);
+        cudaCheckLast();
+    }
+    colsum(g->dt_bias, L->gate_grad, CUDA_R_32F, 2 * H, BT, H, 1, st);
+    colsum(g->A_log, L->gate_grad + H, CUDA_R_32F, 2 * H, BT, H, 1, st);
+    layer_mark(L, EV_B_SUMS, st);
+    // input projection
+    matmul_backward_weight(g->w_in, CUDA_R_32F, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
+    matmul_backward_bias(g->b_in, dz, L->ctype, L->ldz, BT, L->n_in, 1, st);
+    matmul_backward_input(dx, L->ctype, dz, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, st);
+    layer_mark(L, EV_B_IN, st);
+}
+
+// Stage times (ms) of the last forward+backward when timing is on: [0] projections (both GEMM groups, forward and
+// backward), [1] top-k and addressing (gates, softmax, routing), [2] the memory op, [3] the rest (bank copy and
+// dM0, readout, gate sums), [4] forward total, [5] backward total. Synchronises on the last event.
+static inline void sdm_layer_stage_ms(SdmLayer *L, float *ms) {
+    if (!L->timing) sdm_die("sdm_layer_stage_ms: the layer was created without timing");
+    cudaCheck(cudaEventSynchronize(L->ev[EV_B_IN]));
+    float t[SDM_LAYER_EVENTS];
+    for (int i = 1; i < SDM_LAYER_EVENTS; i++)
+        if (i != EV_B0) cudaCheck(cudaEventElapsedTime(&t[i], L->ev[i - 1], L->ev[i]));
+    ms[0] = t[EV_F_PROJ] + t[EV_F_OUT] + t[EV_B_OUT] + t[EV_B_IN];
+    ms[1] = t[EV_F_TOPK] + t[EV_B_TOPK];
+    ms[2] = t[EV_F_OP] + t[EV_B_OP];
+    ms[3] = t[EV_F_BANK] + t[EV_F_READOUT] + t[EV_B_READOUT] + t[EV_B_SUMS];
+    cudaCheck(cudaEventElapsedTime(&ms[4], L->ev[EV_F0], L->ev[EV_F_OUT]));
+    cudaCheck(cudaEventElapsedTime(&ms[5], L->ev[EV_B0], L->ev[EV_B_IN]));
+}
+
+#endif

@@ -1,0 +1,128 @@
+// tests/bench_sdm_layer.cu: forward + backward of one SDM layer with its projections (sdm/sdm_layer.cuh), bf16,
+// on the issue-4 shapes: the flagship layer (D=2048, H=2, N=65536, W=R=64, C=64, B=8, T=4096; target <= 21 ms,
+// <= 10 GiB) and D=768, H=1, N=36864, W=R=64, C=64, B=2, T=8192 (target <= 8 ms). Both with the flagship's
+// options (learned bank, output gate, readings LayerNorm). Reports the median time of fwd+bwd, the
+// forward/backward split, the per-stage times (CUDA events), the device memory held, and the GEMM FLOPs against
+// the measured bf16 matmul peak (~790 TFLOP/s on the H200).
+#include "sdm/sdm_layer.cuh"
+#include "tests/test.h"
+
+#define BF16_PEAK_TFLOPS 790.0
+
+// x[i] = scale * (uniform(-1, 1) from a hash of (seed, i)), in the compute dtype
+__global__ void fill_random_kernel(void *x, bool fp32, size_t n, uint32_t seed, float scale, float offset) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed * 2246822519u ^ (uint32_t)(i >> 32) * 3266489917u;
+        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+        store_act(x, i, offset + scale * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f), fp32);
+    }
+}
+
+static void *rand_buf(size_t n, uint32_t seed, float scale, float offset) {
+    void *p;
+    cudaCheck(cudaMalloc(&p, n * 2));
+    fill_random_kernel<<<1024, 256>>>(p, false, n, seed, scale, offset);
+    cudaCheckLast();
+    return p;
+}
+
+static float *zero_grad(size_t n) {
+    float *p;
+    cudaCheck(cudaMalloc(&p, n * 4));
+    cudaCheck(cudaMemset(p, 0, n * 4));
+    return p;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static void bench(const char *name, int D, int H, int nf, int W, int C, int B, int T, double target_ms) {
+    SdmDims s;
+    memset(&s, 0, sizeof(s));
+    s.dim = D; s.heads = H; s.head_dim = D / H;
+    s.n_factors = 2; s.factor_dims[0] = s.factor_dims[1] = nf; s.slots = nf * nf; s.key_dim = 2 * nf;
+    s.writes = s.reads = W; s.chunk = C;
+    s.write_act = s.read_act = SDM_ACT_SOFTMAX; s.write_scale = s.read_scale = 1.0f;
+    s.learned_bank = 1; s.output_gate = 1; s.normalize_readings = 1; s.norm_eps = 1e-5f;
+    s.snapshot = SDM_SNAP_NONE; s.bank_fp32 = 0;
+    size_t free0, total;
+    cudaCheck(cudaDeviceSynchronize());
+    cudaCheck(cudaMemGetInfo(&free0, &total));
+    SdmLayer L = sdm_layer_create(&s, B, T, 0, 1);
+    size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
+    float ws = 1.0f / sqrtf((float)D);
+    SdmLayerParams p;
+    memset(&p, 0, sizeof(p));
+    p.w_in = rand_buf((size_t)L.n_in * D, 1, 2.0f * ws, 0.0f);
+    p.b_in = rand_buf(L.n_in, 2, 0.1f, 0.0f);
+    p.A_log = rand_buf(H, 3, 0.5f, 1.0f);
+    p.dt_bias = rand_buf(H, 4, 1.0f, -3.0f);
+    p.ln_w = rand_buf(d, 5, 0.1f, 1.0f);
+    p.ln_b = rand_buf(d, 6, 0.1f, 0.0f);
+    p.w_out = rand_buf((size_t)D * D, 7, ws, 0.0f);
+    p.b_out = rand_buf(D, 8, 0.1f, 0.0f);
+    p.bank0 = rand_buf(nbank, 9, 0.02f, 0.0f);
+    SdmLayerGrads g;
+    g.w_in = zero_grad((size_t)L.n_in * D); g.b_in = zero_grad(L.n_in); g.A_log = zero_grad(H);
+    g.dt_bias = zero_grad(H); g.ln_w = zero_grad(d); g.ln_b = zero_grad(d); g.w_out = zero_grad((size_t)D * D);
+    g.b_out = zero_grad(D); g.bank0 = zero_grad(nbank);
+    void *x = rand_buf(BT * D, 10, 1.0f, 0.0f), *dy = rand_buf(BT * D, 11, 1.0f, 0.0f);
+    void *y = rand_buf(BT * D, 12, 1.0f, 0.0f), *dx = rand_buf(BT * D, 13, 1.0f, 0.0f);
+
+    const int warm = 2, iters = 7;
+    float tot[16], fwd[16], bwd[16], st[6] = {0}, stsum[4] = {0};
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    size_t free_min = free0;
+    for (int it = 0; it < warm + iters; it++) {
+        cudaCheck(cudaEventRecord(e0, 0));
+        sdm_layer_forward(&L, &p, x, y, 0);
+        sdm_layer_backward(&L, &p, x, dy, dx, &g, 0);
+        cudaCheck(cudaEventRecord(e1, 0));
+        cudaCheck(cudaEventSynchronize(e1));
+        size_t fr;
+        cudaCheck(cudaMemGetInfo(&fr, &total));
+        free_min = SDM_MIN(free_min, fr);
+        if (it < warm) continue;
+        cudaCheck(cudaEventElapsedTime(&tot[it - warm], e0, e1));
+        sdm_layer_stage_ms(&L, st);
+        fwd[it - warm] = st[4];
+        bwd[it - warm] = st[5];
+        for (int i = 0; i < 4; i++) stsum[i] += st[i] / iters;
+    }
+    qsort(tot, iters, sizeof(float), cmp_float);
+    qsort(fwd, iters, sizeof(float), cmp_float);
+    qsort(bwd, iters, sizeof(float), cmp_float);
+    double gemm_flops = 3.0 * 2.0 * (double)BT * D * ((double)L.n_in + D); // fwd + dX + dW of both projections
+    double peak_gib = (double)(free0 - free_min) / (1 << 30);
+    printf("== %s: D=%d H=%d N=%d W=R=%d C=%d B=%d T=%d (bf16, bank bf16, snapshots none)\n", name, D, H, s.slots, W,
+           C, B, T);
+    printf("   fwd+bwd median %.2f ms (min %.2f, max %.2f; target %.0f ms)  forward %.2f ms  backward %.2f ms\n",
+           tot[iters / 2], tot[0], tot[iters - 1], target_ms, fwd[iters / 2], bwd[iters / 2]);
+    printf("   stages (mean ms): projections %.2f  top-k/addressing %.2f  memory op %.2f  rest %.2f\n", stsum[0],
+           stsum[1], stsum[2], stsum[3]);
+    printf("   GEMM %.1f GFLOP: %.0f TFLOP/s in the projection stage, %.3f ms at %.0f TFLOP/s (%.0f%% of the total)\n",
+           gemm_flops / 1e9, gemm_flops / (stsum[0] * 1e-3) / 1e12, gemm_flops / (BF16_PEAK_TFLOPS * 1e12) * 1e3,
+           BF16_PEAK_TFLOPS, 100.0 * gemm_flops / (BF16_PEAK_TFLOPS * 1e12) / (tot[iters / 2] * 1e-3));
+    printf("   device memory: layer buffers %.2f GiB (op saved %.2f GiB, op scratch %.2f GiB), peak in use %.2f GiB\n",
+           (double)L.device_bytes / (1 << 30), (double)sdm_op_saved_bytes(&L.op) / (1 << 30),
+           (double)sdm_op_scratch_bytes(&L.op) / (1 << 30), peak_gib);
+    CHECK(tot[iters / 2] > 0.0f, "%s: no time measured", name);
+    sdm_layer_destroy(&L);
+    const void *bufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
+                          g.w_in, g.b_in, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree((void *)bufs[i]));
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+}
+
+int main(int argc, char **argv) {
+    int which = argc > 1 ? atoi(argv[1]) : 0; // 0: both, 1: flagship only, 2: D=768 only
+    if (which != 2) bench("flagship layer", 2048, 2, 256, 64, 64, 8, 4096, 21.0);
+    if (which != 1) bench("D=768 layer", 768, 1, 192, 64, 64, 2, 8192, 8.0);
+    matmul_destroy();
+    return test_summary();
+}

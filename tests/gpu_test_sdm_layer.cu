@@ -1,0 +1,445 @@
+// tests/gpu_test_sdm_layer.cu: the GPU SDM layer (sdm/sdm_layer.cuh) and the matmul wrapper (core/matmul.cuh)
+// against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
+//   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum.
+//   top-k: slots bit for bit equal to sdm_pk_topk_ref on the same float32 scores (normal, bf16-rounded, small
+//          integers with many exact ties, all equal), F = 1, 2, 3; weights (softmax) and gamma.
+//   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
+//          output gate) against the CPU pieces.
+//   whole layer forward/backward: y, dx and every parameter gradient; H = 1, 2, 4; 2 and 3 factors; learned bank
+//          on/off; output gate; readings norm; key_weighted_decay. The selected slot sets must agree with the CPU's
+//          (fp32 mode: continuous inputs; bf16 mode: inputs on a coarse grid so that the bf16 projection of the
+//          sub-key scores is exact and both sides select from identical float32 scores).
+// Tolerances (relative L2 error): fp32 mode 1e-5, bf16 mode 1e-2.
+#include <time.h>
+
+#include "core/rng.h"
+#include "sdm/sdm_layer.cuh"
+#include "sdm/sdm_ref.h"
+#include "tests/test.h"
+
+#define TOL_FP32 1e-5
+#define TOL_BF16 1e-2
+
+static double tol_for(int fp32) { return fp32 ? TOL_FP32 : TOL_BF16; }
+
+// the value a double becomes in the compute dtype
+static double to_dtype(double x, int fp32) {
+    return fp32 ? (double)(float)x : (double)__bfloat162float(__float2bfloat16((float)x));
+}
+
+static void round_to_dtype(double *h, size_t n, int fp32) {
+    for (size_t i = 0; i < n; i++) h[i] = to_dtype(h[i], fp32);
+}
+
+static void *dev_upload(const double *h, size_t n, int fp32) {
+    void *d = NULL;
+    size_t es = fp32 ? 4 : 2;
+    cudaCheck(cudaMalloc(&d, n * es + 16));
+    unsigned char *tmp = (unsigned char *)sdm_malloc(n * es);
+    for (size_t i = 0; i < n; i++) {
+        if (fp32) ((float *)tmp)[i] = (float)h[i];
+        else ((__nv_bfloat16 *)tmp)[i] = __float2bfloat16((float)h[i]);
+    }
+    cudaCheck(cudaMemcpy(d, tmp, n * es, cudaMemcpyHostToDevice));
+    free(tmp);
+    return d;
+}
+
+static void dev_download(double *h, const void *d, size_t n, int fp32) {
+    size_t es = fp32 ? 4 : 2;
+    unsigned char *tmp = (unsigned char *)sdm_malloc(n * es);
+    cudaCheck(cudaMemcpy(tmp, d, n * es, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++)
+        h[i] = fp32 ? (double)((float *)tmp)[i] : (double)__bfloat162float(((__nv_bfloat16 *)tmp)[i]);
+    free(tmp);
+}
+
+static void fill_normal(Rng *r, double *h, size_t n, double std) {
+    for (size_t i = 0; i < n; i++) h[i] = std * rng_normal(r);
+}
+
+static double *hzeros(size_t n) { return (double *)sdm_calloc(n, sizeof(double)); }
+
+// ---- matmul --------------------------------------------------------------------------------------------------------
+
+static void test_matmul(Rng *rng, int fp32) {
+    const int M = 1000, N = 45, K = 96, ldy = 48;
+    cudaDataType_t t = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    double *x = hzeros((size_t)M * K), *w = hzeros((size_t)N * K), *b = hzeros(N), *dy = hzeros((size_t)M * ldy);
+    double *dw0 = hzeros((size_t)N * K), *db0 = hzeros(N);
+    fill_normal(rng, x, (size_t)M * K, 1.0); fill_normal(rng, w, (size_t)N * K, 0.2); fill_normal(rng, b, N, 1.0);
+    fill_normal(rng, dy, (size_t)M * ldy, 1.0); fill_normal(rng, dw0, (size_t)N * K, 1.0);
+    fill_normal(rng, db0, N, 1.0);
+    round_to_dtype(x, (size_t)M * K, fp32); round_to_dtype(w, (size_t)N * K, fp32);
+    round_to_dtype(b, N, fp32); round_to_dtype(dy, (size_t)M * ldy, fp32);
+    void *dx_ = dev_upload(x, (size_t)M * K, fp32), *dw_ = dev_upload(w, (size_t)N * K, fp32);
+    void *db_ = dev_upload(b, N, fp32), *ddy = dev_upload(dy, (size_t)M * ldy, fp32);
+    void *dy_out = dev_upload(dy, (size_t)M * ldy, fp32); // poisoned by the random content: every entry rewritten
+    void *dgx = dev_upload(x, (size_t)M * K, fp32);
+    float *dgw = (float *)dev_upload(dw0, (size_t)N * K, 1), *dgb = (float *)dev_upload(db0, N, 1);
+
+    matmul_forward(dy_out, t, ldy, dx_, dw_, db_, t, M, N, K, 0);
+    matmul_backward_input(dgx, t, ddy, ldy, dw_, t, M, N, K, 0, 0);
+    matmul_backward_input(dgx, t, ddy, ldy, dw_, t, M, N, K, 1, 0); // accumulate: 2 dY W
+    matmul_backward_weight(dgw, CUDA_R_32F, ddy, ldy, dx_, t, M, N, K, 1, 0);
+    matmul_backward_bias(dgb, ddy, t, ldy, M, N, 1, 0);
+    cudaCheck(cudaDeviceSynchronize());
+
+    double *y = hzeros((size_t)M * ldy), *yr = hzeros((size_t)M * N), *yg = hzeros((size_t)M * N);
+    dev_download(y, dy_out, (size_t)M * ldy, fp32);
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            yg[(size_t)i * N + j] = y[(size_t)i * ldy + j];
+            double s = b[j];
+            for (int kk = 0; kk < K; kk++) s += x[(size_t)i * K + kk] * w[(size_t)j * K + kk];
+            yr[(size_t)i * N + j] = s;
+        }
+    double *gx = hzeros((size_t)M * K), *gxr = hzeros((size_t)M * K);
+    double *gw = hzeros((size_t)N * K), *gwr = hzeros((size_t)N * K), *gb = hzeros(N), *gbr = hzeros(N);
+    dev_download(gx, dgx, (size_t)M * K, fp32);
+    dev_download(gw, dgw, (size_t)N * K, 1);
+    dev_download(gb, dgb, N, 1);
+    memcpy(gwr, dw0, sizeof(double) * N * K);
+    memcpy(gbr, db0, sizeof(double) * N);
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double g = dy[(size_t)i * ldy + j];
+            gbr[j] += g;
+            for (int kk = 0; kk < K; kk++) {
+                gxr[(size_t)i * K + kk] += 2.0 * g * w[(size_t)j * K + kk];
+                gwr[(size_t)j * K + kk] += g * x[(size_t)i * K + kk];
+            }
+        }
+    double tol = tol_for(fp32);
+    printf("matmul %s: fwd %.2e dX %.2e dW %.2e db %.2e\n", fp32 ? "fp32" : "bf16",
+           rel_error(yg, yr, (size_t)M * N), rel_error(gx, gxr, (size_t)M * K), rel_error(gw, gwr, (size_t)N * K),
+           rel_error(gb, gbr, N));
+    check_close("matmul forward", yg, yr, (size_t)M * N, tol);
+    check_close("matmul backward input (accumulated)", gx, gxr, (size_t)M * K, tol);
+    check_close("matmul backward weight (accumulated, fp32 out)", gw, gwr, (size_t)N * K, fp32 ? tol : 1e-5);
+    check_close("matmul backward bias (accumulated)", gb, gbr, N, fp32 ? tol : 1e-5);
+    void *bufs[] = {dx_, dw_, db_, ddy, dy_out, dgx, dgw, dgb};
+    for (int i = 0; i < 8; i++) cudaCheck(cudaFree(bufs[i]));
+    double *hb[] = {x, w, b, dy, dw0, db0, y, yr, yg, gx, gxr, gw, gwr, gb, gbr};
+    for (int i = 0; i < 15; i++) free(hb[i]);
+}
+
+// ---- product-key top-k -------------------------------------------------------------------------------------------
+
+enum { SC_NORMAL, SC_BF16, SC_INTS, SC_EQUAL };
+static const char *SC_NAMES[] = {"normal fp32", "normal bf16", "small ints (ties)", "all equal"};
+
+static SdmDims dims_factors(int F, const int *n) {
+    SdmDims s;
+    memset(&s, 0, sizeof(s));
+    s.n_factors = F;
+    s.slots = 1;
+    for (int f = 0; f < F; f++) { s.factor_dims[f] = n[f]; s.slots *= n[f]; s.key_dim += n[f]; }
+    return s;
+}
+
+static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int kind) {
+    SdmDims s = dims_factors(F, n);
+    TopkPlan pl = topk_plan_make(&s, k);
+    int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H, fp32 = kind != SC_BF16;
+    double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
+    for (size_t i = 0; i < (size_t)T * ldz; i++) {
+        if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
+        else if (kind == SC_EQUAL) z[i] = 0.5;
+        else z[i] = 2.0 * rng_normal(rng);
+    }
+    round_to_dtype(z, (size_t)T * ldz, fp32);
+    for (int p = 0; p < P; p++) g[p] = -rng_uniform(rng);
+    void *dz = dev_upload(z, (size_t)T * ldz, fp32);
+    float *dg = (float *)dev_upload(g, P, 1);
+    int *dslot;
+    float *dw, *dsc, *dgam;
+    cudaCheck(cudaMalloc(&dslot, sizeof(int) * P * k));
+    cudaCheck(cudaMalloc(&dw, sizeof(float) * P * k));
+    cudaCheck(cudaMalloc(&dsc, sizeof(float) * P * k));
+    cudaCheck(cudaMalloc(&dgam, sizeof(float) * P * k));
+    cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * P * k)); // poison
+    const float scale = 0.7f;
+    topk_forward(&pl, dz, fp32 != 0, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    int *slot = (int *)sdm_malloc(sizeof(int) * P * k), *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
+    float *w = (float *)sdm_malloc(sizeof(float) * P * k), *sc = (float *)sdm_malloc(sizeof(float) * P * k);
+    float *gam = (float *)sdm_malloc(sizeof(float) * P * k);
+    cudaCheck(cudaMemcpy(slot, dslot, sizeof(int) * P * k, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(w, dw, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(sc, dsc, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(gam, dgam, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
+    double *score_ref = hzeros(k), *w_ref = hzeros((size_t)P * k), *w_gpu = hzeros((size_t)P * k);
+    double *gam_ref = hzeros((size_t)P * k), *gam_gpu = hzeros((size_t)P * k);
+    int bad = 0, bad_score = 0;
+    for (int p = 0; p < P; p++) {
+        const double *zp = z + (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * K;
+        sdm_pk_topk_ref(F, n, k, zp, slot_ref, score_ref);
+        sdm_act_forward_ref(SDM_ACT_SOFTMAX, scale, k, score_ref, w_ref + (size_t)p * k);
+        for (int j = 0; j < k; j++) {
+            size_t o = (size_t)p * k + j;
+            if (slot[o] != slot_ref[j]) bad++;
+            // the GPU score is the float32 left-to-right sum; the reference's is the double sum of the same floats
+            int dig[SDM_MAX_FACTORS];
+            sdm_pk_digits(F, n, slot_ref[j], dig);
+            float f32 = 0.0f;
+            for (int f = 0, off = 0; f < F; off += n[f], f++) f32 = f == 0 ? (float)zp[off + dig[f]] : f32 + (float)zp[off + dig[f]];
+            if (sc[o] != f32) bad_score++;
+            w_gpu[o] = w[o];
+            gam_gpu[o] = gam[o];
+            gam_ref[o] = g[p] * w_ref[o];
+        }
+    }
+    printf("top-k F=%d (%d", F, n[0]);
+    for (int f = 1; f < F; f++) printf("x%d", n[f]);
+    printf(") k=%d H=%d problems=%d %s: slot mismatches %d, score mismatches %d, weight err %.2e\n", k, H, P,
+           SC_NAMES[kind], bad, bad_score, rel_error(w_gpu, w_ref, (size_t)P * k));
+    CHECK(bad == 0, "top-k slots differ from the CPU in %d entries (%s)", bad, SC_NAMES[kind]);
+    CHECK(bad_score == 0, "top-k float32 scores differ in %d entries", bad_score);
+    check_close("top-k softmax weights", w_gpu, w_ref, (size_t)P * k, TOL_FP32);
+    check_close("top-k gamma (key-weighted)", gam_gpu, gam_ref, (size_t)P * k, TOL_FP32);
+    topk_plan_free(&pl);
+    cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg)); cudaCheck(cudaFree(dslot)); cudaCheck(cudaFree(dw));
+    cudaCheck(cudaFree(dsc)); cudaCheck(cudaFree(dgam));
+    free(z); free(g); free(slot); free(slot_ref); free(w); free(sc); free(gam); free(score_ref); free(w_ref);
+    free(w_gpu); free(gam_ref); free(gam_gpu);
+}
+
+// ---- the whole layer ---------------------------------------------------------------------------------------------
+
+typedef struct {
+    const char *name;
+    int fp32, D, H, F, n[3], W, R, C, B, T;
+    int learned_bank, output_gate, normalize_readings, kwd;
+    float write_scale, read_scale;
+} LayerCase;
+
+static SdmDims layer_dims(const LayerCase *c) {
+    SdmDims s = dims_factors(c->F, c->n);
+    s.dim = c->D; s.heads = c->H; s.head_dim = c->D / c->H;
+    s.writes = c->W; s.reads = c->R; s.chunk = c->C;
+    s.write_act = s.read_act = SDM_ACT_SOFTMAX;
+    s.write_scale = c->write_scale; s.read_scale = c->read_scale;
+    s.key_weighted_decay = c->kwd; s.learned_bank = c->learned_bank;
+    s.normalize_readings = c->normalize_readings; s.output_gate = c->output_gate;
+    s.norm_eps = 1e-5f; s.snapshot = SDM_SNAP_NONE; s.bank_fp32 = c->fp32;
+    return s;
+}
+
+// a value on the grid {-2..2} * step (exact in bf16, and so are the sums of products the tests form from them)
+static double grid_value(Rng *r, double step) { return step * ((double)rng_below(r, 5) - 2.0); }
+
+// Random parameters of the reference layout (rounded to the compute dtype so both sides use the same values).
+// bf16 mode: x, wk, wq, bk, bq on coarse grids so that the bf16 sub-key scores are exact.
+static void layer_random_params(Rng *rng, const SdmDims *s, int fp32, double **t) {
+    for (int i = 0; i < SDM_P_COUNT; i++) {
+        size_t n = sdm_ref_param_numel(s, i);
+        t[i] = n ? hzeros(n) : NULL;
+        if (!n) continue;
+        double std = 1.0 / sqrt((double)s->dim);
+        for (size_t j = 0; j < n; j++) {
+            switch (i) {
+            case SDM_P_WK: case SDM_P_WQ: t[i][j] = fp32 ? 2.0 * std * rng_normal(rng) : grid_value(rng, 0.125); break;
+            case SDM_P_BK: case SDM_P_BQ: t[i][j] = fp32 ? 0.3 * rng_normal(rng) : grid_value(rng, 0.125); break;
+            case SDM_P_A_LOG: t[i][j] = log(rng_range(rng, 0.5, 4.0)); break;
+            case SDM_P_DT_BIAS: t[i][j] = rng_range(rng, -3.0, 0.5); break;
+            case SDM_P_LN_W: t[i][j] = 1.0 + 0.2 * rng_normal(rng); break;
+            case SDM_P_BANK: t[i][j] = 0.5 * rng_normal(rng); break;
+            case SDM_P_BA: case SDM_P_BB: case SDM_P_BV: case SDM_P_BG: case SDM_P_BO: case SDM_P_LN_B:
+                t[i][j] = 0.2 * rng_normal(rng); break;
+            default: t[i][j] = std * rng_normal(rng); break;
+            }
+        }
+        round_to_dtype(t[i], n, fp32);
+    }
+}
+
+// concatenation of the fused input block (rows of wk, wq, wv, wa, wb, wg or biases) in the model's order
+static double *fused_in(const SdmDims *s, double *const *t, int bias) {
+    static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
+    static const int bi[] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) total += sdm_ref_param_numel(s, bias ? bi[i] : wi[i]);
+    double *out = hzeros(total);
+    size_t off = 0;
+    for (int i = 0; i < 6; i++) {
+        int id = bias ? bi[i] : wi[i];
+        size_t n = sdm_ref_param_numel(s, id);
+        if (n) memcpy(out + off, t[id], sizeof(double) * n);
+        off += n;
+    }
+    return out;
+}
+
+static void compare_grad(const char *what, const float *dev, size_t n, const double *ref, double tol) {
+    double *h = hzeros(n);
+    dev_download(h, dev, n, 1);
+    double e = rel_error(h, ref, n);
+    printf("    %-10s %.2e\n", what, e);
+    CHECK(e <= tol, "%s: relative error %.3e > tolerance %.1e", what, e, tol);
+    free(h);
+}
+
+static int count_slot_mismatch(const int *dev, const int *ref, size_t n) {
+    int *h = (int *)sdm_malloc(sizeof(int) * n), bad = 0;
+    cudaCheck(cudaMemcpy(h, dev, sizeof(int) * n, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) bad += h[i] != ref[i];
+    free(h);
+    return bad;
+}
+
+static void test_layer(Rng *rng, const LayerCase *c) {
+    SdmDims s = layer_dims(c);
+    int fp32 = c->fp32, B = c->B, T = c->T, D = c->D, n = B * T;
+    double tol = tol_for(fp32);
+    double *t[SDM_P_COUNT], *gr[SDM_P_COUNT];
+    layer_random_params(rng, &s, fp32, t);
+    for (int i = 0; i < SDM_P_COUNT; i++) gr[i] = t[i] ? hzeros(sdm_ref_param_numel(&s, i)) : NULL;
+    double *x = hzeros((size_t)n * D), *dy = hzeros((size_t)n * D);
+    for (size_t i = 0; i < (size_t)n * D; i++) x[i] = fp32 ? rng_normal(rng) : grid_value(rng, 0.25);
+    round_to_dtype(x, (size_t)n * D, fp32);
+    fill_normal(rng, dy, (size_t)n * D, 1.0);
+    round_to_dtype(dy, (size_t)n * D, fp32);
+
+    // CPU reference
+    SdmRefParams rp = sdm_ref_params_from(t);
+    SdmRefGrads rg = sdm_ref_grads_from(gr);
+    SdmRefTrace tr = sdm_ref_trace_alloc(&s, B, T);
+    SdmRefGradTrace og = sdm_ref_grad_trace_alloc(&s, B, T);
+    double *dx_ref = hzeros((size_t)n * D);
+    sdm_layer_forward_trace_ref(&s, B, T, &rp, x, &tr);
+    sdm_layer_backward_trace_ref(&s, B, T, &rp, x, dy, &tr, dx_ref, &rg, &og);
+
+    // GPU
+    SdmLayer L = sdm_layer_create(&s, B, T, fp32, 0);
+    double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1);
+    SdmLayerParams p;
+    memset(&p, 0, sizeof(p));
+    p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
+    p.b_in = dev_upload(b_in, L.n_in, fp32);
+    p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32);
+    p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
+    if (s.normalize_readings) {
+        p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32);
+        p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
+    }
+    p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32);
+    p.b_out = dev_upload(t[SDM_P_BO], D, fp32);
+    size_t nbank = sdm_ref_param_numel(&s, SDM_P_BANK);
+    if (s.learned_bank) p.bank0 = dev_upload(t[SDM_P_BANK], nbank, fp32);
+    SdmLayerGrads g;
+    size_t gsz[] = {(size_t)L.n_in * D, (size_t)L.n_in, (size_t)s.heads, (size_t)s.heads, (size_t)s.head_dim,
+                    (size_t)s.head_dim, (size_t)D * D, (size_t)D, nbank ? nbank : 1};
+    float **gp[] = {&g.w_in, &g.b_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0};
+    for (int i = 0; i < 9; i++) {
+        cudaCheck(cudaMalloc(gp[i], sizeof(float) * gsz[i]));
+        cudaCheck(cudaMemset(*gp[i], 0, sizeof(float) * gsz[i]));
+    }
+    void *dx_in = dev_upload(x, (size_t)n * D, fp32), *ddy = dev_upload(dy, (size_t)n * D, fp32);
+    void *dyout = dev_upload(dy, (size_t)n * D, fp32), *ddx = dev_upload(dy, (size_t)n * D, fp32); // poisoned
+    sdm_layer_forward(&L, &p, dx_in, dyout, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    int bad_w = count_slot_mismatch(L.wslot, tr.wslot, (size_t)n * s.heads * s.writes);
+    int bad_r = count_slot_mismatch(L.rslot, tr.rslot, (size_t)n * s.heads * s.reads);
+    sdm_layer_backward(&L, &p, dx_in, ddy, ddx, &g, 0);
+    cudaCheck(cudaDeviceSynchronize());
+
+    printf("layer %s (%s): D=%d H=%d F=%d W=%d R=%d C=%d B=%d T=%d bank=%d gate=%d ln=%d kwd=%d\n", c->name,
+           fp32 ? "fp32" : "bf16", D, s.heads, s.n_factors, s.writes, s.reads, s.chunk, B, T, s.learned_bank,
+           s.output_gate, s.normalize_readings, s.key_weighted_decay);
+    printf("    slot mismatches: writes %d, reads %d\n", bad_w, bad_r);
+    CHECK(bad_w == 0 && bad_r == 0, "layer %s: the GPU selected other slots than the CPU (%d write, %d read)", c->name,
+          bad_w, bad_r);
+    if (bad_w == 0 && bad_r == 0) {
+        double *h = hzeros((size_t)n * D);
+        dev_download(h, dyout, (size_t)n * D, fp32);
+        double e = rel_error(h, tr.y, (size_t)n * D);
+        printf("    %-10s %.2e\n", "y", e);
+        CHECK(e <= tol, "layer %s: y relative error %.3e > %.1e", c->name, e, tol);
+        dev_download(h, ddx, (size_t)n * D, fp32);
+        e = rel_error(h, dx_ref, (size_t)n * D);
+        printf("    %-10s %.2e\n", "dx", e);
+        CHECK(e <= tol, "layer %s: dx relative error %.3e > %.1e", c->name, e, tol);
+        free(h);
+        // intermediate stages, fp32 on both sides (diagnostics that localise a failure)
+        size_t P = (size_t)n * s.heads;
+        compare_grad("kappa", L.kappa, P * s.writes, tr.kappa, tol);
+        compare_grad("rho", L.rho, P * s.reads, tr.rho, tol);
+        compare_grad("gamma", L.gamma, P * s.writes, tr.gamma, tol);
+        compare_grad("beta", L.beta, P, tr.beta, tol);
+        compare_grad("o (op)", L.o, (size_t)n * D, tr.o, tol);
+        compare_grad("dout (op)", L.dr, (size_t)n * D, og.dout, tol);
+        compare_grad("dkappa(op)", L.dkappa, P * s.writes, og.dkappa_op, tol);
+        compare_grad("dgamma(op)", L.dgamma, P * s.writes, og.dgamma, tol);
+        compare_grad("dbeta (op)", L.dbeta, P, og.dbeta, tol);
+        compare_grad("dv (op)", L.dv, (size_t)n * D, og.dv, tol);
+        compare_grad("drho (op)", L.drho, P * s.reads, og.drho, tol);
+        double *gw_in = fused_in(&s, gr, 0), *gb_in = fused_in(&s, gr, 1);
+        // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
+        static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
+        static const int bi[] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
+        size_t woff = 0, boff = 0;
+        for (int i = 0; i < 6; i++) {
+            size_t nw = sdm_ref_param_numel(&s, wi[i]), nb = sdm_ref_param_numel(&s, bi[i]);
+            if (!nw) continue;
+            compare_grad(sdm_ref_param_name(wi[i]), g.w_in + woff, nw, gw_in + woff, tol);
+            compare_grad(sdm_ref_param_name(bi[i]), g.b_in + boff, nb, gb_in + boff, tol);
+            woff += nw;
+            boff += nb;
+        }
+        compare_grad("A_log", g.A_log, s.heads, gr[SDM_P_A_LOG], tol);
+        compare_grad("dt_bias", g.dt_bias, s.heads, gr[SDM_P_DT_BIAS], tol);
+        if (s.normalize_readings) {
+            compare_grad("ln_w", g.ln_w, s.head_dim, gr[SDM_P_LN_W], tol);
+            compare_grad("ln_b", g.ln_b, s.head_dim, gr[SDM_P_LN_B], tol);
+        }
+        compare_grad("wo", g.w_out, (size_t)D * D, gr[SDM_P_WO], tol);
+        compare_grad("bo", g.b_out, D, gr[SDM_P_BO], tol);
+        if (s.learned_bank) compare_grad("bank M0", g.bank0, nbank, gr[SDM_P_BANK], tol);
+        free(gw_in);
+        free(gb_in);
+    }
+    sdm_layer_destroy(&L);
+    const void *dbufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dx_in, ddy,
+                           dyout, ddx};
+    for (size_t i = 0; i < sizeof(dbufs) / sizeof(dbufs[0]); i++) cudaCheck(cudaFree((void *)dbufs[i]));
+    for (int i = 0; i < 9; i++) cudaCheck(cudaFree(*gp[i]));
+    sdm_ref_trace_free(&tr);
+    sdm_ref_grad_trace_free(&og);
+    for (int i = 0; i < SDM_P_COUNT; i++) { free(t[i]); free(gr[i]); }
+    free(x); free(dy); free(dx_ref); free(w_in); free(b_in);
+}
+
+int main(int argc, char **argv) {
+    uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : (uint64_t)time(NULL);
+    printf("seed %llu\n", (unsigned long long)seed);
+    Rng rng = rng_make(seed);
+    test_matmul(&rng, 1);
+    test_matmul(&rng, 0);
+
+    const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
+    for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
+        test_topk(&rng, 2, f16x16, 8, 2, 300, kind);
+        test_topk(&rng, 3, f3, 12, 2, 200, kind);
+        test_topk(&rng, 1, f1, 8, 1, 100, kind);
+    }
+    test_topk(&rng, 2, f256, 64, 2, 512, SC_NORMAL); // the flagship factor shape
+    test_topk(&rng, 2, f256, 64, 2, 512, SC_BF16);
+    test_topk(&rng, 2, f256, 64, 1, 16, SC_INTS);
+    test_topk(&rng, 2, f256, 64, 1, 4, SC_EQUAL);
+    test_topk(&rng, 3, f3b, 32, 2, 100, SC_NORMAL);
+    test_topk(&rng, 3, f3b, 32, 2, 100, SC_INTS);
+
+    //  name  fp32 D   H F  n          W   R   C   B  T   bank gate ln kwd wscale rscale
+    const LayerCase cases[] = {
+        {"A", 1, 64, 1, 2, {16, 16, 0}, 8, 8, 16, 2, 40, 1, 1, 1, 0, 1.0f, 1.0f},
+        {"B", 1, 64, 2, 3, {4, 8, 8}, 12, 8, 16, 2, 37, 0, 0, 0, 1, 1.0f, 0.8f},
+        {"C", 1, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f},
+        {"A", 0, 64, 1, 2, {16, 16, 0}, 8, 8, 16, 2, 40, 1, 1, 1, 0, 1.0f, 1.0f},
+        {"B", 0, 64, 2, 3, {4, 8, 8}, 12, 8, 16, 2, 37, 0, 0, 0, 1, 1.0f, 0.8f},
+        {"C", 0, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_layer(&rng, &cases[i]);
+    matmul_destroy();
+    return test_summary();
+}
