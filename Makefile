@@ -44,6 +44,13 @@ infer_sdm: infer_sdm.cu
 prepare_data: data/prepare_data.c
 	$(CC) $(CFLAGS) $< -o $@ -lm
 
+# The embedded default dataset (associative recall, data/README.md) in data/generated (git-ignored, ~35 MB,
+# under a second). train_sdm also generates it on first use through dataset_ensure_default().
+.PHONY: dataset
+dataset: data/generated/recall_dataset.txt
+data/generated/recall_dataset.txt: prepare_data
+	./prepare_data --recall -o data/generated
+
 $(BUILD)/test_%: tests/test_%.c | $(BUILD)
 	$(CC) $(CFLAGS) $(SANITIZE) $< -o $@ -lm
 
