@@ -93,24 +93,30 @@ static inline double attn_ref_probs(const AttnDims *a, int T, const AttnRefQKV *
     return mx + log(sum);
 }
 
+// One output row: orow [d_h] = attention of query (b, t, head j); returns its logsumexp. prob: scratch of T entries.
+static inline double attn_core_forward_row_ref(const AttnDims *a, int T, const AttnRefQKV *in, int b, int t, int j,
+                                               double *orow, double *prob) {
+    int d = a->head_dim, g = j / (a->n_heads / a->n_kv_heads), s0 = attn_first_key(t, a->window);
+    double l = attn_ref_probs(a, T, in, b, t, j, prob);
+    for (int i = 0; i < d; i++) orow[i] = 0.0;
+    for (int s = s0; s <= t; s++) {
+        const double *vr = attn_ref_row(in->v, b, s, g, T, a->n_kv_heads, d);
+        for (int i = 0; i < d; i++) orow[i] += prob[s - s0] * vr[i];
+    }
+    return l;
+}
+
 // o [B,T,n_h,d_h] = masked softmax attention; lse [B,n_h,T] (may be NULL).
 static inline void attn_core_forward_ref(const AttnDims *a, int B, int T, const double *q, const double *k,
                                          const double *v, double *o, double *lse) {
-    int d = a->head_dim, nh = a->n_heads, nkv = a->n_kv_heads;
+    int nh = a->n_heads;
     AttnRefQKV in = {q, k, v};
     double *prob = (double *)sdm_malloc((size_t)T * sizeof(double));
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nh; j++) {
-                int g = j / (nh / nkv), s0 = attn_first_key(t, a->window);
-                double l = attn_ref_probs(a, T, &in, b, t, j, prob);
+                double l = attn_core_forward_row_ref(a, T, &in, b, t, j, o + (((size_t)b * T + t) * nh + j) * a->head_dim, prob);
                 if (lse) lse[((size_t)b * nh + j) * T + t] = l;
-                double *orow = o + (((size_t)b * T + t) * nh + j) * d;
-                for (int i = 0; i < d; i++) orow[i] = 0.0;
-                for (int s = s0; s <= t; s++) {
-                    const double *vr = attn_ref_row(v, b, s, g, T, nkv, d);
-                    for (int i = 0; i < d; i++) orow[i] += prob[s - s0] * vr[i];
-                }
             }
     free(prob);
 }

@@ -1,0 +1,113 @@
+// tests/bench_attention.cu: bf16 attention forward and backward at the flagship shape (B=4, T=4096, 16 heads of 128),
+// full causal and sliding window w=128. Median of many CUDA-event timings after warm-up; TFLOP/s counts only the
+// (query, key) pairs inside the mask: forward 4*d flops per pair (Q K^T and P V), backward 10*d (five products).
+#include "attention/attention.cuh"
+#include "tests/test.h"
+
+#define CK(x) attn_cuda_check((x), #x)
+
+// Deterministic pseudo-random bf16 in [-2, 2): real data (not zeros) for the tensor cores.
+__global__ void bench_fill(bf16 *x, size_t n, uint32_t seed) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    x[i] = __float2bfloat16((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct { const AttnDims *a; int B, T; bf16 *q, *k, *v, *out, *dout, *dq, *dk, *dv; float *lse; void *ws; } BenchBufs;
+
+static void run_pass(const BenchBufs *b, int backward) {
+    if (backward)
+        attn_backward(b->a, b->B, b->T, ATTN_BF16, b->q, b->k, b->v, b->out, b->lse, b->dout, b->dq, b->dk, b->dv, b->ws, 0);
+    else
+        attn_forward(b->a, b->B, b->T, ATTN_BF16, b->q, b->k, b->v, b->out, b->lse, 0);
+}
+
+// Median milliseconds of `reps` timed runs after `warm` untimed ones.
+static float time_pass(const BenchBufs *b, int backward, int warm, int reps) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int i = 0; i < warm; i++) run_pass(b, backward);
+    float *ms = (float *)sdm_malloc(reps * sizeof(float));
+    for (int i = 0; i < reps; i++) {
+        CK(cudaEventRecord(e0));
+        run_pass(b, backward);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    qsort(ms, reps, sizeof(float), cmp_float);
+    float med = ms[reps / 2];
+    free(ms);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return med;
+}
+
+// (query, key) pairs inside the mask of one (sequence, head)
+static double visible_pairs(int T, int window) {
+    double n = 0.0;
+    for (int p = 0; p < T; p++) n += window == 0 ? p + 1 : SDM_MIN(p + 1, window);
+    return n;
+}
+
+static int count_nonfinite(const bf16 *d, size_t n) {
+    bf16 *h = (bf16 *)sdm_malloc(n * sizeof(bf16));
+    CK(cudaMemcpy(h, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) bad += !isfinite(__bfloat162float(h[i]));
+    free(h);
+    return bad;
+}
+
+int main(void) {
+    const int B = 4, T = 4096, H = 16, D = 128, windows[2] = {0, 128}, warm = 5, reps = 30;
+    size_t n = (size_t)B * T * H * D;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    bf16 *buf[8];
+    for (int i = 0; i < 8; i++) {
+        CK(cudaMalloc((void **)&buf[i], n * sizeof(bf16)));
+        bench_fill<<<(unsigned)((n + 255) / 256), 256>>>(buf[i], n, 1234u + i);
+    }
+    float *lse;
+    CK(cudaMalloc((void **)&lse, (size_t)B * H * T * sizeof(float)));
+    void *ws;
+    float ms[2][2];
+    double tflops[2][2];
+    for (int c = 0; c < 2; c++) {
+        AttnDims a;
+        a.dim = H * D; a.n_heads = H; a.n_kv_heads = H; a.head_dim = D; a.window = windows[c]; a.gated = 0;
+        a.rope_theta = 10000.0;
+        CK(cudaMalloc(&ws, attn_backward_workspace_bytes(&a, B, T)));
+        BenchBufs bb = {&a, B, T, buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7], lse, ws};
+        double pairs = visible_pairs(T, windows[c]) * B * H;
+        for (int bwd = 0; bwd < 2; bwd++) {
+            ms[c][bwd] = time_pass(&bb, bwd, warm, reps);
+            tflops[c][bwd] = (bwd ? 10.0 : 4.0) * D * pairs / (ms[c][bwd] * 1e-3) / 1e12;
+        }
+        CK(cudaDeviceSynchronize());
+        CHECK(count_nonfinite(buf[3], n) == 0, "window %d: non-finite forward output", windows[c]);
+        CHECK(count_nonfinite(buf[5], n) == 0, "window %d: non-finite dq", windows[c]);
+        CK(cudaFree(ws));
+    }
+    printf("\nbf16, B=%d T=%d heads=%d d=%d, median of %d after %d warm-up\n", B, T, H, D, reps, warm);
+    printf("| mask | pass | ms | TFLOP/s (inside mask) |\n|---|---|---|---|\n");
+    for (int c = 0; c < 2; c++)
+        for (int bwd = 0; bwd < 2; bwd++)
+            printf("| %s | %s | %.3f | %.1f |\n", windows[c] ? "SWA w=128" : "full causal", bwd ? "bwd" : "fwd", ms[c][bwd],
+                   tflops[c][bwd]);
+    printf("SWA w=128 speed-up over full causal: fwd %.1fx, bwd %.1fx, fwd+bwd %.1fx\n", ms[0][0] / ms[1][0],
+           ms[0][1] / ms[1][1], (ms[0][0] + ms[0][1]) / (ms[1][0] + ms[1][1]));
+    for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));
+    CK(cudaFree(lse));
+    return test_summary();
+}

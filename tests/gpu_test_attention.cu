@@ -1,0 +1,363 @@
+// tests/gpu_test_attention.cu: the GPU attention kernels against the double-precision CPU reference on fresh random
+// inputs: core forward (out, lse) and backward (dq, dk, dv), determinism, inference = training forward, decode
+// against a KV cache = teacher-forced forward, RoPE and the sigmoid gate.
+// Tolerances (relative, ||gpu - ref|| / ||ref|| over a whole tensor): fp32 mode 1e-5, bf16 1e-2. Inputs are rounded to
+// the element type before the reference sees them, so both compute the same function.
+#include "attention/attention.cuh"
+#include "attention/attention_ref.h"
+#include "core/rng.h"
+#include "tests/test.h"
+
+#define CK(x) attn_cuda_check((x), #x)
+
+static const double TOL_FP32 = 1e-5, TOL_BF16 = 1e-2;
+static double tol_of(AttnDtype dt) { return dt == ATTN_FP32 ? TOL_FP32 : TOL_BF16; }
+static size_t esize(AttnDtype dt) { return dt == ATTN_BF16 ? sizeof(bf16) : sizeof(float); }
+static const char *dt_name(AttnDtype dt) { return dt == ATTN_BF16 ? "bf16" : "fp32"; }
+
+static void *dev_alloc(size_t bytes) {
+    void *p;
+    CK(cudaMalloc(&p, bytes ? bytes : 1));
+    return p;
+}
+
+// 0xFF bytes: NaN in fp32 and in bf16, so any element a kernel forgets to write fails the comparison.
+static void poison(void *d, size_t bytes) { CK(cudaMemset(d, 0xFF, bytes)); }
+
+// Upload h as dt; h is rounded in place to the values the device holds.
+static void *upload(double *h, size_t n, AttnDtype dt) {
+    void *d = dev_alloc(n * esize(dt));
+    if (dt == ATTN_FP32) {
+        float *t = (float *)sdm_malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++) h[i] = t[i] = (float)h[i];
+        CK(cudaMemcpy(d, t, n * sizeof(float), cudaMemcpyHostToDevice));
+        free(t);
+    } else {
+        bf16 *t = (bf16 *)sdm_malloc(n * sizeof(bf16));
+        for (size_t i = 0; i < n; i++) {
+            t[i] = __float2bfloat16((float)h[i]);
+            h[i] = __bfloat162float(t[i]);
+        }
+        CK(cudaMemcpy(d, t, n * sizeof(bf16), cudaMemcpyHostToDevice));
+        free(t);
+    }
+    return d;
+}
+
+static double *download(const void *d, size_t n, AttnDtype dt) {
+    double *h = (double *)sdm_malloc(n * sizeof(double));
+    void *t = sdm_malloc(n * esize(dt));
+    CK(cudaMemcpy(t, d, n * esize(dt), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) h[i] = dt == ATTN_FP32 ? ((float *)t)[i] : __bfloat162float(((bf16 *)t)[i]);
+    free(t);
+    return h;
+}
+
+static void *download_raw(const void *d, size_t bytes) {
+    void *h = sdm_malloc(bytes);
+    CK(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static double *random_vec(Rng *r, size_t n) {
+    double *x = (double *)sdm_malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) x[i] = rng_normal(r);
+    return x;
+}
+
+static double norm(const double *x, size_t n) { return sqrt(attn_ref_dot(x, x, (int)n)); }
+
+// ||a - b|| / max(||b||, floor), checked against tol and returned for the printed table. For gradients that are
+// exactly zero in exact arithmetic (dq, dk when every query sees only itself: w = 1 or T = 1) the floor is the size of
+// a gradient that is not (dv), so rounding noise is measured on the scale of the layer's gradients.
+static double check_err(const char *what, const double *a, const double *b, size_t n, double floor, double tol) {
+    double num = 0.0;
+    for (size_t i = 0; i < n; i++) num += (a[i] - b[i]) * (a[i] - b[i]);
+    double err = sqrt(num) / fmax(fmax(norm(b, n), floor), 1e-300);
+    CHECK(err <= tol, "%s: relative error %.3e > tolerance %.1e", what, err, tol);
+    return err;
+}
+
+typedef struct {
+    int B, T, nh, nkv, D, window;
+    int backward;  // also check dq, dk, dv against the reference
+    int row_step;  // 0: every output row is compared; k: only rows t % k == 0 and t = T-1 (large T, full causal)
+} CoreCase;
+
+static AttnDims dims_of(const CoreCase *c) {
+    AttnDims a;
+    a.dim = 0; a.n_heads = c->nh; a.n_kv_heads = c->nkv; a.head_dim = c->D; a.window = c->window; a.gated = 0;
+    a.rope_theta = 10000.0;
+    return a;
+}
+
+typedef struct { void *out, *dq, *dk, *dv; float *lse; } CoreOutputs;
+
+static void run_core(const AttnDims *a, const CoreCase *c, AttnDtype dt, void *q, void *k, void *v, void *dout,
+                     void *ws, CoreOutputs *o, size_t nq, size_t nk, size_t nl) {
+    poison(o->out, nq * esize(dt)); poison(o->lse, nl * sizeof(float));
+    poison(o->dq, nq * esize(dt)); poison(o->dk, nk * esize(dt)); poison(o->dv, nk * esize(dt));
+    attn_forward(a, c->B, c->T, dt, q, k, v, o->out, o->lse, 0);
+    attn_backward(a, c->B, c->T, dt, q, k, v, o->out, o->lse, dout, o->dq, o->dk, o->dv, ws, 0);
+    CK(cudaDeviceSynchronize());
+}
+
+static int bitwise_equal(const void *d1, const void *d2, size_t bytes) {
+    void *h1 = download_raw(d1, bytes), *h2 = download_raw(d2, bytes);
+    int eq = memcmp(h1, h2, bytes) == 0;
+    free(h1); free(h2);
+    return eq;
+}
+
+// Reference forward on the compared rows only; returns how many rows were compared.
+static size_t ref_forward_rows(const AttnDims *a, const CoreCase *c, const double *q, const double *k, const double *v,
+                               const double *gpu_out, const double *gpu_lse, double *ref_o, double *got_o,
+                               double *ref_l, double *got_l) {
+    AttnRefQKV in = {q, k, v};
+    double *prob = (double *)sdm_malloc((size_t)c->T * sizeof(double));
+    size_t rows = 0, D = (size_t)c->D;
+    for (int b = 0; b < c->B; b++)
+        for (int t = 0; t < c->T; t++) {
+            if (c->row_step && t % c->row_step != 0 && t != c->T - 1) continue;
+            for (int j = 0; j < c->nh; j++, rows++) {
+                size_t row = ((size_t)b * c->T + t) * c->nh + j, hrow = ((size_t)b * c->nh + j) * c->T + t;
+                ref_l[rows] = attn_core_forward_row_ref(a, c->T, &in, b, t, j, ref_o + rows * D, prob);
+                memcpy(got_o + rows * D, gpu_out + row * D, D * sizeof(double));
+                got_l[rows] = gpu_lse[hrow];
+            }
+        }
+    free(prob);
+    return rows;
+}
+
+static void test_core(const CoreCase *c, AttnDtype dt, uint64_t seed) {
+    AttnDims a = dims_of(c);
+    size_t nq = (size_t)c->B * c->T * c->nh * c->D, nk = (size_t)c->B * c->T * c->nkv * c->D, nl = (size_t)c->B * c->nh * c->T;
+    Rng rng = rng_make(seed);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk), *dout = random_vec(&rng, nq);
+    void *dq_in = upload(q, nq, dt), *dk_in = upload(k, nk, dt), *dv_in = upload(v, nk, dt), *ddout = upload(dout, nq, dt);
+    void *ws = dev_alloc(attn_backward_workspace_bytes(&a, c->B, c->T));
+    CoreOutputs o1, o2;
+    CoreOutputs *os[2] = {&o1, &o2};
+    for (int i = 0; i < 2; i++) {
+        os[i]->out = dev_alloc(nq * esize(dt)); os[i]->dq = dev_alloc(nq * esize(dt));
+        os[i]->dk = dev_alloc(nk * esize(dt)); os[i]->dv = dev_alloc(nk * esize(dt));
+        os[i]->lse = (float *)dev_alloc(nl * sizeof(float));
+    }
+    run_core(&a, c, dt, dq_in, dk_in, dv_in, ddout, ws, &o1, nq, nk, nl);
+    char name[160];
+    snprintf(name, sizeof name, "%s B%d T%d h%d/%d d%d w%d", dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window);
+    double tol = tol_of(dt);
+    char what[200];
+
+    // forward: out and lse
+    double *out = download(o1.out, nq, dt);
+    float *lse_f = (float *)download_raw(o1.lse, nl * sizeof(float));
+    double *lse = (double *)sdm_malloc(nl * sizeof(double));
+    for (size_t i = 0; i < nl; i++) lse[i] = lse_f[i];
+    double *ref_o = (double *)sdm_malloc(nq * sizeof(double)), *got_o = (double *)sdm_malloc(nq * sizeof(double));
+    double *ref_l = (double *)sdm_malloc(nl * sizeof(double)), *got_l = (double *)sdm_malloc(nl * sizeof(double));
+    size_t rows = ref_forward_rows(&a, c, q, k, v, out, lse, ref_o, got_o, ref_l, got_l);
+    double err[5] = {0, 0, -1, -1, -1}; // out, lse, dq, dk, dv (-1: not compared)
+    snprintf(what, sizeof what, "%s: out (%zu rows)", name, rows);
+    err[0] = check_err(what, got_o, ref_o, rows * c->D, 0.0, tol);
+    snprintf(what, sizeof what, "%s: lse", name);
+    err[1] = check_err(what, got_l, ref_l, rows, 0.0, tol);
+
+    // backward: dq, dk, dv
+    if (c->backward) {
+        double *rdq = (double *)sdm_malloc(nq * sizeof(double)), *rdk = (double *)sdm_malloc(nk * sizeof(double));
+        double *rdv = (double *)sdm_malloc(nk * sizeof(double));
+        attn_core_backward_ref(&a, c->B, c->T, q, k, v, dout, rdq, rdk, rdv);
+        double *gdq = download(o1.dq, nq, dt), *gdk = download(o1.dk, nk, dt), *gdv = download(o1.dv, nk, dt);
+        double dv_rms = norm(rdv, nk) / sqrt((double)nk);
+        int self_only = c->window == 1 || c->T == 1;
+        double floor_q = self_only ? dv_rms * sqrt((double)nq) : 0.0, floor_k = self_only ? dv_rms * sqrt((double)nk) : 0.0;
+        snprintf(what, sizeof what, "%s: dq", name);
+        err[2] = check_err(what, gdq, rdq, nq, floor_q, tol);
+        snprintf(what, sizeof what, "%s: dk", name);
+        err[3] = check_err(what, gdk, rdk, nk, floor_k, tol);
+        snprintf(what, sizeof what, "%s: dv", name);
+        err[4] = check_err(what, gdv, rdv, nk, 0.0, tol);
+        free(rdq); free(rdk); free(rdv); free(gdq); free(gdk); free(gdv);
+    }
+
+    // determinism: a second run into other (poisoned) buffers is bitwise equal
+    run_core(&a, c, dt, dq_in, dk_in, dv_in, ddout, ws, &o2, nq, nk, nl);
+    int same = bitwise_equal(o1.out, o2.out, nq * esize(dt)) && bitwise_equal(o1.lse, o2.lse, nl * sizeof(float)) &&
+               bitwise_equal(o1.dq, o2.dq, nq * esize(dt)) && bitwise_equal(o1.dk, o2.dk, nk * esize(dt)) &&
+               bitwise_equal(o1.dv, o2.dv, nk * esize(dt));
+    CHECK(same, "%s: two runs differ", name);
+    // inference (no lse) writes the same output as training
+    poison(o2.out, nq * esize(dt));
+    attn_forward(&a, c->B, c->T, dt, dq_in, dk_in, dv_in, o2.out, NULL, 0);
+    CK(cudaDeviceSynchronize());
+    CHECK(bitwise_equal(o1.out, o2.out, nq * esize(dt)), "%s: inference forward differs from training forward", name);
+    printf("| %s | %d | %d | %d/%d | %d | %d | %s |", dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window,
+           c->row_step ? "every 97th + last" : "all");
+    for (int i = 0; i < 5; i++) printf(err[i] < 0 ? " - |" : " %.1e |", err[i]);
+    printf(" %s |\n", same ? "yes" : "NO");
+
+    free(q); free(k); free(v); free(dout); free(out); free(lse_f); free(lse);
+    free(ref_o); free(got_o); free(ref_l); free(got_l);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(os[i]->out); cudaFree(os[i]->dq); cudaFree(os[i]->dk); cudaFree(os[i]->dv); cudaFree(os[i]->lse);
+    }
+    cudaFree(dq_in); cudaFree(dk_in); cudaFree(dv_in); cudaFree(ddout); cudaFree(ws);
+}
+
+// Decode token by token (append k, v to the cache, attend with the newest query) for B streams and compare every
+// step's output with the full forward: the CPU reference and the GPU's own forward.
+static void test_decode(int B, int T, int nh, int nkv, int D, int window, AttnDtype dt) {
+    CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
+    AttnDims a = dims_of(&c);
+    int C = window > 0 ? window : T; // ring of w entries for SWA, the whole sequence for full attention
+    size_t nq = (size_t)B * T * nh * D, nk = (size_t)B * T * nkv * D, es = esize(dt);
+    Rng rng = rng_make(77 + window + D);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk);
+    char *dq_in = (char *)upload(q, nq, dt), *dk_in = (char *)upload(k, nk, dt), *dv_in = (char *)upload(v, nk, dt);
+    // per-step inputs [B, one token]: gathered from the [B,T,...] tensors
+    char *qt = (char *)dev_alloc((size_t)B * nh * D * es), *kt = (char *)dev_alloc((size_t)B * nkv * D * es);
+    char *vt = (char *)dev_alloc((size_t)B * nkv * D * es), *ot = (char *)dev_alloc((size_t)B * nh * D * es);
+    char *kc = (char *)dev_alloc((size_t)B * C * nkv * D * es), *vc = (char *)dev_alloc((size_t)B * C * nkv * D * es);
+    char *dec = (char *)dev_alloc(nq * es), *full = (char *)dev_alloc(nq * es);
+    int *dpos = (int *)dev_alloc(B * sizeof(int)), *dlen = (int *)dev_alloc(B * sizeof(int));
+    int *hpos = (int *)sdm_malloc(B * sizeof(int));
+    poison(kc, (size_t)B * C * nkv * D * es); poison(vc, (size_t)B * C * nkv * D * es); poison(dec, nq * es);
+    size_t qrow = (size_t)nh * D * es, krow = (size_t)nkv * D * es;
+    for (int t = 0; t < T; t++) {
+        for (int b = 0; b < B; b++) {
+            hpos[b] = t;
+            size_t bt = (size_t)b * T + t;
+            CK(cudaMemcpy(qt + b * qrow, dq_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(kt + b * krow, dk_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(vt + b * krow, dv_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
+        }
+        CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
+        for (int b = 0; b < B; b++) hpos[b] = t + 1;
+        CK(cudaMemcpy(dlen, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
+        attn_kv_cache_append(&a, B, dt, kt, vt, kc, vc, C, dpos, 0);
+        attn_decode(&a, B, dt, qt, kc, vc, C, dlen, ot, 0);
+        for (int b = 0; b < B; b++)
+            CK(cudaMemcpy(dec + ((size_t)b * T + t) * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
+    }
+    attn_forward(&a, B, T, dt, dq_in, dk_in, dv_in, full, NULL, 0);
+    CK(cudaDeviceSynchronize());
+    double *ref = (double *)sdm_malloc(nq * sizeof(double));
+    attn_core_forward_ref(&a, B, T, q, k, v, ref, NULL);
+    double *gdec = download(dec, nq, dt), *gfull = download(full, nq, dt);
+    char what[160];
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d (cache %d) vs reference", dt_name(dt), B, T, nh, nkv, D, window, C);
+    double e_ref = check_err(what, gdec, ref, nq, 0.0, tol_of(dt));
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d vs GPU forward", dt_name(dt), B, T, nh, nkv, D, window);
+    double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == ATTN_FP32 ? 1e-6 : TOL_BF16);
+    printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
+           nkv, D, window, C, e_ref, e_gpu);
+    free(q); free(k); free(v); free(ref); free(gdec); free(gfull); free(hpos);
+    void *bufs[] = {dq_in, dk_in, dv_in, qt, kt, vt, ot, kc, vc, dec, full, dpos, dlen};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+}
+
+// RoPE forward and backward against the reference, with positions starting at 0 and at per-stream offsets pos0.
+static void test_rope(AttnDtype dt) {
+    const int B = 2, T = 1000, nh = 4, nkv = 2, D = 128, off1 = 37;
+    AttnDims a;
+    a.dim = 0; a.n_heads = nh; a.n_kv_heads = nkv; a.head_dim = D; a.window = 0; a.gated = 0; a.rope_theta = 10000.0;
+    AttnRope rope = attn_rope_create(D, a.rope_theta);
+    size_t nq = (size_t)B * T * nh * D, nk = (size_t)B * T * nkv * D;
+    Rng rng = rng_make(5);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk);
+    int h_pos0[2] = {0, off1}, *d_pos0 = (int *)dev_alloc(sizeof h_pos0);
+    CK(cudaMemcpy(d_pos0, h_pos0, sizeof h_pos0, cudaMemcpyHostToDevice));
+    for (int dir = 1; dir >= -1; dir -= 2)
+        for (int with_pos = 0; with_pos < 2; with_pos++) {
+            void *tq = upload(q, nq, dt), *tk = upload(k, nk, dt);
+            attn_rope(&rope, &a, B, T, dt, tq, tk, with_pos ? d_pos0 : NULL, dir, 0);
+            CK(cudaDeviceSynchronize());
+            double *gq = download(tq, nq, dt), *gk = download(tk, nk, dt);
+            // reference: stream b rotated as rows pos0[b].. of a longer sequence
+            double *rq = (double *)sdm_calloc(nq, sizeof(double)), *rk = (double *)sdm_calloc(nk, sizeof(double));
+            for (int b = 0; b < B; b++) {
+                int off = with_pos ? h_pos0[b] : 0;
+                size_t qr = (size_t)nh * D, kr = (size_t)nkv * D;
+                double *lq = (double *)sdm_calloc((size_t)(T + off) * qr, sizeof(double));
+                double *lk = (double *)sdm_calloc((size_t)(T + off) * kr, sizeof(double));
+                memcpy(lq + off * qr, q + b * T * qr, T * qr * sizeof(double));
+                memcpy(lk + off * kr, k + b * T * kr, T * kr * sizeof(double));
+                attn_rope_ref(lq, 1, T + off, nh, D, a.rope_theta, dir);
+                attn_rope_ref(lk, 1, T + off, nkv, D, a.rope_theta, dir);
+                memcpy(rq + b * T * qr, lq + off * qr, T * qr * sizeof(double));
+                memcpy(rk + b * T * kr, lk + off * kr, T * kr * sizeof(double));
+                free(lq); free(lk);
+            }
+            char what[120];
+            snprintf(what, sizeof what, "rope %s dir %d pos0 %s: q", dt_name(dt), dir, with_pos ? "{0,37}" : "none");
+            double eq = check_err(what, gq, rq, nq, 0.0, tol_of(dt));
+            snprintf(what, sizeof what, "rope %s dir %d pos0 %s: k", dt_name(dt), dir, with_pos ? "{0,37}" : "none");
+            double ek = check_err(what, gk, rk, nk, 0.0, tol_of(dt));
+            printf("rope %s direction %+d pos0 %s: q %.1e, k %.1e\n", dt_name(dt), dir, with_pos ? "{0,37}" : "none", eq, ek);
+            free(gq); free(gk); free(rq); free(rk);
+            cudaFree(tq); cudaFree(tk);
+        }
+    free(q); free(k);
+    cudaFree(d_pos0);
+    attn_rope_destroy(&rope);
+}
+
+static void test_gate(AttnDtype dt) {
+    const size_t n = 100000;
+    Rng rng = rng_make(9);
+    double *z = random_vec(&rng, n), *o = random_vec(&rng, n), *dog = random_vec(&rng, n);
+    void *dz_in = upload(z, n, dt), *do_in = upload(o, n, dt), *ddog = upload(dog, n, dt);
+    void *og = dev_alloc(n * esize(dt)), *d_o = dev_alloc(n * esize(dt)), *dz = dev_alloc(n * esize(dt));
+    poison(og, n * esize(dt)); poison(d_o, n * esize(dt)); poison(dz, n * esize(dt));
+    attn_gate_forward(dt, n, dz_in, do_in, og, 0);
+    attn_gate_backward(dt, n, dz_in, do_in, ddog, d_o, dz, 0);
+    CK(cudaDeviceSynchronize());
+    double *r_og = (double *)sdm_malloc(n * sizeof(double)), *r_do = (double *)sdm_malloc(n * sizeof(double));
+    double *r_dz = (double *)sdm_malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) {
+        double s = attn_ref_sigmoid(z[i]);
+        r_og[i] = s * o[i];
+        r_do[i] = s * dog[i];
+        r_dz[i] = dog[i] * o[i] * s * (1.0 - s);
+    }
+    double *g_og = download(og, n, dt), *g_do = download(d_o, n, dt), *g_dz = download(dz, n, dt);
+    char what[80];
+    snprintf(what, sizeof what, "gate %s forward", dt_name(dt));
+    double e0 = check_err(what, g_og, r_og, n, 0.0, tol_of(dt));
+    snprintf(what, sizeof what, "gate %s backward do", dt_name(dt));
+    double e1 = check_err(what, g_do, r_do, n, 0.0, tol_of(dt));
+    snprintf(what, sizeof what, "gate %s backward dz", dt_name(dt));
+    double e2 = check_err(what, g_dz, r_dz, n, 0.0, tol_of(dt));
+    printf("gate %s: forward %.1e, backward do %.1e, dz %.1e\n", dt_name(dt), e0, e1, e2);
+    free(z); free(o); free(dog); free(r_og); free(r_do); free(r_dz); free(g_og); free(g_do); free(g_dz);
+    cudaFree(dz_in); cudaFree(do_in); cudaFree(ddog); cudaFree(og); cudaFree(d_o); cudaFree(dz);
+}
+
+int main(void) {
+    printf("| type | B | T | n_h/n_kv | d_h | w | rows | out | lse | dq | dk | dv | 2 runs bitwise equal |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    // B, T, n_h, n_kv, d_h, window, backward checked, row_step (0: all rows)
+    const CoreCase cases[] = {
+        {1, 1, 2, 1, 64, 0, 1, 0},       {4, 17, 4, 2, 128, 0, 1, 0},     {1, 128, 8, 1, 64, 17, 1, 0},
+        {1, 1000, 2, 2, 64, 1, 1, 0},    {1, 1000, 2, 1, 128, 256, 1, 0}, {4, 128, 2, 1, 128, 128, 1, 0},
+        {1, 1000, 2, 2, 64, 0, 1, 0},    {4, 1000, 8, 4, 128, 17, 1, 0},  {1, 300, 8, 1, 64, 0, 1, 0},
+        {2, 100, 4, 4, 128, 1000, 1, 0},
+    };
+    const CoreCase big[] = {
+        {1, 4096, 2, 1, 128, 128, 1, 0}, {1, 4096, 2, 2, 64, 256, 1, 0}, {4, 4096, 8, 1, 128, 0, 0, 97},
+    };
+    AttnDtype dts[2] = {ATTN_FP32, ATTN_BF16};
+    for (int d = 0; d < 2; d++)
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_core(&cases[i], dts[d], 1000 * d + i);
+    for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) test_core(&big[i], ATTN_BF16, 5000 + i);
+    for (int d = 0; d < 2; d++) {
+        test_decode(3, 60, 4, 2, 64, 17, dts[d]);
+        test_decode(3, 60, 4, 2, 128, 0, dts[d]);
+        test_decode(2, 40, 8, 1, 128, 128, dts[d]);
+        test_rope(dts[d]);
+        test_gate(dts[d]);
+    }
+    return test_summary();
+}
