@@ -1,0 +1,113 @@
+// core/adamw.cuh: the optimiser step on the GPU (SDM_SPEC §6.8): global gradient L2 norm and clip scale
+// (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
+// (bf16, or fp32 in the all-fp32 mode). The schedule and the per-step coefficients are host code in core/optim.h.
+// With ZeRO-1 each rank calls grad_sumsq on its gradient shard, all-reduces the one float, then grad_clip_scale.
+#ifndef SDM_CORE_ADAMW_CUH
+#define SDM_CORE_ADAMW_CUH
+
+#include "core/act.cuh"
+#include "core/model.h"
+#include "core/optim.h"
+
+// ------------------------------------------------------------------------------------------------------------------
+// Global gradient norm
+
+#define GRAD_NORM_THREADS 256
+#define GRAD_NORM_SCRATCH 1024 // floats of scratch grad_sumsq needs: one partial per block, at most this many blocks
+
+// Block b sums the squares of its contiguous chunk [b·chunk, (b+1)·chunk): thread t takes every 256th element from
+// chunk start + t, then the fixed block tree. partial[b] = the block's sum.
+__global__ void grad_sumsq_partial_kernel(float *partial, const float *g, long long n, long long chunk) {
+    __shared__ float scratch[32];
+    long long start = (long long)blockIdx.x * chunk, end = start + chunk < n ? start + chunk : n;
+    float acc = 0.0f;
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) acc += g[i] * g[i];
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// One block of GRAD_NORM_SCRATCH threads: thread t holds partial t (or 0), then the fixed block tree.
+__global__ void grad_sumsq_finish_kernel(float *sumsq, const float *partial, int blocks) {
+    __shared__ float scratch[32];
+    float acc = block_sum(threadIdx.x < blocks ? partial[threadIdx.x] : 0.0f, scratch);
+    if (threadIdx.x == 0) *sumsq = acc;
+}
+
+// *sumsq (device) = Σ g[i]² over g[n] (fp32), bitwise reproducible for a given n; scratch: GRAD_NORM_SCRATCH floats.
+static inline void grad_sumsq(float *sumsq, float *scratch, const float *g, long long n, cudaStream_t s) {
+    long long per_block = 8LL * GRAD_NORM_THREADS; // at least this many elements per block before adding blocks
+    int blocks = (int)SDM_MAX(1LL, SDM_MIN((long long)GRAD_NORM_SCRATCH, (n + per_block - 1) / per_block));
+    long long chunk = (n + blocks - 1) / blocks;
+    grad_sumsq_partial_kernel<<<blocks, GRAD_NORM_THREADS, 0, s>>>(scratch, g, n, chunk);
+    cudaCheckLast();
+    grad_sumsq_finish_kernel<<<1, GRAD_NORM_SCRATCH, 0, s>>>(sumsq, scratch, blocks);
+    cudaCheckLast();
+}
+
+__global__ void grad_clip_scale_kernel(float *norm, float *scale, const float *sumsq, float clip) {
+    float nrm = sqrtf(*sumsq);
+    *norm = nrm;
+    *scale = clip_scale(nrm, clip);
+}
+
+// *norm = sqrt(*sumsq), *scale = min(1, clip / (norm + 1e-6)) (1 when clip <= 0); all device floats. The scale stays
+// on the device and is applied inside adamw_update, so the step needs no host synchronisation.
+static inline void grad_clip_scale(float *norm, float *scale, const float *sumsq, float clip, cudaStream_t s) {
+    grad_clip_scale_kernel<<<1, 1, 0, s>>>(norm, scale, sumsq, clip);
+    cudaCheckLast();
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// AdamW
+
+// One element per thread (grid-stride): the update of core/optim.h's AdamWCoeffs with g scaled by *grad_scale.
+template <typename T>
+__global__ void adamw_kernel(float *p, T *work, const float *g, float *m, float *v, long long n, AdamWCoeffs c,
+                             const float *grad_scale) {
+    float gs = grad_scale ? *grad_scale : 1.0f;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float gi = g[i] * gs;
+        float mi = c.beta1 * m[i] + (1.0f - c.beta1) * gi;
+        float vi = c.beta2 * v[i] + (1.0f - c.beta2) * gi * gi;
+        float pi = p[i] * c.decay_mul - c.step_size * mi / (sqrtf(vi) * c.rsqrt_bc2 + c.eps);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        if (work) work[i] = act_from_float<T>(pi);
+    }
+}
+
+// One AdamW update of n elements: p (fp32 master), m, v (fp32 state) in place; work[n] (working copy of work_type,
+// may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device float, NULL for 1).
+static inline void adamw_update(float *p, void *work, cudaDataType_t work_type, const float *g, float *m, float *v,
+                                long long n, AdamWCoeffs c, const float *grad_scale, cudaStream_t s) {
+    if (n <= 0) return;
+    int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
+    ACT_DISPATCH(work_type, "adamw_update",
+                 adamw_kernel<T><<<blocks, 256, 0, s>>>(p, (T *)work, g, m, v, n, c, grad_scale));
+    cudaCheckLast();
+}
+
+// AdamW over the elements [lo, hi) of the model's flat parameter array (a ZeRO-1 shard, or everything), with each
+// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array. Consecutive
+// tensors with the same flag are updated by one launch.
+static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
+                                      cudaDataType_t work_type, const float *g, float *m, float *v,
+                                      const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
+    long long run_lo = lo;
+    for (int i = 0; i < md->n_params; i++) {
+        const ParamSpec *ps = &md->params[i];
+        long long end = SDM_MIN(hi, ps->offset + ps->numel);
+        if (end <= run_lo) continue; // before the range, or already covered
+        int last = i + 1 == md->n_params || end == hi || md->params[i + 1].decay != ps->decay;
+        if (!last) continue;
+        long long off = run_lo - lo;
+        adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off, m + off,
+                     v + off, end - run_lo, adamw_coeffs(h, ps->decay), grad_scale, s);
+        run_lo = end;
+        if (run_lo >= hi) break;
+    }
+    if (run_lo != hi) sdm_die("adamw_update_model: range [%lld, %lld) is not covered by the parameter table", lo, hi);
+}
+
+#endif
