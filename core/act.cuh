@@ -1,6 +1,6 @@
 // core/act.cuh: compile-time activation types for the dense kernels (core/layers.cuh, core/loss.cuh, core/adamw.cuh).
 // Kernels are templated on the activation element type T (float for the all-fp32 mode, __nv_bfloat16 for training);
-// host wrappers take the run-time cudaDataType_t (as core/matmul.cuh does) and pick the instantiation with ACT_DISPATCH.
+// host wrappers take the run-time cudaDataType_t (as core/matmul.cuh does) and pick the instantiation by ACT_DISPATCH.
 // All arithmetic is fp32: T is only the storage type.
 #ifndef SDM_CORE_ACT_CUH
 #define SDM_CORE_ACT_CUH

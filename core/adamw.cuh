@@ -65,7 +65,8 @@ template <typename T>
 __global__ void adamw_kernel(float *p, T *work, const float *g, float *m, float *v, long long n, AdamWCoeffs c,
                              const float *grad_scale) {
     float gs = grad_scale ? *grad_scale : 1.0f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float gi = g[i] * gs;
         float mi = c.beta1 * m[i] + (1.0f - c.beta1) * gi;
         float vi = c.beta2 * v[i] + (1.0f - c.beta2) * gi * gi;

@@ -42,11 +42,23 @@ static inline void embedding_forward(void *out, const void *E, const int *tokens
 typedef struct {
     int n, V, D;
     int max_items, max_long, max_partials;
-    int *h_buf;       // host plan: [3] counts, order[n], items[max_items][4], runs[max_long][3]
+    int *h_buf;       // host plan (layout below)
     int *h_count;     // host scratch [V + 1] for the counting sort
     int *d_buf;       // device copy of h_buf
     float *d_partial; // [max_partials, D] fp32 partial rows of the long runs
 } EmbeddingBackwardPlan;
+
+// Layout of the plan buffer, host and device alike: [0] items, [1] long runs, [2] partial rows used; then
+// order[n] (positions sorted by token), items[max_items][4] = {first in order, count, token, partial row or -1},
+// runs[max_long][3] = {token, first partial row, pieces}.
+#define EMB_PLAN_ORDER 3
+__host__ __device__ static inline size_t emb_plan_items_at(int n) { return EMB_PLAN_ORDER + (size_t)n; }
+__host__ __device__ static inline size_t emb_plan_runs_at(int n, int max_items) {
+    return emb_plan_items_at(n) + 4 * (size_t)max_items;
+}
+static inline size_t emb_plan_ints(const EmbeddingBackwardPlan *p) {
+    return emb_plan_runs_at(p->n, p->max_items) + 3 * (size_t)p->max_long;
+}
 
 // Sizes: items <= n (each holds a position); long runs have > EMB_CHUNK positions so there are < n / EMB_CHUNK of
 // them, and a run of L > EMB_CHUNK positions has ceil(L / EMB_CHUNK) < 2 L / EMB_CHUNK pieces.
@@ -57,10 +69,9 @@ static inline void embedding_backward_plan_create(EmbeddingBackwardPlan *p, int 
     p->max_items = n;
     p->max_long = SDM_MAX(1, n / EMB_CHUNK);
     p->max_partials = SDM_MAX(1, 2 * n / EMB_CHUNK);
-    size_t ints = 3 + (size_t)n + 4 * (size_t)p->max_items + 3 * (size_t)p->max_long;
-    p->h_buf = (int *)sdm_malloc(ints * sizeof(int));
+    p->h_buf = (int *)sdm_malloc(emb_plan_ints(p) * sizeof(int));
     p->h_count = (int *)sdm_malloc(((size_t)V + 1) * sizeof(int));
-    cudaCheck(cudaMalloc(&p->d_buf, ints * sizeof(int)));
+    cudaCheck(cudaMalloc(&p->d_buf, emb_plan_ints(p) * sizeof(int)));
     cudaCheck(cudaMalloc(&p->d_partial, (size_t)p->max_partials * D * sizeof(float)));
 }
 
@@ -72,19 +83,17 @@ static inline void embedding_backward_plan_destroy(EmbeddingBackwardPlan *p) {
     memset(p, 0, sizeof(*p));
 }
 
-// Layout of the plan buffer (host and device alike).
-static inline int *emb_plan_order(int *buf) { return buf + 3; }
-static inline int *emb_plan_items(int *buf, int n) { return buf + 3 + n; } // {first, count, token, partial or -1}
-static inline int *emb_plan_runs(int *buf, int n, int max_items) { return buf + 3 + n + 4 * max_items; }
 
 // Build the plan for host tokens[n] (each in [0, V)) and upload it on stream s. The host buffer is pageable, so the
 // copy has left it when this returns and the next batch may rebuild it at once.
 static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const int *tokens, cudaStream_t s) {
     int n = p->n, V = p->V, *count = p->h_count, *buf = p->h_buf;
-    int *order = emb_plan_order(buf), *items = emb_plan_items(buf, n), *runs = emb_plan_runs(buf, n, p->max_items);
+    int *order = buf + EMB_PLAN_ORDER, *items = buf + emb_plan_items_at(n);
+    int *runs = buf + emb_plan_runs_at(n, p->max_items);
     memset(count, 0, ((size_t)V + 1) * sizeof(int));
     for (int i = 0; i < n; i++) {
-        if (tokens[i] < 0 || tokens[i] >= V) sdm_die("embedding: token %d at position %d outside [0, %d)", tokens[i], i, V);
+        if (tokens[i] < 0 || tokens[i] >= V)
+            sdm_die("embedding: token %d at position %d not in [0, %d)", tokens[i], i, V);
         count[tokens[i] + 1]++;
     }
     for (int v = 0; v < V; v++) count[v + 1] += count[v]; // count[v] = first slot of token v
@@ -107,8 +116,7 @@ static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const
         }
     }
     buf[0] = n_items, buf[1] = n_runs, buf[2] = n_partials;
-    size_t ints = 3 + (size_t)n + 4 * (size_t)p->max_items + 3 * (size_t)p->max_long;
-    cudaCheck(cudaMemcpyAsync(p->d_buf, buf, ints * sizeof(int), cudaMemcpyHostToDevice, s));
+    cudaCheck(cudaMemcpyAsync(p->d_buf, buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
 }
 
 // Pass 1: each item sums its positions' dout rows in sorted (= increasing position) order, then adds the sum to
@@ -117,7 +125,7 @@ template <typename T>
 __global__ void embedding_backward_items_kernel(float *dE, float *partial, const T *dout, const int *buf, int n,
                                                 int D) {
     __shared__ int pos[EMB_CHUNK];
-    const int *order = buf + 3, *items = buf + 3 + n;
+    const int *order = buf + EMB_PLAN_ORDER, *items = buf + emb_plan_items_at(n);
     for (int i = blockIdx.x; i < buf[0]; i += gridDim.x) {
         const int *it = items + 4 * i;
         int first = it[0], count = it[1], token = it[2], slot = it[3];
@@ -136,7 +144,7 @@ __global__ void embedding_backward_items_kernel(float *dE, float *partial, const
 // Pass 2: each long run adds its pieces' partial rows, in piece order, into dE[token].
 __global__ void embedding_backward_runs_kernel(float *dE, const float *partial, const int *buf, int n, int max_items,
                                                int D) {
-    const int *runs = buf + 3 + n + 4 * max_items;
+    const int *runs = buf + emb_plan_runs_at(n, max_items);
     for (int r = blockIdx.x; r < buf[1]; r += gridDim.x) {
         int token = runs[3 * r], slot0 = runs[3 * r + 1], pieces = runs[3 * r + 2];
         for (int k = threadIdx.x; k < D; k += blockDim.x) {

@@ -26,10 +26,10 @@ static inline LrScheduler lr_scheduler_from_name(const char *name) {
 }
 
 // f(step), the factor of the peak lr for the update that follows `step` completed updates (the first update uses
-// f(0)). As the reference: warmup f = step / warmup for step < warmup; then over s = (step − warmup) /
-// (n_steps − warmup) in [0, 1): cosine f = r + ½(1 − r)(1 + cos πs), linear f = 1 − s(1 − r); f = r from n_steps on
-// (the reference's jump back to 1 at exactly step = n_steps, never reached by a run of n_steps updates, is not
-// reproduced). "constant" is f = 1 at every step, warmup included, as in the reference.
+// f(0)). As the reference: warmup f = step / warmup for step < warmup; then over
+// s = (step − warmup) / (n_steps − warmup) in [0, 1): cosine f = r + ½(1 − r)(1 + cos πs), linear f = 1 − s(1 − r);
+// f = r from n_steps on (the reference's jump back to 1 at exactly step = n_steps, never reached by a run of n_steps
+// updates, is not reproduced). "constant" is f = 1 at every step, warmup included, as in the reference.
 static inline double lr_schedule(LrScheduler kind, long long step, long long warmup, long long n_steps,
                                  double min_ratio) {
     if (kind == LR_CONSTANT) return 1.0;

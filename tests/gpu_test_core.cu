@@ -113,8 +113,8 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
     size_t nd = (size_t)n * D, vd = (size_t)V * D, es = dtype_size(mo->dtype);
     int *tok = (int *)sdm_malloc(sizeof(int) * n);
     skewed_tokens(tok, n, V, r);
-    double *E = host_doubles(vd), *dout = host_doubles(nd), *dE0 = host_doubles(vd), *got = host_doubles(vd);
-    double *want = host_doubles(vd);
+    double *E = host_doubles(vd), *dout = host_doubles(nd), *dE0 = host_doubles(vd);
+    double *got = host_doubles(SDM_MAX(nd, vd)), *want = host_doubles(SDM_MAX(nd, vd)); // forward and backward
     fill_normal(E, vd, r, 0, 1);
     fill_normal(dout, nd, r, 0, 1);
     fill_normal(dE0, vd, r, 0, 1);
