@@ -71,11 +71,13 @@ static inline int recall_dataset_write(const char *dir, const RecallConfig *c, c
         int rc = recall_write_split(c, (uint64_t)split, sizes[split], &w, err);
         if (shard_writer_close(&w, rc ? NULL : err) || rc) return -1;
     }
+    char tmp[SHARD_PATH_LEN + 96];
+    snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
     dataset_stamp_text(c, stamp, sizeof stamp);
-    FILE *f = fopen(path, "wb");
-    if (!f) return data_fail(err, "%s: cannot create: %s", path, strerror(errno));
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return data_fail(err, "%s: cannot create: %s", tmp, strerror(errno));
     int bad = fputs(stamp, f) < 0;
-    if (fclose(f) != 0 || bad) return data_fail(err, "%s: write failed", path);
+    if (fclose(f) != 0 || bad || rename(tmp, path) != 0) return data_fail(err, "%s: write failed", path);
     return 0;
 }
 

@@ -49,15 +49,27 @@ static int parse_int(const char *opt, const char *s) {
 }
 
 static double g_start;
+static int g_progress_shown;  // a progress line without its newline is on stderr
 
 static void print_progress(const Preparer *pp) {
-    static uint64_t next = 0;
+    static uint64_t next = 64u << 20;
     if (pp->bytes_read < next) return;
     next = pp->bytes_read + (64u << 20);
     double mb = (double)pp->bytes_read / 1e6;
     fprintf(stderr, "\rprepare_data: %.0f MB read, %llu documents, %llu tokens, %.0f MB/s", mb,
             (unsigned long long)pp->docs, (unsigned long long)(pp->train.total_tokens + pp->val.total_tokens),
             mb / SDM_MAX(now_seconds() - g_start, 1e-9));
+    g_progress_shown = 1;
+}
+
+static void end_progress_line(void) {
+    if (g_progress_shown) fputc('\n', stderr);
+    g_progress_shown = 0;
+}
+
+static void fail(const char *err) {
+    end_progress_line();
+    sdm_die("%s", err);
 }
 
 static PrepUnit input_unit(const char *path, const char *format, PrepUnit text_unit) {
@@ -78,9 +90,10 @@ static void run_recall(const char *dir, const RecallConfig *c) {
 int main(int argc, char **argv) {
     const char *dir = NULL, *format = "auto";
     PrepUnit text_unit = PREP_TEXT_FILE;
-    int val_every = 100, skip_bad = 0, quiet = 0, recall = 0, first_input = argc;
+    int val_every = 100, skip_bad = 0, quiet = 0, recall = 0, num_inputs = 0;
     unsigned long long shard_tokens = 100000000ull;
     const char *field = "text";
+    const char **inputs = (const char **)sdm_calloc((size_t)argc, sizeof(char *));
     RecallConfig rc = recall_default_config();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -88,7 +101,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--skip-bad")) skip_bad = 1;
         else if (!strcmp(a, "--quiet")) quiet = 1;
         else if (!strcmp(a, "--recall")) recall = 1;
-        else if (a[0] != '-' || !strcmp(a, "-")) { first_input = i; break; }
+        else if (a[0] != '-' || !strcmp(a, "-")) inputs[num_inputs++] = a;
         else if (!has_value) usage();
         else if (!strcmp(a, "-o")) dir = argv[++i];
         else if (!strcmp(a, "--format")) format = argv[++i];
@@ -115,28 +128,29 @@ int main(int argc, char **argv) {
     if (strcmp(format, "auto") && strcmp(format, "text") && strcmp(format, "jsonl"))
         sdm_die("--format: expected auto, text or jsonl, got \"%s\"", format);
     if (recall) {
-        if (first_input < argc) sdm_die("--recall takes no input files");
+        if (num_inputs > 0) sdm_die("--recall takes no input files");
         run_recall(dir, &rc);
         return 0;
     }
-    if (first_input >= argc) sdm_die("no input files (see prepare_data with no arguments for usage)");
+    if (num_inputs == 0) sdm_die("no input files (see prepare_data with no arguments for usage)");
 
     char err[DATA_ERR_LEN];
     Preparer pp;
     g_start = now_seconds();
-    if (dataset_make_dir(dir, err) || preparer_open(&pp, dir, shard_tokens, err)) sdm_die("%s", err);
+    if (dataset_make_dir(dir, err) || preparer_open(&pp, dir, shard_tokens, err)) fail(err);
     pp.val_every = val_every;
     pp.skip_bad = skip_bad;
     pp.field = field;
     pp.progress = quiet ? NULL : print_progress;
-    for (int i = first_input; i < argc; i++)
-        if (preparer_add_file(&pp, argv[i], input_unit(argv[i], format, text_unit), err)) sdm_die("%s", err);
+    for (int i = 0; i < num_inputs; i++)
+        if (preparer_add_file(&pp, inputs[i], input_unit(inputs[i], format, text_unit), err)) fail(err);
     uint64_t train_tokens = pp.train.total_tokens, val_tokens = pp.val.total_tokens;
     int train_shards = pp.train.num_shards + (pp.train.f != NULL), val_shards = pp.val.num_shards + (pp.val.f != NULL);
     uint64_t docs = pp.docs, val_docs = pp.val_docs, skipped = pp.skipped, bytes = pp.bytes_read;
-    if (preparer_close(&pp, err)) sdm_die("%s", err);
+    if (preparer_close(&pp, err)) fail(err);
     double secs = now_seconds() - g_start;
-    if (!quiet) fputc('\n', stderr);
+    end_progress_line();
+    free(inputs);
     printf("prepare_data: %llu documents (%llu train, %llu validation), %llu skipped\n", (unsigned long long)docs,
            (unsigned long long)(docs - val_docs), (unsigned long long)val_docs, (unsigned long long)skipped);
     printf("prepare_data: %llu train tokens in %d shard(s), %llu validation tokens in %d shard(s), in %s\n",

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/common.h"
 
@@ -175,8 +176,8 @@ static inline int shard_read_tokens(FILE *f, const ShardHeader *h, const char *n
 
 // ---------------------------------------------------------------------------------------------------------
 // ShardWriter: appends a token stream to {dir}/{prefix}_000000.bin, _000001.bin, ... with at most shard_limit
-// tokens each. Each shard is written under a .tmp name and renamed when complete, so a crash never leaves a
-// file that looks finished. Stale shards of the same prefix beyond the last one written are removed on close.
+// tokens each. Each shard is written under a per-process .tmpPID name and renamed when complete, so a crash
+// never leaves a file that looks finished, and processes writing the same (deterministic) data do not collide. Stale shards of the same prefix beyond the last one written are removed on close.
 
 #define SHARD_PATH_LEN 1024
 #define SHARD_WRITE_BUF (1 << 20)
@@ -221,8 +222,9 @@ static inline int shard_writer_flush_buf(ShardWriter *w, char *err) {
 }
 
 static inline int shard_writer_start(ShardWriter *w, char *err) {
-    shard_path(w->tmp_path, sizeof w->tmp_path, w->dir, w->prefix, w->num_shards);
-    strcat(w->tmp_path, ".tmp");
+    char final_path[SHARD_PATH_LEN + 140];
+    shard_path(final_path, sizeof final_path, w->dir, w->prefix, w->num_shards);
+    snprintf(w->tmp_path, sizeof w->tmp_path, "%s.tmp%ld", final_path, (long)getpid());  // per process: see README
     w->f = fopen(w->tmp_path, "wb");
     if (!w->f) return data_fail(err, "%s: cannot create: %s", w->tmp_path, strerror(errno));
     w->h.count = 0;
