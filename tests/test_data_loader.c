@@ -259,6 +259,7 @@ static void test_pattern_list(void) {
 }
 
 int main(void) {
+    CHECK(sizeof(DataLoaderState) == 48, "DataLoaderState is %zu bytes: padding crept into the checkpoint record", sizeof(DataLoaderState));
     test_tmpdir(g_dir);
     write_shards();
     test_permutation();
