@@ -133,7 +133,8 @@ static inline int preparer_line(Preparer *pp, PrepUnit unit, const char *path, u
     return preparer_text_line(pp, unit, path, line, s, n, err);
 }
 
-// Read path ("-": standard input) block by block and feed its lines (each with its '\n', the last possibly without) to the unit's parser.
+// Read path ("-": standard input) block by block and feed its lines (each with its '\n', the last possibly
+// without) to the unit's parser.
 static inline int preparer_add_file(Preparer *pp, const char *path, PrepUnit unit, char *err) {
     int is_stdin = strcmp(path, "-") == 0;
     FILE *f = is_stdin ? stdin : fopen(path, "rb");
@@ -146,7 +147,10 @@ static inline int preparer_add_file(Preparer *pp, const char *path, PrepUnit uni
     for (;;) {
         bytebuf_reserve(&pp->block, PREP_BLOCK);
         size_t got = fread(pp->block.data + carry, 1, pp->block.cap - carry, f);
-        if (ferror(f)) { rc = data_fail(err, "%s: read error at offset %llu: %s", path, (unsigned long long)file_bytes, strerror(errno)); break; }
+        if (ferror(f)) {
+            rc = data_fail(err, "%s: read error at offset %llu: %s", path, (unsigned long long)file_bytes, strerror(errno));
+            break;
+        }
         file_bytes += got;
         pp->bytes_read += got;
         size_t len = carry + got, start = 0;

@@ -177,7 +177,8 @@ static inline int shard_read_tokens(FILE *f, const ShardHeader *h, const char *n
 // ---------------------------------------------------------------------------------------------------------
 // ShardWriter: appends a token stream to {dir}/{prefix}_000000.bin, _000001.bin, ... with at most shard_limit
 // tokens each. Each shard is written under a per-process .tmpPID name and renamed when complete, so a crash
-// never leaves a file that looks finished, and processes writing the same (deterministic) data do not collide. Stale shards of the same prefix beyond the last one written are removed on close.
+// never leaves a file that looks finished, and processes writing the same (deterministic) data do not collide.
+// Stale shards of the same prefix beyond the last one written are removed on close.
 
 #define SHARD_PATH_LEN 1024
 #define SHARD_WRITE_BUF (1 << 20)
