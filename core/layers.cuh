@@ -84,9 +84,8 @@ static inline void embedding_backward_plan_destroy(EmbeddingBackwardPlan *p) {
 }
 
 
-// Build the plan for host tokens[n] (each in [0, V)) and upload it on stream s. The host buffer is pageable, so the
-// copy has left it when this returns and the next batch may rebuild it at once.
-static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const int *tokens, cudaStream_t s) {
+// Fill the host plan p->h_buf for tokens[n] (each in [0, V)).
+static inline void embedding_backward_plan_fill(EmbeddingBackwardPlan *p, const int *tokens) {
     int n = p->n, V = p->V, *count = p->h_count, *buf = p->h_buf;
     int *order = buf + EMB_PLAN_ORDER, *items = buf + emb_plan_items_at(n);
     int *runs = buf + emb_plan_runs_at(n, p->max_items);
@@ -116,7 +115,14 @@ static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const
         }
     }
     buf[0] = n_items, buf[1] = n_runs, buf[2] = n_partials;
-    cudaCheck(cudaMemcpyAsync(p->d_buf, buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
+}
+
+// Build the plan for host tokens[n] (each in [0, V)) and upload it on stream s. The host buffer is pageable, so the
+// copy has left it when this returns and the next batch may rebuild it at once (not capturable in a CUDA graph: build
+// the plan before launching a captured step).
+static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const int *tokens, cudaStream_t s) {
+    embedding_backward_plan_fill(p, tokens);
+    cudaCheck(cudaMemcpyAsync(p->d_buf, p->h_buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
 }
 
 // Pass 1: each item sums its positions' dout rows in sorted (= increasing position) order, then adds the sum to
