@@ -90,25 +90,26 @@ static inline void adamw_update(float *p, void *work, cudaDataType_t work_type, 
 }
 
 // AdamW over the elements [lo, hi) of the model's flat parameter array (a ZeRO-1 shard, or everything), with each
-// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array. Consecutive
-// tensors with the same flag are updated by one launch.
+// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array. Only tensor
+// elements are touched (the alignment gaps between tensors stay as they are); adjacent tensors with the same flag
+// are updated by one launch.
 static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
                                       cudaDataType_t work_type, const float *g, float *m, float *v,
                                       const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
-    long long run_lo = lo;
-    for (int i = 0; i < md->n_params; i++) {
-        const ParamSpec *ps = &md->params[i];
-        long long end = SDM_MIN(hi, ps->offset + ps->numel);
-        if (end <= run_lo) continue; // before the range, or already covered
-        int last = i + 1 == md->n_params || end == hi || md->params[i + 1].decay != ps->decay;
-        if (!last) continue;
-        long long off = run_lo - lo;
-        adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off, m + off,
-                     v + off, end - run_lo, adamw_coeffs(h, ps->decay), grad_scale, s);
-        run_lo = end;
-        if (run_lo >= hi) break;
+    long long run_lo = 0, run_hi = 0; // the pending launch [run_lo, run_hi)
+    int run_decay = 0;
+    for (int i = 0; i <= md->n_params; i++) {
+        const ParamSpec *ps = i < md->n_params ? &md->params[i] : NULL;
+        long long a = ps ? SDM_MAX(lo, ps->offset) : 0, b = ps ? SDM_MIN(hi, ps->offset + ps->numel) : 0;
+        if (ps && a >= b) continue; // outside the range
+        if (ps && a == run_hi && ps->decay == run_decay && run_hi > run_lo) { run_hi = b; continue; }
+        if (run_hi > run_lo) {
+            long long off = run_lo - lo;
+            adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off,
+                         m + off, v + off, run_hi - run_lo, adamw_coeffs(h, run_decay), grad_scale, s);
+        }
+        if (ps) { run_lo = a; run_hi = b; run_decay = ps->decay; }
     }
-    if (run_lo != hi) sdm_die("adamw_update_model: range [%lld, %lld) is not covered by the parameter table", lo, hi);
 }
 
 #endif

@@ -130,14 +130,14 @@ static inline int ckpt_write_model(const char *path, const ModelDesc *m, const C
         t.numel = (uint64_t)m->params[i].numel;
         ckpt_put(&w, &t, sizeof t);
     }
-    ckpt_put(&w, params, sizeof(float) * (size_t)m->total);
+    ckpt_put(&w, params, sizeof(float) * (size_t)m->storage);
     CkptHeader h;
     memset(&h, 0, sizeof h);
     memcpy(h.magic, CKPT_MODEL_MAGIC, 8);
     h.step = step;
     h.config_bytes = text_len;
     h.n_tensors = (uint64_t)m->n_params;
-    h.n_params = (uint64_t)m->total;
+    h.n_params = (uint64_t)m->storage;
     free(text);
     return ckpt_finish(&w, &h, path, err);
 }
@@ -221,7 +221,7 @@ static inline int ckpt_save(const char *run_dir, const ModelDesc *m, const Confi
     snprintf(path, sizeof path, "%s/model.bin", tmp);
     if (!ckpt_write_model(path, m, c, params, s->step, err)) return 0;
     snprintf(path, sizeof path, "%s/state.bin", tmp);
-    if (!ckpt_write_state(path, (uint64_t)m->total, s, err)) return 0;
+    if (!ckpt_write_state(path, (uint64_t)m->storage, s, err)) return 0;
     snprintf(path, sizeof path, "%s/DONE", tmp);
     FILE *fp = fopen(path, "w");
     if (!fp || fprintf(fp, "step %llu\n", (unsigned long long)s->step) < 0 || fflush(fp) != 0 || fsync(fileno(fp)) != 0) {
@@ -280,7 +280,7 @@ static inline int ckpt_get(FILE *fp, void *dst, size_t n, uint64_t *hash, const 
 }
 
 // Load model.bin: its config (into c), the model description rebuilt from it (into m, checked against the tensor
-// table), and the parameters (*params, malloc'ed fp32 [m->total]). Returns 0 with err naming the file and problem.
+// table), and the parameters (*params, malloc'ed fp32 [m->storage]). Returns 0 with err naming the file and problem.
 static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, float **params, uint64_t *step,
                                   char *err) {
     CkptHeader h;
@@ -315,7 +315,7 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
     }
     if (!cfg_validate(c, msg)) { snprintf(err, CKPT_ERR, "%.400s: stored config: %.300s", path, msg); goto done; }
     model_build(m, c);
-    if ((uint64_t)m->n_params != h.n_tensors || (uint64_t)m->total != h.n_params) {
+    if ((uint64_t)m->n_params != h.n_tensors || (uint64_t)m->storage != h.n_params) {
         snprintf(err, CKPT_ERR, "%.300s: tensor table (%llu tensors, %llu values) does not match its config", path,
                  (unsigned long long)h.n_tensors, (unsigned long long)h.n_params);
         goto done;
@@ -330,8 +330,8 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
             goto done;
         }
     }
-    *params = (float *)sdm_malloc(sizeof(float) * (size_t)m->total);
-    if (!ckpt_get(fp, *params, sizeof(float) * (size_t)m->total, &hash, path, err)) goto done;
+    *params = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);
+    if (!ckpt_get(fp, *params, sizeof(float) * (size_t)m->storage, &hash, path, err)) goto done;
     if (ckpt_file_checksum(hash, &h) != h.checksum) {
         snprintf(err, CKPT_ERR, "%.300s: checksum mismatch (corrupt file)", path);
         goto done;

@@ -26,7 +26,7 @@ typedef struct {
     int ndim;
     long long shape[2];
     long long numel;
-    long long offset;  // into the flat parameter array
+    long long offset;  // into the flat parameter array: a multiple of MODEL_ALIGN
     InitRule init;
     double std, bound; // INIT_TRUNC_NORMAL: normal(0, std) truncated to [-bound, bound]
     int decay;         // AdamW weight decay applies (all but SDM A_log and dt_bias)
@@ -36,6 +36,7 @@ typedef struct {
 } ParamSpec;
 
 #define MODEL_MAX_PARAMS (CFG_MAX_LAYERS * 32 + 8)
+#define MODEL_ALIGN 8 // tensors start at multiples of 8 elements: 16-byte aligned in bf16, as vector loads and cuBLASLt like
 
 typedef struct {
     int n_layers, dim, vocab, ffn_hidden, tied;
@@ -46,7 +47,8 @@ typedef struct {
     double A_lo, A_hi;             // SDM A init range
     int n_params;
     ParamSpec params[MODEL_MAX_PARAMS];
-    long long total, n_bank, n_embedding, n_nonembedding;
+    long long total, n_bank, n_embedding, n_nonembedding; // parameter counts
+    long long storage; // length of the flat parameter array: total plus the alignment gaps (zeros)
 } ModelDesc;
 
 // FFN hidden width of SDM_SPEC §6.4
@@ -145,13 +147,14 @@ static inline ParamSpec *model_add(ModelDesc *m, int layer, const char *name, lo
     p->shape[0] = rows;
     p->shape[1] = cols > 0 ? cols : 1;
     p->numel = rows * p->shape[1];
-    p->offset = m->total;
+    p->offset = (m->storage + MODEL_ALIGN - 1) / MODEL_ALIGN * MODEL_ALIGN;
     p->init = init;
     p->std = std;
     p->bound = bound;
     p->decay = 1;
     p->layer = layer;
     m->total += p->numel;
+    m->storage = p->offset + p->numel;
     return p;
 }
 

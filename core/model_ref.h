@@ -127,14 +127,14 @@ static inline void model_ref_acts_free(ModelRefActs *a) {
     free(a->logits);
 }
 
-// Loss and the gradient of every parameter (grads: the flat layout, overwritten).
+// Loss and the gradient of every parameter (grads: the flat layout [m->storage], overwritten).
 static inline double model_ref_backward(const ModelDesc *m, double *params, const int *tokens, const int *targets,
                                         int B, int T, double *grads) {
     int n = B * T, D = m->dim, F = m->ffn_hidden, L = m->n_layers;
     size_t nd = (size_t)n * D;
     ModelRefActs acts;
     double loss = model_ref_forward(m, params, tokens, targets, B, T, &acts);
-    memset(grads, 0, sizeof(double) * m->total);
+    memset(grads, 0, sizeof(double) * m->storage);
     double *dlogits = (double *)sdm_calloc((size_t)n * m->vocab, sizeof(double));
     double *dh = (double *)sdm_calloc(nd, sizeof(double));     // gradient of the residual stream
     double *dfinal = (double *)sdm_calloc(nd, sizeof(double));
@@ -177,6 +177,7 @@ static inline double model_ref_backward(const ModelDesc *m, double *params, cons
 
 // Initialise a flat double parameter array with the model's init rules (SDM_SPEC §6.7).
 static inline void model_ref_init(const ModelDesc *m, unsigned long long seed, double *params) {
+    memset(params, 0, sizeof(double) * m->storage); // the alignment gaps
     for (int i = 0; i < m->n_params; i++) {
         const ParamSpec *p = &m->params[i];
         float *v = (float *)sdm_malloc(sizeof(float) * p->numel);

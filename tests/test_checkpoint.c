@@ -50,7 +50,7 @@ static void test_round_trip(void) {
     Config c, c2;
     build_model(&c);
     Rng r = rng_make(3);
-    size_t n = (size_t)g_model.total;
+    size_t n = (size_t)g_model.storage;
     float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
     LoaderRecord rec = {123456789, 42};
     CkptTrainState s = {17, 0xABCDEFull, m, v, &rec, sizeof rec};
@@ -64,7 +64,7 @@ static void test_round_trip(void) {
     CHECK(ckpt_load_model(path, &c2, &g_loaded, &loaded, &step, err), "load model: %s", err);
     CHECK(step == 17 && loaded && memcmp(loaded, params, 4 * n) == 0, "parameters differ after the round trip");
     CHECK(memcmp(&c, &c2, sizeof c) == 0, "config differs after the round trip");
-    CHECK(g_loaded.total == g_model.total && g_loaded.n_params == g_model.n_params, "model description differs");
+    CHECK(g_loaded.storage == g_model.storage && g_loaded.n_params == g_model.n_params, "model description differs");
     float *m2 = (float *)sdm_malloc(4 * n), *v2 = (float *)sdm_malloc(4 * n);
     LoaderRecord rec2;
     snprintf(path, sizeof path, "%s/step_00000017/state.bin", RUN);
@@ -115,14 +115,14 @@ static void test_corruption(void) {
     // a state file with another parameter count or corrupt payload
     snprintf(path, sizeof path, "%s/step_00000017/state.bin", RUN);
     if (file_bytes(path, &data, &n)) {
-        float *m = (float *)sdm_malloc(4 * g_model.total), *v = (float *)sdm_malloc(4 * g_model.total);
+        float *m = (float *)sdm_malloc(4 * g_model.storage), *v = (float *)sdm_malloc(4 * g_model.storage);
         LoaderRecord rec;
         uint64_t step, rng;
-        CHECK(!ckpt_load_state(path, g_model.total + 1, m, v, &rec, sizeof rec, &step, &rng, err) &&
+        CHECK(!ckpt_load_state(path, g_model.storage + 1, m, v, &rec, sizeof rec, &step, &rng, err) &&
                   strstr(err, "optimizer state for"), "state of another model size accepted (%s)", err);
         data[n - 3] ^= 4;
         write_bytes(bad, data, n);
-        CHECK(!ckpt_load_state(bad, g_model.total, m, v, &rec, sizeof rec, &step, &rng, err) &&
+        CHECK(!ckpt_load_state(bad, g_model.storage, m, v, &rec, sizeof rec, &step, &rng, err) &&
                   strstr(err, "checksum mismatch"), "corrupt state accepted (%s)", err);
         free(m);
         free(v);
@@ -136,7 +136,7 @@ static void test_atomic_and_keep(void) {
     Config c;
     build_model(&c);
     Rng r = rng_make(5);
-    size_t n = (size_t)g_model.total;
+    size_t n = (size_t)g_model.storage;
     float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
     LoaderRecord rec = {1, 2};
     char err[CKPT_ERR], path[1024];

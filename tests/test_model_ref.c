@@ -77,11 +77,11 @@ static void check_case(const Case *c) {
     const ModelDesc *m = &g_model;
     int n = c->B * c->T;
     Rng r = rng_make(12345);
-    double *params = (double *)sdm_malloc(sizeof(double) * m->total);
-    double *grads = (double *)sdm_malloc(sizeof(double) * m->total);
+    double *params = (double *)sdm_malloc(sizeof(double) * m->storage);
+    double *grads = (double *)sdm_malloc(sizeof(double) * m->storage);
     int *tokens = (int *)sdm_malloc(sizeof(int) * n), *targets = (int *)sdm_malloc(sizeof(int) * n);
     model_ref_init(m, 777, params);
-    jitter(params, m->total, &r);
+    jitter(params, m->storage, &r);
     for (int i = 0; i < n; i++) {
         tokens[i] = (int)rng_below(&r, (uint32_t)m->vocab);
         targets[i] = (int)rng_below(&r, (uint32_t)m->vocab);
