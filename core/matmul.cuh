@@ -80,18 +80,37 @@ static inline void matmul_lt(void *d, cudaDataType_t d_type, int ldd, const void
     cublasCheck(cublasLtMatmulDescDestroy(desc));
 }
 
+// cuBLASLt runs far below peak when the output-feature count N is not a multiple of the tile width (measured on
+// the H200: Z = X·Wᵀ with N = 6148 at 270 TFLOP/s, N = 2048 at 780). So N is split into an aligned main part
+// (a multiple of MATMUL_ALIGN) and a narrow remainder, computed as two products.
+#define MATMUL_ALIGN 64
+
+static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n; }
+
+static inline const void *elem_ptr(const void *p, size_t i, cudaDataType_t t) {
+    return (const char *)p + i * dtype_size(t);
+}
+
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
 static inline void matmul_forward(void *y, cudaDataType_t y_type, int ldy, const void *x, const void *w,
                                   const void *bias, cudaDataType_t in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
-    matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, N, M, K, 0.0f, bias, s);
+    int n0 = matmul_main_part(N);
+    matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
+    if (n0 < N)
+        matmul_lt((void *)elem_ptr(y, n0, y_type), y_type, ldy, elem_ptr(w, (size_t)n0 * K, in_type), K, 1, x, K, 0,
+                  in_type, N - n0, M, K, 0.0f, bias ? elem_ptr(bias, n0, y_type) : NULL, s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].
 static inline void matmul_backward_input(void *dx, cudaDataType_t dx_type, const void *dy, int lddy, const void *w,
                                          cudaDataType_t in_type, int M, int N, int K, int accumulate, cudaStream_t s) {
-    // column-major: dXᵀ[K,M] = (W as col-major [K,N]) · (dY as col-major [N,M])
-    matmul_lt(dx, dx_type, K, w, K, 0, dy, lddy, 0, in_type, K, M, N, accumulate ? 1.0f : 0.0f, NULL, s);
+    // column-major: dXᵀ[K,M] = (W as col-major [K,N]) · (dY as col-major [N,M]); the sum over N in two parts
+    int n0 = matmul_main_part(N);
+    matmul_lt(dx, dx_type, K, w, K, 0, dy, lddy, 0, in_type, K, M, n0, accumulate ? 1.0f : 0.0f, NULL, s);
+    if (n0 < N)
+        matmul_lt(dx, dx_type, K, elem_ptr(w, (size_t)n0 * K, in_type), K, 0, elem_ptr(dy, n0, in_type), lddy, 0,
+                  in_type, K, M, N - n0, 1.0f, NULL, s);
 }
 
 // dW[N,K] (=, or += when accumulate) dY[M,N]ᵀ (row stride lddy) · X[M,K].
@@ -99,7 +118,12 @@ static inline void matmul_backward_weight(void *dw, cudaDataType_t dw_type, cons
                                           cudaDataType_t in_type, int M, int N, int K, int accumulate,
                                           cudaStream_t s) {
     // column-major: dWᵀ[K,N] = (X as col-major [K,M]) · (dY as col-major [N,M])ᵀ
-    matmul_lt(dw, dw_type, K, x, K, 0, dy, lddy, 1, in_type, K, N, M, accumulate ? 1.0f : 0.0f, NULL, s);
+    int n0 = matmul_main_part(N);
+    float beta = accumulate ? 1.0f : 0.0f;
+    matmul_lt(dw, dw_type, K, x, K, 0, dy, lddy, 1, in_type, K, n0, M, beta, NULL, s);
+    if (n0 < N)
+        matmul_lt((void *)elem_ptr(dw, (size_t)n0 * K, dw_type), dw_type, K, x, K, 0, elem_ptr(dy, n0, in_type), lddy,
+                  1, in_type, K, N - n0, M, beta, NULL, s);
 }
 
 #define COLSUM_COLS 32

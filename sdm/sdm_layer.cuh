@@ -65,6 +65,7 @@ typedef struct {
     uint32_t *table;                          // device [n_table]: positions, one byte per factor (factor f at 8f)
     int sort_len[SDM_MAX_FACTORS];            // per-factor sort length (next power of two >= n_f)
     int sort_total;                           // sum of sort_len
+    int sort_max;                             // max of sort_len (raw-score staging buffer)
     size_t smem_per_warp;                     // shared memory per warp (bytes)
     int warps;                                // problems per block
 } TopkPlan;
@@ -95,6 +96,7 @@ static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
         pl.key_dim += pl.dims[f];
         pl.sort_len[f] = next_pow2(pl.dims[f]);
         pl.sort_total += pl.sort_len[f];
+        pl.sort_max = SDM_MAX(pl.sort_max, pl.sort_len[f]);
     }
     pl.k = k;
     pl.cap = SDM_MIN(2 * k, 256);
@@ -108,8 +110,8 @@ static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
     cudaCheck(cudaMalloc(&pl.table, sizeof(uint32_t) * (size_t)pl.n_table));
     cudaCheck(cudaMemcpy(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table, cudaMemcpyHostToDevice));
     free(tab);
-    // sorted factor keys, candidates, selected keys (u64), table scores (u32)
-    pl.smem_per_warp = 8 * ((size_t)pl.sort_total + pl.cap + k) + 4 * (size_t)pl.n_table;
+    // sorted kept factor keys, raw factor keys, candidates, selected keys (u64), table scores, histogram (u32)
+    pl.smem_per_warp = 8 * ((size_t)pl.sort_total + pl.sort_max + pl.cap + k) + 4 * ((size_t)pl.n_table + 256);
     pl.smem_per_warp = (pl.smem_per_warp + 15) & ~(size_t)15;
     if (pl.smem_per_warp > 200 * 1024)
         sdm_die("top-k: factor widths too large for shared memory (%zu bytes per problem)", pl.smem_per_warp);
@@ -136,16 +138,47 @@ __device__ void warp_bitonic_sort_desc(unsigned long long *a, int n, int lane) {
         }
 }
 
-// Count of kept sub-keys of one sorted factor: the first min(k, n) plus every further one tied with the last kept.
-__device__ int kept_count(const unsigned long long *sorted, int n, int k, int lane) {
-    int kk = min(k, n);
-    uint32_t t = (uint32_t)(sorted[kk - 1] >> 32);
-    for (int base = kk; base < n; base += 32) {
-        int i = base + lane;
-        unsigned nontie = __ballot_sync(SL_FULL_MASK, !(i < n && (uint32_t)(sorted[i] >> 32) == t));
-        if (nontie) return base + __ffs(nontie) - 1;
+// The k-th largest (with multiplicity) of v[i * stride], i < n, by one warp: radix select on 8-bit digits from the
+// top, with a 256-bin histogram in shared memory (integer counts: order-independent, deterministic).
+__device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k, int *hist, int lane) {
+    uint32_t prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = lane; i < 256; i += 32) hist[i] = 0;
+        __syncwarp();
+        for (int base = 0; base < n; base += 32) { // lanes with equal digits add once (values often share digits)
+            int i = base + lane;
+            uint32_t x = i < n ? v[(size_t)i * stride] : 0u;
+            uint32_t bin = (i < n && (x & mask) == prefix) ? (x >> shift) & 255u : 256u;
+            unsigned peers = __match_any_sync(SL_FULL_MASK, bin);
+            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncwarp();
+        // lane L owns digits 255 - 8L - j (j = 0..7): lanes in descending digit order
+        int c[8], own = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; own += c[j]; }
+        int incl = own;
+        for (int o = 1; o < 32; o <<= 1) {
+            int t = __shfl_up_sync(SL_FULL_MASK, incl, o);
+            if (lane >= o) incl += t;
+        }
+        int excl = incl - own;
+        int src = __ffs(__ballot_sync(SL_FULL_MASK, excl < k && k <= incl)) - 1;
+        int digit = 0, above = 0, acc = excl;
+        bool found = false;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (!found && acc + c[j] >= k) { digit = 255 - 8 * lane - j; above = acc; found = true; }
+            acc += c[j];
+        }
+        digit = __shfl_sync(SL_FULL_MASK, digit, src);
+        above = __shfl_sync(SL_FULL_MASK, above, src);
+        prefix |= (uint32_t)digit << shift;
+        mask |= 255u << shift;
+        k -= above;
+        __syncwarp();
     }
-    return n;
+    return prefix;
 }
 
 // Key of the grid point with sorted positions pos[f]: ord(float32 score) << 32 | (digit_sum * N + slot).
@@ -200,22 +233,38 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     int p = blockIdx.x * pl.warps + warp;
     if (p >= P) return;
     unsigned long long *sorted = (unsigned long long *)(topk_smem + warp * pl.smem_per_warp);
-    unsigned long long *cand = sorted + pl.sort_total, *sel = cand + pl.cap;
+    unsigned long long *raw = sorted + pl.sort_total, *cand = raw + pl.sort_max, *sel = cand + pl.cap;
     uint32_t *rval = (uint32_t *)(sel + pl.k);
+    int *hist = (int *)(rval + pl.n_table);
     const int k = pl.k;
     size_t zrow = (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * pl.key_dim;
 
-    // 1. sort each factor descending (ties: larger sub-key index first) and count its kept sub-keys
+    // 1. per factor: the kept sub-keys (score >= the min(k, n_f)-th largest, so every tie of the last one stays),
+    //    then sorted descending (ties: larger sub-key index first). Keys: ord(score) << 32 | sub-key index.
     int m[SDM_MAX_FACTORS];
     unsigned long long G = 1;
     for (int f = 0, off = 0, soff = 0; f < pl.F; off += pl.dims[f], soff += pl.sort_len[f], f++) {
-        for (int i = lane; i < pl.sort_len[f]; i += 32)
-            sorted[soff + i] = i < pl.dims[f]
-                ? ((unsigned long long)sl_f2ord(load_act(z, zrow + off + i, fp32)) << 32) | (uint32_t)i : 0ull;
+        int n = pl.dims[f];
+        for (int i = lane; i < n; i += 32)
+            raw[i] = ((unsigned long long)sl_f2ord(load_act(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
         __syncwarp();
-        warp_bitonic_sort_desc(sorted + soff, pl.sort_len[f], lane);
-        m[f] = kept_count(sorted + soff, pl.dims[f], k, lane);
-        G *= (unsigned long long)m[f];
+        // the high words of the little-endian keys are the scores
+        uint32_t t = warp_kth_largest((const uint32_t *)raw + 1, 2, n, min(k, n), hist, lane);
+        int cnt = 0;
+        for (int base = 0; base < n; base += 32) {
+            int i = base + lane;
+            bool keep = i < n && (uint32_t)(raw[i] >> 32) >= t;
+            unsigned b = __ballot_sync(SL_FULL_MASK, keep);
+            if (keep) sorted[soff + cnt + __popc(b & ((1u << lane) - 1))] = raw[i];
+            cnt += __popc(b);
+        }
+        int len = 1;
+        while (len < cnt) len <<= 1;
+        for (int i = cnt + lane; i < len; i += 32) sorted[soff + i] = 0ull;
+        __syncwarp();
+        warp_bitonic_sort_desc(sorted + soff, len, lane);
+        m[f] = cnt;
+        G *= (unsigned long long)cnt;
     }
 #pragma unroll
     for (int f = 0; f < SDM_MAX_FACTORS; f++)
@@ -235,14 +284,8 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     }
     __syncwarp();
 
-    // 3. tau = the k-th largest table score, by bisection on its 32 bits
-    uint32_t tau = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        uint32_t c = tau | (1u << bit);
-        int cnt = 0;
-        for (int r = lane; r < pl.n_table; r += 32) cnt += rval[r] >= c;
-        if (__reduce_add_sync(SL_FULL_MASK, cnt) >= k) tau = c;
-    }
+    // 3. tau = the k-th largest table score
+    uint32_t tau = warp_kth_largest(rval, 1, pl.n_table, k, hist, lane);
     int n_ge = 0;
     for (int r = lane; r < pl.n_table; r += 32) n_ge += rval[r] >= tau;
     n_ge = __reduce_add_sync(SL_FULL_MASK, n_ge);
@@ -300,10 +343,13 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     float sum = 0.0f;
     for (int j = lane; j < k; j += 32) sum += expf(scale * (sl_ord2f((uint32_t)(sel[j] >> 32)) - mx));
     sum = sl_warp_sum(sum);
+    int *sel_slot = (int *)rval; // the table scores are no longer needed
+    for (int j = lane; j < k; j += 32) sel_slot[j] = (int)((uint32_t)sel[j] % (uint32_t)pl.N);
+    __syncwarp();
     for (int j = lane; j < k; j += 32) {
-        uint32_t slot = (uint32_t)sel[j] % (uint32_t)pl.N;
+        int slot = sel_slot[j];
         int pos = 0;
-        for (int i = 0; i < k; i++) pos += (uint32_t)sel[i] % (uint32_t)pl.N < slot;
+        for (int i = 0; i < k; i++) pos += sel_slot[i] < slot;
         float e = sl_ord2f((uint32_t)(sel[j] >> 32));
         float w = expf(scale * (e - mx)) / sum;
         size_t o = (size_t)p * k + pos;
@@ -332,7 +378,8 @@ static inline void topk_forward(const TopkPlan *pl, const void *z, bool fp32, in
 // For writes (gates != 0) it also chains key-weighted decay and the gates (§1.4, §1.8, §4.5):
 //   dw_j = dkappa_j + (kwd ? g dgamma_j : 0),  dg = sum_j (kwd ? kappa_j dgamma_j : dgamma_j),
 //   da = dg * (-exp(A_log) sigmoid(a + dt_bias)) -> dz[col_a + h],  dc = dbeta beta (1 - beta) -> dz[col_c + h],
-//   gate_grad[token, h] = da (for d dt_bias), gate_grad[token, H + h] = dg * g (for d A_log).
+//   gate_grad[token, :] = (da [H], dc [H], dg * g [H]) in fp32, so that the sums over tokens giving d ba, d bb,
+//   d dt_bias and d A_log never see bf16-rounded terms (they can cancel strongly).
 // =================================================================================================================
 
 typedef struct {
@@ -340,7 +387,7 @@ typedef struct {
     const float *dgamma, *g, *beta, *dbeta; // [P,k], [P], [P], [P]
     const void *A_log, *dt_bias;            // [H] compute dtype
     int kwd, col_a, col_c;
-    float *gate_grad;                       // [tokens, 2H]
+    float *gate_grad;                       // [tokens, 3H]
 } WriteGateArgs;
 
 __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
@@ -386,11 +433,13 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
             float a = load_act(ga.z, tok * ldz + ga.col_a + h, fp32);
             float A = expf(load_act(ga.A_log, h, fp32)), dtb = load_act(ga.dt_bias, h, fp32);
             float da = dg * (-A * sl_sigmoid(a + dtb));
-            float b = ga.beta[p];
+            float b = ga.beta[p], dc = ga.dbeta[p] * b * (1.0f - b);
             store_act(dz, zrow + ga.col_a + h, da, fp32);
-            store_act(dz, zrow + ga.col_c + h, ga.dbeta[p] * b * (1.0f - b), fp32);
-            ga.gate_grad[tok * 2 * H + h] = da;
-            ga.gate_grad[tok * 2 * H + H + h] = dg * gp;
+            store_act(dz, zrow + ga.col_c + h, dc, fp32);
+            float *gg = ga.gate_grad + tok * 3 * H;
+            gg[h] = da;
+            gg[H + h] = dc;
+            gg[2 * H + h] = dg * gp;
         }
     }
 }
@@ -435,12 +484,14 @@ __global__ void pack_dv_kernel(const float *dv, void *dz, bool fp32, int ldz, in
 
 // =================================================================================================================
 // Readout (§1.9) over rows p = token*H + h of width d: rn = LayerNorm_d(o) (shared weight/bias) or o;
-// r = sigmoid(zG) * rn or rn. Block-per-row-range kernels: each block owns a fixed contiguous range of rows, so the
-// LayerNorm weight/bias gradients are per-block partial sums added in block order afterwards (deterministic).
+// r = sigmoid(zG) * rn or rn. One warp per row (lane L owns the float4 column groups L, L+32, ...), each warp
+// walking a fixed contiguous range of rows, so the LayerNorm weight/bias gradients are per-warp partial sums
+// [n_warps, d] that a deterministic column sum adds afterwards.
 // =================================================================================================================
 
-#define RO_THREADS 128
-#define RO_MAXC 16 // d <= RO_THREADS * RO_MAXC = 2048
+#define RO_WARPS_PER_BLOCK 4
+#define RO_MAX_WARPS 4096
+#define RO_MAX_D 2048
 
 typedef struct {
     int P, d, H, ldz, col_g;
@@ -449,123 +500,162 @@ typedef struct {
     const void *ln_w, *ln_b; // [d] compute dtype
     const void *z;           // forward projections (zG)
     bool fp32;
-    int rows_per_block;
+    int n_warps, rows_per_warp;
 } ReadoutArgs;
 
-// Sum over the block's 128 threads (fixed order); red: 4 floats of shared memory.
-__device__ float sl_block_sum(float v, float *red) {
-    v = sl_warp_sum(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return (red[0] + red[1]) + (red[2] + red[3]);
-}
+static inline int readout_warps(int P) { return SDM_MIN(P, RO_MAX_WARPS); }
 
-__global__ void __launch_bounds__(RO_THREADS) readout_forward_kernel(ReadoutArgs ra, const float *o, void *r,
-                                                                     float *ln_mean, float *ln_rstd) {
-    __shared__ float red[4];
-    int p0 = blockIdx.x * ra.rows_per_block, p1 = min(ra.P, p0 + ra.rows_per_block);
+__device__ __forceinline__ float4 ld4(const float *p) { return *(const float4 *)p; }
+__device__ __forceinline__ float f4get(const float4 &v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+template <int NV>
+__global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kernel(ReadoutArgs ra, const float *o,
+                                                                                 void *r, float *ln_mean,
+                                                                                 float *ln_rstd) {
+    int warp = blockIdx.x * RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (warp >= ra.n_warps) return;
+    int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
     for (int p = p0; p < p1; p++) {
-        float x[RO_MAXC];
-        float mean = 0.0f, rstd = 1.0f;
         const float *orow = o + (size_t)p * ra.d;
+        float4 x[NV];
 #pragma unroll
-        for (int i = 0; i < RO_MAXC; i++) {
-            int c = threadIdx.x + i * RO_THREADS;
-            x[i] = c < ra.d ? orow[c] : 0.0f;
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            x[i] = c4 < d4 ? ld4(orow + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+        float mean = 0.0f, rstd = 1.0f;
         if (ra.ln) {
-            float s = 0.0f;
+            float sum = 0.0f;
 #pragma unroll
-            for (int i = 0; i < RO_MAXC; i++) s += x[i];
-            mean = sl_block_sum(s, red) / ra.d;
+            for (int i = 0; i < NV; i++) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
+            mean = sl_warp_sum(sum) / ra.d;
             float q = 0.0f;
 #pragma unroll
-            for (int i = 0; i < RO_MAXC; i++)
-                if (threadIdx.x + i * RO_THREADS < ra.d) q += (x[i] - mean) * (x[i] - mean);
-            rstd = 1.0f / sqrtf(sl_block_sum(q, red) / ra.d + ra.eps);
-            if (threadIdx.x == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
+            for (int i = 0; i < NV; i++)
+                if (lane + 32 * i < d4)
+                    for (int j = 0; j < 4; j++) q += (f4get(x[i], j) - mean) * (f4get(x[i], j) - mean);
+            rstd = 1.0f / sqrtf(sl_warp_sum(q) / ra.d + ra.eps);
+            if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
         }
         size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
 #pragma unroll
-        for (int i = 0; i < RO_MAXC; i++) {
-            int c = threadIdx.x + i * RO_THREADS;
-            if (c >= ra.d) continue;
-            float y = x[i];
-            if (ra.ln) y = (y - mean) * rstd * load_act(ra.ln_w, c, ra.fp32) + load_act(ra.ln_b, c, ra.fp32);
-            if (ra.gate) y *= sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
-            store_act(r, (size_t)p * ra.d + c, y, ra.fp32);
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            if (c4 >= d4) continue;
+            for (int j = 0; j < 4; j++) {
+                int c = 4 * c4 + j;
+                float y = f4get(x[i], j);
+                if (ra.ln) y = (y - mean) * rstd * load_act(ra.ln_w, c, ra.fp32) + load_act(ra.ln_b, c, ra.fp32);
+                if (ra.gate) y *= sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
+                store_act(r, (size_t)p * ra.d + c, y, ra.fp32);
+            }
         }
     }
 }
 
-// From dr [P,d] (gradient of r, fp32): dout [P,d] (gradient of the op readings), dzG into dz (gate), and per-block
-// LayerNorm partials: partials[0][block][d] = sum drn * xhat, partials[1][block][d] = sum drn.
-__global__ void __launch_bounds__(RO_THREADS) readout_backward_kernel(ReadoutArgs ra, const float *o,
-                                                                      const float *ln_mean, const float *ln_rstd,
-                                                                      const float *dr, float *dout, void *dz,
-                                                                      float *partials) {
-    __shared__ float red[4];
-    float acc_w[RO_MAXC], acc_b[RO_MAXC];
+// From dr [P,d] (gradient of r, fp32): dout [P,d] (gradient of the op readings; may alias dr: each element is
+// read and then written by the same lane), dzG into dz (gate; dz may alias the forward z the same way), and the
+// per-warp LayerNorm partials: partials[warp][d] = sum drn * xhat, partials[n_warps + warp][d] = sum drn.
+template <int NV>
+__global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kernel(ReadoutArgs ra, const float *o,
+                                                                                  const float *ln_mean,
+                                                                                  const float *ln_rstd, const float *dr,
+                                                                                  float *dout, void *dz,
+                                                                                  float *partials) {
+    int warp = blockIdx.x * RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (warp >= ra.n_warps) return;
+    int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
+    float4 acc_w[NV], acc_b[NV];
 #pragma unroll
-    for (int i = 0; i < RO_MAXC; i++) acc_w[i] = acc_b[i] = 0.0f;
-    int p0 = blockIdx.x * ra.rows_per_block, p1 = min(ra.P, p0 + ra.rows_per_block);
+    for (int i = 0; i < NV; i++) acc_w[i] = acc_b[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int p = p0; p < p1; p++) {
         float mean = ra.ln ? ln_mean[p] : 0.0f, rstd = ra.ln ? ln_rstd[p] : 1.0f;
         size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
-        float xh[RO_MAXC], gw[RO_MAXC];
-        float sg_ = 0.0f, sgx = 0.0f;
+        float xh[NV][4], gw[NV][4];
+        float sg_sum = 0.0f, sgx_sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < RO_MAXC; i++) {
-            int c = threadIdx.x + i * RO_THREADS;
-            xh[i] = gw[i] = 0.0f;
-            if (c >= ra.d) continue;
-            size_t idx = (size_t)p * ra.d + c;
-            float x = o[idx], g = dr[idx];
-            xh[i] = ra.ln ? (x - mean) * rstd : x;
-            float w = ra.ln ? load_act(ra.ln_w, c, ra.fp32) : 1.0f;
-            if (ra.gate) {
-                float rn = ra.ln ? xh[i] * w + load_act(ra.ln_b, c, ra.fp32) : x;
-                float sg = sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
-                store_act(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
-                g *= sg;
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            float4 xv = make_float4(0.f, 0.f, 0.f, 0.f), gv = xv;
+            if (c4 < d4) { xv = ld4(o + (size_t)p * ra.d + 4 * c4); gv = ld4(dr + (size_t)p * ra.d + 4 * c4); }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int c = 4 * c4 + j;
+                float x = f4get(xv, j), g = f4get(gv, j);
+                xh[i][j] = ra.ln ? (x - mean) * rstd : x;
+                gw[i][j] = 0.0f;
+                if (c4 >= d4) continue;
+                float w = ra.ln ? load_act(ra.ln_w, c, ra.fp32) : 1.0f;
+                if (ra.gate) {
+                    float rn = ra.ln ? xh[i][j] * w + load_act(ra.ln_b, c, ra.fp32) : x;
+                    float sg = sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
+                    store_act(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
+                    g *= sg;
+                }
+                if (ra.ln) {
+                    float *aw = (float *)&acc_w[i], *ab = (float *)&acc_b[i];
+                    aw[j] += g * xh[i][j];
+                    ab[j] += g;
+                }
+                gw[i][j] = g * w;
+                sg_sum += gw[i][j];
+                sgx_sum += gw[i][j] * xh[i][j];
             }
-            if (ra.ln) {
-                acc_w[i] += g * xh[i];
-                acc_b[i] += g;
-            }
-            gw[i] = g * w;
-            sg_ += gw[i];
-            sgx += gw[i] * xh[i];
         }
+        float mean_g = 0.0f, mean_gx = 0.0f;
         if (ra.ln) {
-            float mean_g = sl_block_sum(sg_, red) / ra.d, mean_gx = sl_block_sum(sgx, red) / ra.d;
+            mean_g = sl_warp_sum(sg_sum) / ra.d;
+            mean_gx = sl_warp_sum(sgx_sum) / ra.d;
+        }
 #pragma unroll
-            for (int i = 0; i < RO_MAXC; i++) {
-                int c = threadIdx.x + i * RO_THREADS;
-                if (c < ra.d) dout[(size_t)p * ra.d + c] = rstd * (gw[i] - mean_g - xh[i] * mean_gx);
-            }
-        } else {
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            if (c4 >= d4) continue;
+            float4 v;
+            float *vv = (float *)&v;
 #pragma unroll
-            for (int i = 0; i < RO_MAXC; i++) {
-                int c = threadIdx.x + i * RO_THREADS;
-                if (c < ra.d) dout[(size_t)p * ra.d + c] = gw[i];
-            }
+            for (int j = 0; j < 4; j++) vv[j] = ra.ln ? rstd * (gw[i][j] - mean_g - xh[i][j] * mean_gx) : gw[i][j];
+            *(float4 *)(dout + (size_t)p * ra.d + 4 * c4) = v;
         }
     }
     if (ra.ln) {
-        size_t nb = gridDim.x;
 #pragma unroll
-        for (int i = 0; i < RO_MAXC; i++) {
-            int c = threadIdx.x + i * RO_THREADS;
-            if (c >= ra.d) continue;
-            partials[(size_t)blockIdx.x * ra.d + c] = acc_w[i];
-            partials[(nb + blockIdx.x) * ra.d + c] = acc_b[i];
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            if (c4 >= d4) continue;
+            *(float4 *)(partials + (size_t)warp * ra.d + 4 * c4) = acc_w[i];
+            *(float4 *)(partials + ((size_t)ra.n_warps + warp) * ra.d + 4 * c4) = acc_b[i];
         }
     }
 }
 
-static inline int readout_blocks(int P) { return SDM_MIN(P, 2048); }
+// Launch the instantiation whose NV float4 groups per lane cover d (d <= 2048, d % 4 == 0).
+#define RO_DISPATCH(kernel, ra, st, ...)                                                                         \
+    do {                                                                                                         \
+        int blocks_ = ceil_div((ra).n_warps, RO_WARPS_PER_BLOCK), thr_ = 32 * RO_WARPS_PER_BLOCK;                \
+        if ((ra).d <= 128) kernel<1><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                 \
+        else if ((ra).d <= 256) kernel<2><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
+        else if ((ra).d <= 512) kernel<4><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
+        else if ((ra).d <= 1024) kernel<8><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                           \
+        else kernel<16><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                              \
+        cudaCheckLast();                                                                                         \
+    } while (0)
+
+static inline void readout_forward(const ReadoutArgs *ra, const float *o, void *r, float *ln_mean, float *ln_rstd,
+                                   cudaStream_t st) {
+    RO_DISPATCH(readout_forward_kernel, *ra, st, o, r, ln_mean, ln_rstd);
+}
+
+// ...and, with the LayerNorm, d ln_w and d ln_b (accumulated) as column sums of the per-warp partials.
+static inline void readout_backward(const ReadoutArgs *ra, const float *o, const float *ln_mean, const float *ln_rstd,
+                                    float *dr, void *dz, float *partials, float *dln_w, float *dln_b,
+                                    cudaStream_t st) {
+    RO_DISPATCH(readout_backward_kernel, *ra, st, o, ln_mean, ln_rstd, dr, dr, dz, partials);
+    if (ra->ln) {
+        colsum(dln_w, partials, CUDA_R_32F, ra->d, ra->n_warps, ra->d, 1, st);
+        colsum(dln_b, partials + (size_t)ra->n_warps * ra->d, CUDA_R_32F, ra->d, ra->n_warps, ra->d, 1, st);
+    }
+}
 
 // =================================================================================================================
 // The bank: every sequence starts from its own copy of M0 (§1.7), and dM0 is the sum of the copies' gradients
@@ -576,6 +666,14 @@ __global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, boo
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq; i += (size_t)gridDim.x * blockDim.x) {
         float x = load_act(m0, i, m0_fp32);
         for (int b = 0; b < B; b++) store_act(bank, (size_t)b * per_seq + i, x, bank_fp32);
+    }
+}
+
+// bank[b, :] = m0 for every b, in 16-byte units (n16 per sequence)
+__global__ void bank_replicate_kernel(uint4 *bank, const uint4 *m0, size_t n16, int B) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 x = m0[i];
+        for (int b = 0; b < B; b++) bank[(size_t)b * n16 + i] = x;
     }
 }
 
@@ -601,10 +699,10 @@ static inline void bank_init(void *bank, int bank_fp32, const void *m0, int m0_f
         cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * (bank_fp32 ? 4 : 2), s));
         return;
     }
-    if (bank_fp32 == m0_fp32) { // same dtype: B plain copies
-        size_t bytes = per_seq * (bank_fp32 ? 4 : 2);
-        for (int b = 0; b < B; b++)
-            cudaCheck(cudaMemcpyAsync((char *)bank + (size_t)b * bytes, m0, bytes, cudaMemcpyDeviceToDevice, s));
+    if (bank_fp32 == m0_fp32 && (uintptr_t)m0 % 16 == 0) { // same dtype: read M0 once, write B copies, 16 B at a time
+        size_t n16 = per_seq * (bank_fp32 ? 4 : 2) / 16;
+        bank_replicate_kernel<<<2112, 256, 0, s>>>((uint4 *)bank, (const uint4 *)m0, n16, B);
+        cudaCheckLast();
         return;
     }
     bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_fp32 != 0, m0, m0_fp32 != 0, per_seq, B);
@@ -625,7 +723,7 @@ typedef struct {
     const void *bank0;           // M0 [H*N, d] (learned_bank, else NULL)
 } SdmLayerParams;
 
-// fp32 gradients, accumulated (+=) by sdm_layer_backward; same shapes as SdmLayerParams.
+// fp32 gradients, accumulated (+=) by sdm_layer_backward; same shapes as SdmLayerParams (bank0: 16-byte aligned).
 typedef struct {
     float *w_in, *b_in, *A_log, *dt_bias, *ln_w, *ln_b, *w_out, *b_out, *bank0;
 } SdmLayerGrads;
@@ -656,8 +754,8 @@ typedef struct {
     void *scratch;       // sdm_op_scratch_bytes
     float *dr;           // [BT, D] dY Wo, then (in place) the gradient of the op readings
     float *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank; // op gradients
-    float *gate_grad;    // [BT, 2H]
-    float *ln_partials;  // [2, readout_blocks, d]
+    float *gate_grad;    // [BT, 3H]: da, dc, dg * g in fp32
+    float *ln_partials;  // [2, readout_warps, d]
     size_t device_bytes;
     int timing;
     cudaEvent_t ev[SDM_LAYER_EVENTS];
@@ -675,7 +773,7 @@ static inline const char *sdm_layer_check(const SdmDims *s) {
     if (s->write_act != SDM_ACT_SOFTMAX || s->read_act != SDM_ACT_SOFTMAX)
         return "the GPU layer implements only the softmax weight activation (write_act / read_act)";
     if (s->heads < 1 || s->dim % s->heads != 0 || s->head_dim != s->dim / s->heads) return "D must equal H * d";
-    if (s->head_dim > RO_THREADS * RO_MAXC) return "head dim d must be <= 2048";
+    if (s->head_dim > RO_MAX_D || s->head_dim % 4 != 0) return "head dim d must be a multiple of 4, at most 2048";
     return NULL;
 }
 
@@ -713,7 +811,7 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
     if (s->normalize_readings) {
         L.ln_mean = (float *)layer_alloc(&L, P * 4);
         L.ln_rstd = (float *)layer_alloc(&L, P * 4);
-        L.ln_partials = (float *)layer_alloc(&L, 2 * (size_t)readout_blocks((int)P) * d * 4);
+        L.ln_partials = (float *)layer_alloc(&L, 2 * (size_t)readout_warps((int)P) * d * 4);
     }
     L.r = layer_alloc(&L, BT * D * cs);
     L.saved = layer_alloc(&L, sdm_op_saved_bytes(&L.op));
@@ -725,7 +823,7 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
     L.dv = (float *)layer_alloc(&L, BT * D * 4);
     L.drho = (float *)layer_alloc(&L, P * R * 4);
     L.dbank = (float *)layer_alloc(&L, bank_elems * 4);
-    L.gate_grad = (float *)layer_alloc(&L, BT * 2 * H * 4);
+    L.gate_grad = (float *)layer_alloc(&L, BT * 3 * H * 4);
     L.timing = timing;
     if (timing)
         for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventCreate(&L.ev[i]));
@@ -761,7 +859,8 @@ static inline ReadoutArgs layer_readout_args(const SdmLayer *L, const SdmLayerPa
     ra.d = L->s.head_dim; ra.H = L->s.heads; ra.ldz = L->ldz; ra.col_g = L->col_g;
     ra.ln = L->s.normalize_readings; ra.gate = L->s.output_gate; ra.eps = L->s.norm_eps;
     ra.ln_w = p->ln_w; ra.ln_b = p->ln_b; ra.z = L->z; ra.fp32 = L->fp32 != 0;
-    ra.rows_per_block = ceil_div(ra.P, readout_blocks(ra.P));
+    ra.n_warps = readout_warps(ra.P);
+    ra.rows_per_warp = ceil_div(ra.P, ra.n_warps);
     return ra;
 }
 
@@ -788,8 +887,7 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
     sdm_op_forward(&L->op, &in, L->bank, L->o, L->saved, st);
     layer_mark(L, EV_F_OP, st);
     ReadoutArgs ra = layer_readout_args(L, p);
-    readout_forward_kernel<<<readout_blocks(P), RO_THREADS, 0, st>>>(ra, L->o, L->r, L->ln_mean, L->ln_rstd);
-    cudaCheckLast();
+    readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st);
     layer_mark(L, EV_F_READOUT, st);
     matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
     layer_mark(L, EV_F_OUT, st);
@@ -812,16 +910,7 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     layer_mark(L, EV_B_OUT, st);
     // readout: gate and LayerNorm; dr becomes the gradient of the op readings in place
     ReadoutArgs ra = layer_readout_args(L, p);
-    readout_backward_kernel<<<readout_blocks(P), RO_THREADS, 0, st>>>(ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->dr,
-                                                                      dz, L->ln_partials);
-    cudaCheckLast();
-    if (s->normalize_readings) {
-        int nb = readout_blocks(P);
-        colsum_finish_kernel<<<ceil_div(d, 256), 256, 0, st>>>(g->ln_w, L->ln_partials, nb, d, 1);
-        cudaCheckLast();
-        colsum_finish_kernel<<<ceil_div(d, 256), 256, 0, st>>>(g->ln_b, L->ln_partials + (size_t)nb * d, nb, d, 1);
-        cudaCheckLast();
-    }
+    readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, dz, L->ln_partials, g->ln_w, g->ln_b, st);
     layer_mark(L, EV_B_READOUT, st);
     // the memory op
     SdmOpInputs in = layer_op_inputs(L);
@@ -844,15 +933,20 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     layer_mark(L, EV_B_TOPK, st);
     // learned bank and gate parameters
     if (s->learned_bank) {
+        if ((uintptr_t)g->bank0 % 16) sdm_die("SDM layer: the M0 gradient must be 16-byte aligned");
         bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B);
         cudaCheckLast();
     }
-    colsum(g->dt_bias, L->gate_grad, CUDA_R_32F, 2 * H, BT, H, 1, st);
-    colsum(g->A_log, L->gate_grad + H, CUDA_R_32F, 2 * H, BT, H, 1, st);
+    colsum(g->dt_bias, L->gate_grad, CUDA_R_32F, 3 * H, BT, H, 1, st);
+    colsum(g->A_log, L->gate_grad + 2 * H, CUDA_R_32F, 3 * H, BT, H, 1, st);
     layer_mark(L, EV_B_SUMS, st);
     // input projection
     matmul_backward_weight(g->w_in, CUDA_R_32F, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
-    matmul_backward_bias(g->b_in, dz, L->ctype, L->ldz, BT, L->n_in, 1, st);
+    // input bias: the a and c columns from the fp32 gate gradients, the others from dz
+    matmul_backward_bias(g->b_in, dz, L->ctype, L->ldz, BT, L->col_a, 1, st);
+    colsum(g->b_in + L->col_a, L->gate_grad, CUDA_R_32F, 3 * H, BT, 2 * H, 1, st);
+    if (s->output_gate)
+        matmul_backward_bias(g->b_in + L->col_g, elem_ptr(dz, L->col_g, L->ctype), L->ctype, L->ldz, BT, D, 1, st);
     matmul_backward_input(dx, L->ctype, dz, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, st);
     layer_mark(L, EV_B_IN, st);
 }

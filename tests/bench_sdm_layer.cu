@@ -38,6 +38,80 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// Mean time (ms) of `call` over reps launches on stream 0, after one warm-up launch.
+#define TIME_PIECE(label, flops, call)                                                                          \
+    do {                                                                                                       \
+        call;                                                                                                  \
+        cudaCheck(cudaEventRecord(e0, 0));                                                                     \
+        for (int rep_ = 0; rep_ < 5; rep_++) call;                                                             \
+        cudaCheck(cudaEventRecord(e1, 0));                                                                     \
+        cudaCheck(cudaEventSynchronize(e1));                                                                   \
+        float ms_;                                                                                             \
+        cudaCheck(cudaEventElapsedTime(&ms_, e0, e1));                                                         \
+        ms_ /= 5;                                                                                              \
+        if ((flops) > 0) printf("     %-34s %8.3f ms  %5.0f TFLOP/s\n", label, ms_, (flops) / (ms_ * 1e-3) / 1e12); \
+        else printf("     %-34s %8.3f ms\n", label, ms_);                                                      \
+    } while (0)
+
+// Each piece of the layer outside the memory op timed on its own (after a fresh forward, so the inputs are real).
+static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGrads *g, const void *x, const void *dy,
+                         void *y, void *dx) {
+    const SdmDims *s = &L->s;
+    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim, d = s->head_dim;
+    double fin = 2.0 * BT * D * (double)L->n_in, fout = 2.0 * BT * (double)D * D;
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    sdm_layer_forward(L, p, x, y, 0);
+    printf("   pieces (mean of 5):\n");
+    TIME_PIECE("fwd GEMM in-projection", fin,
+               matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, p->b_in, L->ctype, BT, L->n_in, D, 0));
+    TIME_PIECE("fwd GEMM out-projection", fout,
+               matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, 0));
+    TIME_PIECE("unpack (v fp32, gates)", 0,
+               (unpack_kernel<<<BT, 256>>>(L->z, false, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
+                                           p->dt_bias, L->v, L->g, L->beta)));
+    TIME_PIECE("top-k + softmax, writes", 0,
+               topk_forward(&L->tw, L->z, false, L->ldz, L->col_zk, H, P, 1.0f, L->g, 0, L->wslot, L->kappa, NULL,
+                            L->gamma, 0));
+    TIME_PIECE("top-k + softmax, reads", 0,
+               topk_forward(&L->tr, L->z, false, L->ldz, L->col_zq, H, P, 1.0f, NULL, 0, L->rslot, L->rho, NULL,
+                            NULL, 0));
+    TIME_PIECE("bank copy from M0", 0,
+               bank_init(L->bank, 0, p->bank0, 0, (size_t)H * s->slots * d, L->B, 0));
+    ReadoutArgs ra = layer_readout_args(L, p);
+    TIME_PIECE("readout forward (LN, gate)", 0,
+               readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, 0));
+    TIME_PIECE("bwd GEMM out dW", fout,
+               matmul_backward_weight(g->w_out, CUDA_R_32F, dy, D, L->r, L->ctype, BT, D, D, 1, 0));
+    TIME_PIECE("bwd GEMM out dX", fout,
+               matmul_backward_input(L->dr, CUDA_R_32F, dy, D, p->w_out, L->ctype, BT, D, D, 0, 0));
+    TIME_PIECE("bwd bias colsum dY", 0, matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, 0));
+    TIME_PIECE("readout backward (LN, gate)", 0,
+               readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->z, L->ln_partials, g->ln_w, g->ln_b, 0));
+    WriteGateArgs ga;
+    ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
+    ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = 0;
+    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
+    TIME_PIECE("addressing backward, writes+gates", 0,
+               address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, 1.0f, P, H, L->z, false, L->ldz, L->col_zk, 1,
+                                &ga, 0));
+    TIME_PIECE("addressing backward, reads", 0,
+               address_backward(&L->tr, L->rslot, L->rho, L->drho, 1.0f, P, H, L->z, false, L->ldz, L->col_zq, 0,
+                                NULL, 0));
+    TIME_PIECE("pack dv", 0, (pack_dv_kernel<<<BT, 256>>>(L->dv, L->z, false, L->ldz, L->col_v, D)));
+    TIME_PIECE("dM0 batch sum", 0,
+               (bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B)));
+    TIME_PIECE("bwd GEMM in dW", fin,
+               matmul_backward_weight(g->w_in, CUDA_R_32F, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
+    TIME_PIECE("bwd bias colsum dZ", 0, matmul_backward_bias(g->b_in, L->z, L->ctype, L->ldz, BT, L->n_in, 1, 0));
+    TIME_PIECE("bwd GEMM in dX", fin,
+               matmul_backward_input(dx, L->ctype, L->z, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, 0));
+    cudaCheckLast();
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+}
+
 static void bench(const char *name, int D, int H, int nf, int W, int C, int B, int T, double target_ms) {
     SdmDims s;
     memset(&s, 0, sizeof(s));
@@ -111,6 +185,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
            (double)L.device_bytes / (1 << 30), (double)sdm_op_saved_bytes(&L.op) / (1 << 30),
            (double)sdm_op_scratch_bytes(&L.op) / (1 << 30), peak_gib);
     CHECK(tot[iters / 2] > 0.0f, "%s: no time measured", name);
+    bench_pieces(&L, &p, &g, x, dy, y, dx);
     sdm_layer_destroy(&L);
     const void *bufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
                           g.w_in, g.b_in, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};

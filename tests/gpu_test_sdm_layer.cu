@@ -410,6 +410,64 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     free(x); free(dy); free(dx_ref); free(w_in); free(b_in);
 }
 
+// Two forward+backward passes of one layer on the same inputs give bitwise-equal y, dx and gradients.
+static void test_layer_determinism(Rng *rng, const LayerCase *c) {
+    SdmDims s = layer_dims(c);
+    int fp32 = c->fp32, n = c->B * c->T, D = c->D;
+    double *t[SDM_P_COUNT];
+    layer_random_params(rng, &s, fp32, t);
+    SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32, 0);
+    double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
+    fill_normal(rng, x, (size_t)n * D, 1.0);
+    SdmLayerParams p;
+    memset(&p, 0, sizeof(p));
+    p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32); p.b_in = dev_upload(b_in, L.n_in, fp32);
+    p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
+    p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
+    p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_BO], D, fp32);
+    size_t nbank = sdm_ref_param_numel(&s, SDM_P_BANK);
+    p.bank0 = dev_upload(t[SDM_P_BANK], nbank, fp32);
+    void *dxin = dev_upload(x, (size_t)n * D, fp32), *ddy = dev_upload(x, (size_t)n * D, fp32);
+    void *y = dev_upload(x, (size_t)n * D, fp32), *dx = dev_upload(x, (size_t)n * D, fp32);
+    // all gradients in one buffer: w_in, b_in, A_log, dt_bias, ln_w, ln_b, w_out, b_out, bank0
+    size_t sz[] = {(size_t)L.n_in * D, (size_t)L.n_in, (size_t)s.heads, (size_t)s.heads, (size_t)s.head_dim,
+                   (size_t)s.head_dim, (size_t)D * D, (size_t)D, nbank}, total = 0;
+    for (int i = 0; i < 9; i++) total += sz[i];
+    float *gbuf;
+    cudaCheck(cudaMalloc(&gbuf, total * 4));
+    SdmLayerGrads g;
+    float **gp[] = {&g.w_in, &g.b_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0};
+    for (int i = 0, off = 0; i < 9; off += (int)sz[i], i++) *gp[i] = gbuf + off;
+    size_t ybytes = (size_t)n * D * (fp32 ? 4 : 2);
+    unsigned char *run[2][3];
+    for (int r = 0; r < 2; r++) {
+        cudaCheck(cudaMemset(gbuf, 0, total * 4));
+        sdm_layer_forward(&L, &p, dxin, y, 0);
+        sdm_layer_backward(&L, &p, dxin, ddy, dx, &g, 0);
+        cudaCheck(cudaDeviceSynchronize());
+        run[r][0] = (unsigned char *)sdm_malloc(ybytes);
+        run[r][1] = (unsigned char *)sdm_malloc(ybytes);
+        run[r][2] = (unsigned char *)sdm_malloc(total * 4);
+        cudaCheck(cudaMemcpy(run[r][0], y, ybytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(run[r][1], dx, ybytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(run[r][2], gbuf, total * 4, cudaMemcpyDeviceToHost));
+    }
+    int same_y = !memcmp(run[0][0], run[1][0], ybytes), same_dx = !memcmp(run[0][1], run[1][1], ybytes);
+    int same_g = !memcmp(run[0][2], run[1][2], total * 4);
+    printf("determinism (%s layer %s, two runs): y %s, dx %s, gradients %s\n", fp32 ? "fp32" : "bf16", c->name,
+           same_y ? "bitwise equal" : "DIFFER", same_dx ? "bitwise equal" : "DIFFER",
+           same_g ? "bitwise equal" : "DIFFER");
+    CHECK(same_y && same_dx && same_g, "layer forward/backward not bitwise reproducible");
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 3; i++) free(run[r][i]);
+    sdm_layer_destroy(&L);
+    const void *dbufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dxin, ddy,
+                           y, dx, gbuf};
+    for (size_t i = 0; i < sizeof(dbufs) / sizeof(dbufs[0]); i++) cudaCheck(cudaFree((void *)dbufs[i]));
+    for (int i = 0; i < SDM_P_COUNT; i++) free(t[i]);
+    free(w_in); free(b_in); free(x);
+}
+
 int main(int argc, char **argv) {
     uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : (uint64_t)time(NULL);
     printf("seed %llu\n", (unsigned long long)seed);
@@ -440,6 +498,7 @@ int main(int argc, char **argv) {
         {"C", 0, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_layer(&rng, &cases[i]);
+    test_layer_determinism(&rng, &cases[5]);
     matmul_destroy();
     return test_summary();
 }
