@@ -5,15 +5,15 @@
 //   wy_kernel        Phase 1, one CTA per (stream, chunk), no bank access: slot links between the chunk's entries
 //                    (two-pointer merges of the sorted slot lists), per-slot decay scans from zero inside the chunk
 //                    (§3.7), gather/scatter weights, Gram matrices A and S, and Linv = (I + diag(beta) A)^-1.
-//   fwd_kernel       Phase 2, one CTA per (stream, block of DB columns) walking the chunks in order: every column of
-//                    the bank evolves independently once Phase 1 is done, so no inter-CTA synchronisation is needed.
-//                    Per chunk: gather (R0, E, snapshots), Delta = Linv diag(beta) (V - R0), O = S Delta + E, scatter
-//                    with one writer per slot (the slot's last entry walks its earlier entries in a fixed order).
+//   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once):
+//                    fgather (per (stream, token), whole rows: R0, E, snapshots), fsolve (per (stream, DB columns):
+//                    Delta = Linv diag(beta) (V - R0), O = S Delta + E), fscatter (one warp per written slot: its last
+//                    entry combines the slot's entries in a fixed order and writes the whole row once).
 //   backward         reverse over chunks: token_kernel (per (stream, token), whole rows: write-path gradient of
-//                    delta, and the per-entry dot products against G and the bank), gchunk_kernel (per (stream,
-//                    column block): dDelta, dX, the dense fp32 bank gradient G at the touched rows, bank restore from
-//                    the snapshots), then bwy_kernel (per (stream, chunk): the C x C products, the Gram backward and
-//                    the per-slot dgamma scans, by one thread per slot of the chunk).
+//                    delta and the per-entry dot products against G and the bank), bsolve (per (stream, DB columns):
+//                    dDelta, dX, dR0), bscatter (one warp per touched slot: the dense fp32 bank gradient G at the
+//                    touched rows; bank rows restored from the snapshots), then bwy_kernel (per (stream, chunk): the
+//                    C x C products, the Gram backward and the per-slot dgamma scans, one thread per slot).
 //   decode_kernel    one token per stream, the §2 recurrence in place.
 // No floating-point atomics anywhere (integer atomicMax/atomicMin only build slot links): bitwise deterministic.
 #ifndef SDM_SDM_OP_CUH
@@ -73,11 +73,6 @@ __device__ __forceinline__ void store4_any(void *row, int col, float4 x, bool fp
 __device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 __device__ __forceinline__ float4 axpy4(float a, float4 x, float4 y) {
     return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
 }
 
 // Where the snapshot rows live: payload [S][Tp][W] rows of row_bytes, fp8/int4 scales [S][Tp][W][d/DB].
@@ -145,12 +140,12 @@ __device__ __forceinline__ float4 snap_load4(const SnapView &sv, size_t e, int c
 
 // Everything the kernels need about the layout, by value.
 struct OpArgs {
-    int B, T, H, N, d, W, R, C, nc, Tp, DB, S;
+    int B, T, H, N, d, W, R, C, nc, Tp, DB, S, training;
     // phase-1 arrays (saved)
     int *w_slot, *w_prev, *w_next, *w_lastread;
     float *w_kappa, *w_lam, *w_gath, *w_scat, *w_pi, *w_elam_tot;
-    int *r_slot, *r_prevw, *r_prevr, *r_nextr;
-    float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *delta, *u;
+    int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_lastw;
+    float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *cx, *ce, *cdelta, *delta, *u;
     SnapView snap;
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
@@ -161,15 +156,16 @@ static inline OpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch
     OpArgs a;
     memset(&a, 0, sizeof(a));
     a.B = s->B; a.T = s->T; a.H = s->H; a.N = s->N; a.d = s->d; a.W = s->W; a.R = s->R;
-    a.C = L.C; a.nc = L.nc; a.Tp = L.Tp; a.DB = L.DB; a.S = L.S;
+    a.C = L.C; a.nc = L.nc; a.Tp = L.Tp; a.DB = L.DB; a.S = L.S; a.training = s->training;
     char *sv = (char *)saved;
 #define SDM_OP_PTR(field, type) a.field = (type *)(sv + L.field)
     SDM_OP_PTR(w_slot, int); SDM_OP_PTR(w_prev, int); SDM_OP_PTR(w_next, int); SDM_OP_PTR(w_lastread, int);
     SDM_OP_PTR(w_kappa, float); SDM_OP_PTR(w_lam, float); SDM_OP_PTR(w_gath, float); SDM_OP_PTR(w_scat, float);
     SDM_OP_PTR(w_pi, float); SDM_OP_PTR(w_elam_tot, float);
-    SDM_OP_PTR(r_slot, int); SDM_OP_PTR(r_prevw, int); SDM_OP_PTR(r_prevr, int); SDM_OP_PTR(r_nextr, int);
+    SDM_OP_PTR(r_slot, int); SDM_OP_PTR(r_prevw, int); SDM_OP_PTR(r_prevr, int); SDM_OP_PTR(r_nextr, int); SDM_OP_PTR(r_lastw, int);
     SDM_OP_PTR(r_rho, float); SDM_OP_PTR(r_lam, float); SDM_OP_PTR(r_gath, float); SDM_OP_PTR(beta, float);
     SDM_OP_PTR(A, float); SDM_OP_PTR(Sm, float); SDM_OP_PTR(Linv, float);
+    SDM_OP_PTR(cx, float); SDM_OP_PTR(ce, float); SDM_OP_PTR(cdelta, float);
     if (s->training) {
         SDM_OP_PTR(delta, float); SDM_OP_PTR(u, float);
         a.snap.data = sv + L.snap;
@@ -216,7 +212,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     int *ks = smem_slots, *qs = smem_slots + C * W;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
     int *prev = a.w_prev + ew, *next = a.w_next + ew, *lastread = a.w_lastread + ew;
-    int *prevw = a.r_prevw + er, *prevr = a.r_prevr + er, *nextr = a.r_nextr + er;
+    int *prevw = a.r_prevw + er, *prevr = a.r_prevr + er, *nextr = a.r_nextr + er, *lastw = a.r_lastw + er;
     float *lam = a.w_lam + ew, *gam = a.w_pi + ew, *nu = a.w_scat + ew, *lamtot = a.w_elam_tot + ew;
     float *kap = a.w_kappa + ew, *rlam = a.r_lam + er;
     // load (padding: slot -1, weights 0), initialise the links
@@ -237,12 +233,12 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         qs[e] = v ? rslot[g] : -1;
         a.r_rho[er + e] = v ? rho[g] : 0.f;
         a.r_slot[er + e] = qs[e];
-        prevw[e] = -1; prevr[e] = -1; nextr[e] = INT_MAX;
+        prevw[e] = -1; prevr[e] = -1; nextr[e] = INT_MAX; lastw[e] = -1;
     }
     for (int t = threadIdx.x; t < C; t += blockDim.x)
         a.beta[(size_t)s * a.Tp + c * C + t] = t < nvalid ? beta[tok_off(a, s, c * C + t, 1)] : 0.f;
     __syncthreads();
-    // links: the previous/next write of the same slot, the writes a read sees, the reads of a slot
+    // links: the previous/next write of the same slot, the writes a read sees, the last write and read of a slot
     for (int p = threadIdx.x; p < nvalid * nvalid; p += blockDim.x) {
         int t = p / nvalid, u = p % nvalid;
         if (u < t) {
@@ -258,6 +254,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         merge_equal(qs + t * R, R, ks + u * W, W, [&](int i, int j) {
             if (u <= t) atomicMax(prevw + t * R + i, u * W + j);
             atomicMax(lastread + u * W + j, t * R + i);
+            atomicMax(lastw + t * R + i, u * W + j);
         });
     }
     __syncthreads();
@@ -316,243 +313,249 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         a.Sm[cc + p] = sv;
     }
     __syncthreads();
-    // Linv = (I + diag(beta) A)^-1 by forward substitution, thread j owns column j
+    // Linv = (I + diag(beta) A)^-1 by forward substitution, thread j owns column j; the lower triangle is kept packed
+    // in shared memory (X(t, j) at t (t + 1) / 2 + j), over the slot lists that are no longer needed
     const float *Ac = a.A + cc, *bt = a.beta + (size_t)s * a.Tp + c * C;
-    float *X = a.Linv + cc;
-    for (int j = threadIdx.x; j < C; j += blockDim.x)
-        for (int t = 0; t < C; t++) {
-            float x = 0.f;
-            if (t == j) x = 1.f;
-            else if (t > j) {
-                float acc = 0.f;
-                for (int u = j; u < t; u++) acc = fmaf(Ac[t * C + u], X[u * C + j], acc);
-                x = -bt[t] * acc;
-            }
-            X[t * C + j] = x;
+    float *X = (float *)smem_slots;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        X[j * (j + 1) / 2 + j] = 1.f;
+        for (int t = j + 1; t < C; t++) {
+            float acc = 0.f;
+            for (int u = j; u < t; u++) acc = fmaf(Ac[t * C + u], X[u * (u + 1) / 2 + j], acc);
+            X[t * (t + 1) / 2 + j] = -bt[t] * acc;
         }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < C * C; p += blockDim.x) {
+        int t = p / C, j = p % C;
+        a.Linv[cc + p] = j <= t ? X[t * (t + 1) / 2 + j] : 0.f;
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Phase 2 (forward): grid (d/DB, S), one CTA per (stream, column block), chunks [c0, c1) in order.
-// Dynamic smem: X, E, Delta tiles [C][DB] fp32.
+// Phase 2 (forward), one chunk c of every stream per round of three launches (the host loops over the chunks):
+//   fgather_kernel  per (stream, token), whole rows: R0, E and the snapshots; X = beta (V - R0) and E to the
+//                   per-chunk buffers (U = V - R0 saved for the backward)
+//   fsolve_kernel   per (stream, DB columns): Delta = Linv X, O = S Delta + E
+//   fscatter_kernel one warp per write entry; the last entry of each written slot writes its whole row
+// Whole rows keep the random bank accesses long and contiguous (2-4 KB), which HBM serves far better than the
+// short column slices of one-CTA-per-column-block designs (measured: see tests/bench_sdm_op.cu notes).
+#define SDM_ROW_THREADS 256
+#define SDM_ROW_WARPS (SDM_ROW_THREADS / 32)
 
+// Pointer to row t of chunk c's Delta: the saved [S][Tp][d] array when training, else the per-chunk buffer.
+__device__ __forceinline__ float *delta_row(const OpArgs &a, int s, int c, int t) {
+    return a.training ? a.delta + ((size_t)s * a.Tp + (size_t)c * a.C + t) * a.d
+                      : a.cdelta + ((size_t)s * a.C + t) * a.d;
+}
+
+// part[col] += sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; the
+// calling warp's partial row `part`); `snap` stores each row's snapshot.
 template <typename Tb>
-__global__ void __launch_bounds__(256) sdm_fwd_kernel(OpArgs a, const float *v, Tb *bank, float *out, int c0,
-                                                      int c1, int training) {
+__device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, const int *slots, const float *gath,
+                                                  size_t e0, int n, float *part, bool snap) {
     constexpr int V = BankVec<Tb>::V;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
+    for (int k = warp; k < n; k += SDM_ROW_WARPS) {
+        int slot = slots[e0 + k];
+        if (slot < 0) continue; // padding: the whole warp skips
+        float g = gath[e0 + k];
+        const Tb *row = M + (size_t)slot * a.d;
+        for (int q = 0; q < nq; q++) {
+            int col = (q * 32 + lane) * V;
+            bool on = col < a.d;
+            float x[V];
+            if (on) {
+                BankVec<Tb>::load(row + col, x);
+                for (int i = 0; i < V; i++) part[col + i] = fmaf(g, x[i], part[col + i]);
+            }
+            if (snap) snap_store<V>(a.snap, e0 + k, col, x, on, a.DB / V);
+        }
+    }
+}
+
+// Sums the warps' partial rows in warp order into part[0..d) (the block's total), then re-zeroes the others.
+__device__ __forceinline__ void sum_partials(float *part, int d) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float x = part[i];
+        for (int w = 1; w < SDM_ROW_WARPS; w++) { x += part[w * d + i]; part[w * d + i] = 0.f; }
+        part[i] = x;
+    }
+    __syncthreads();
+}
+
+// Grid (C, S), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats.
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(OpArgs a, const float *v, const Tb *bank, int c) {
+    extern __shared__ float part[]; // [warps][d]
+    const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
+    const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
+    const Tb *M = bank + (size_t)s * a.N * d;
+    for (int i = threadIdx.x; i < SDM_ROW_WARPS * d; i += blockDim.x) part[i] = 0.f;
+    __syncthreads();
+    gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
+    sum_partials(part, d);
+    float bt = a.beta[tok];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
+        float u = (tp < a.T ? v[tok_off(a, s, tp, d) + i] : 0.f) - part[i];
+        if (a.training) a.u[tok * d + i] = u;
+        a.cx[crow + i] = bt * u;
+        part[i] = 0.f;
+    }
+    __syncthreads();
+    gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
+    sum_partials(part, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
+}
+
+// Grid (d/DB, S), 256 threads, dynamic smem: X and Delta tiles [C][DB].
+__global__ void __launch_bounds__(256) sdm_fsolve_kernel(OpArgs a, float *out, int c) {
     extern __shared__ float smem_tiles[];
-    const int C = a.C, W = a.W, R = a.R, DB = a.DB, nvec = DB / V, s = blockIdx.y;
-    const int col0 = blockIdx.x * DB;
-    float *Xs = smem_tiles, *Es = Xs + C * DB, *Ds = Es + C * DB;
-    Tb *M = bank + (size_t)s * a.N * a.d;
-    const int items = C * nvec, rounds = (items + blockDim.x - 1) / blockDim.x;
-    for (int c = c0; c < c1; c++) {
-        const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
-        const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
-        // (a) gather: R0 and E against the chunk-start bank, snapshots of the write rows
-        for (int rd = 0; rd < rounds; rd++) {
-            int it = rd * blockDim.x + threadIdx.x;
-            bool act = it < items;
-            int t = act ? it / nvec : 0, col = col0 + (act ? it % nvec : 0) * V;
-            float r0[V], e0[V], x[V];
-            for (int i = 0; i < V; i++) r0[i] = e0[i] = 0.f;
-            for (int k = 0; k < W; k++) {
-                size_t e = ew + (size_t)t * W + k;
-                int slot = act ? a.w_slot[e] : -1;
-                bool live = slot >= 0;
-                if (live) {
-                    BankVec<Tb>::load(M + (size_t)slot * a.d + col, x);
-                    float g = a.w_gath[e];
-                    for (int i = 0; i < V; i++) r0[i] = fmaf(g, x[i], r0[i]);
-                }
-                if (training) snap_store<V>(a.snap, e, col, x, live, nvec);
-            }
-            for (int k = 0; act && k < R; k++) {
-                size_t e = er + (size_t)t * R + k;
-                int slot = a.r_slot[e];
-                if (slot < 0) continue;
-                BankVec<Tb>::load(M + (size_t)slot * a.d + col, x);
-                float g = a.r_gath[e];
-                for (int i = 0; i < V; i++) e0[i] = fmaf(g, x[i], e0[i]);
-            }
-            if (!act) continue;
-            // U = V - R0 (saved), X = beta U
-            int tp = c * C + t;
-            float bt = a.beta[tok0 + t];
+    const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
+    float *Xs = smem_tiles, *Ds = Xs + C * DB;
+    const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4;
+        *(float4 *)(Xs + t * DB + lc) = *(const float4 *)(a.cx + crow0 + (size_t)t * a.d + col0 + lc);
+    }
+    __syncthreads();
+    const float *Li = a.Linv + cc, *Sc = a.Sm + cc;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u <= t; u++) acc = axpy4(Li[t * C + u], *(const float4 *)(Xs + u * DB + lc), acc);
+        *(float4 *)(Ds + t * DB + lc) = acc;
+        *(float4 *)(delta_row(a, s, c, t) + col0 + lc) = acc;
+    }
+    __syncthreads();
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
+        if (tp >= a.T) continue;
+        float4 acc = *(const float4 *)(a.ce + crow0 + (size_t)t * a.d + col0 + lc);
+        for (int u = 0; u <= t; u++) {
+            float sv = Sc[t * C + u];
+            if (sv != 0.f) acc = axpy4(sv, *(const float4 *)(Ds + u * DB + lc), acc);
+        }
+        *(float4 *)(out + tok_off(a, s, tp, a.d) + col0 + lc) = acc;
+    }
+}
+
+// Grid (ceil(C W / warps), S), SDM_ROW_THREADS threads: warp e of the chunk's write entries; when e is the last
+// entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking back) pi kappa delta_t.
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(OpArgs a, Tb *bank, int c) {
+    constexpr int V = BankVec<Tb>::V;
+    const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (e >= a.C * a.W) return;
+    const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
+    int slot = a.w_slot[ew + e];
+    if (slot < 0 || a.w_next[ew + e] >= 0) return;
+    Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
+    float el = a.w_elam_tot[ew + e];
+    for (int col = lane * V; col < a.d; col += 32 * V) {
+        float x[V];
+        BankVec<Tb>::load(row + col, x);
+        for (int i = 0; i < V; i++) x[i] *= el;
+        for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
+            float w = a.w_scat[ew + q];
+            const float *dr = delta_row(a, s, c, q / a.W) + col;
             for (int i = 0; i < V; i += 4) {
-                if (tp < a.T) BankVec<float>::load(v + tok_off(a, s, tp, a.d) + col + i, x + i);
-                else x[i] = x[i + 1] = x[i + 2] = x[i + 3] = 0.f;
+                float4 dv = *(const float4 *)(dr + i);
+                x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
+                x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
             }
-            for (int i = 0; i < V; i++) x[i] -= r0[i];
-            if (training)
-                for (int i = 0; i < V; i += 4) BankVec<float>::store(a.u + (tok0 + t) * a.d + col + i, x + i);
-            int lc = col - col0;
-            for (int i = 0; i < V; i++) { Xs[t * DB + lc + i] = bt * x[i]; Es[t * DB + lc + i] = e0[i]; }
         }
-        __syncthreads();
-        // (b) Delta = Linv X, then O = S Delta + E
-        const float *Li = a.Linv + cc, *Sc = a.Sm + cc;
-        for (int it = threadIdx.x; it < items; it += blockDim.x) {
-            int t = it / nvec, lc = (it % nvec) * V;
-            float acc[V];
-            for (int i = 0; i < V; i++) acc[i] = 0.f;
-            for (int u = 0; u <= t; u++) {
-                float l = Li[t * C + u];
-                for (int i = 0; i < V; i++) acc[i] = fmaf(l, Xs[u * DB + lc + i], acc[i]);
-            }
-            for (int i = 0; i < V; i++) Ds[t * DB + lc + i] = acc[i];
-            if (training)
-                for (int i = 0; i < V; i += 4) BankVec<float>::store(a.delta + (tok0 + t) * a.d + col0 + lc + i, acc + i);
-        }
-        __syncthreads();
-        for (int it = threadIdx.x; it < items; it += blockDim.x) {
-            int t = it / nvec, lc = (it % nvec) * V, tp = c * C + t;
-            if (tp >= a.T) continue;
-            float acc[V];
-            for (int i = 0; i < V; i++) acc[i] = Es[t * DB + lc + i];
-            for (int u = 0; u <= t; u++) {
-                float sv = Sc[t * C + u];
-                if (sv != 0.f)
-                    for (int i = 0; i < V; i++) acc[i] = fmaf(sv, Ds[u * DB + lc + i], acc[i]);
-            }
-            for (int i = 0; i < V; i += 4) BankVec<float>::store(out + tok_off(a, s, tp, a.d) + col0 + lc + i, acc + i);
-        }
-        // (c) scatter: the last entry of each written slot writes e^Lambda M0 + sum over the slot's entries pi kappa delta
-        for (int it = threadIdx.x; it < C * W * nvec; it += blockDim.x) {
-            int e = it / nvec, lc = (it % nvec) * V;
-            int slot = a.w_slot[ew + e];
-            if (slot < 0 || a.w_next[ew + e] >= 0) continue;
-            float acc[V], x[V];
-            for (int i = 0; i < V; i++) acc[i] = 0.f;
-            for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
-                float w = a.w_scat[ew + q];
-                const float *dr = Ds + (q / W) * DB + lc;
-                for (int i = 0; i < V; i++) acc[i] = fmaf(w, dr[i], acc[i]);
-            }
-            Tb *row = M + (size_t)slot * a.d + col0 + lc;
-            BankVec<Tb>::load(row, x);
-            float el = a.w_elam_tot[ew + e];
-            for (int i = 0; i < V; i++) x[i] = fmaf(el, x[i], acc[i]);
-            BankVec<Tb>::store(row, x);
-        }
-        __syncthreads();
+        BankVec<Tb>::store(row + col, x);
     }
 }
 
 // ------------------------------------------------------------------------------------------------------------------
 // Backward, in the reverse chunk loop.
 
-#define SDM_TOK_THREADS 128
-#define SDM_TOK_MAXV 8 // float4 column groups per thread: d <= 4 * 128 * 8 = 4096
+#define SDM_TOK_THREADS 256
 
 // Per (stream, token) of chunk cg: the write-path gradient of delta, wsum_t = sum_i pi kappa G[i], and the dots
 // omega = <delta_t, G[i]>, eta = e^Lambda <G[i], M0[i]> (G before this chunk's update). Per token of chunk cd
 // (whose bank rows are restored): phi = <dO_t, M0[j]>, psi = -beta_t <dX_t, M0[i]>. cg or cd may be -1.
-// Grid (C, S), SDM_TOK_THREADS threads, dynamic smem: max(W, R) * 2 * warps floats.
+// One warp per entry (entries k = warp, warp + 8, ...), whole rows; each warp keeps its partial wsum in smem and
+// the partials are summed in warp order. Grid (C, S), SDM_TOK_THREADS threads, dynamic smem (2 + warps) d floats.
 __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, const void *bank, int bank_fp32,
                                                                     const float *G, const float *dout, int cg, int cd) {
-    extern __shared__ float red[];
-    const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, warps = SDM_TOK_THREADS / 32;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nv = (a.d / 4 + SDM_TOK_THREADS - 1) / SDM_TOK_THREADS;
+    extern __shared__ float tok_smem[];
+    const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, d = a.d, warps = SDM_TOK_THREADS / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float *rowA = tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
     const size_t rowN = (size_t)s * a.N;
-    // reduces the per-thread partials p0/p1 of entry k over the block into red[(k*warps + warp)*2 + {0,1}]
-    auto part = [&](int k, float p0, float p1) {
-        p0 = warp_sum(p0);
-        p1 = warp_sum(p1);
-        if (lane == 0) { red[(k * warps + warp) * 2] = p0; red[(k * warps + warp) * 2 + 1] = p1; }
-    };
-    auto total = [&](int k, int which) {
-        float x = 0.f;
-        for (int w = 0; w < warps; w++) x += red[(k * warps + w) * 2 + which];
-        return x;
-    };
     if (cg >= 0) {
         size_t tok = (size_t)s * a.Tp + (size_t)cg * a.C + t, ew = tok * W;
-        float4 dl[SDM_TOK_MAXV], ws[SDM_TOK_MAXV];
-#pragma unroll
-        for (int q = 0; q < SDM_TOK_MAXV; q++) {
-            int col = (q * SDM_TOK_THREADS + threadIdx.x) * 4;
-            ws[q] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (q < nv && col < a.d) dl[q] = *(const float4 *)(a.delta + tok * a.d + col);
-        }
-        for (int k = 0; k < W; k++) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) rowA[i] = a.delta[tok * d + i];
+        for (int i = threadIdx.x; i < warps * d; i += blockDim.x) wpart[i] = 0.f;
+        __syncthreads();
+        float *wp = wpart + warp * d;
+        for (int k = warp; k < W; k += warps) {
             int slot = a.w_slot[ew + k];
-            float p0 = 0.f, p1 = 0.f;
-            if (slot >= 0) {
-                float w = a.w_scat[ew + k];
-                const float *gr = G + (rowN + slot) * a.d;
-#pragma unroll
-                for (int q = 0; q < SDM_TOK_MAXV; q++) {
-                    int col = (q * SDM_TOK_THREADS + threadIdx.x) * 4;
-                    if (q < nv && col < a.d) {
-                        float4 g = *(const float4 *)(gr + col), m = snap_load4(a.snap, ew + k, col);
-                        ws[q] = axpy4(w, g, ws[q]);
-                        p0 += dot4(dl[q], g);
-                        p1 += dot4(g, m);
-                    }
-                }
+            if (slot < 0) {
+                if (lane == 0) a.omega[ew + k] = a.eta[ew + k] = 0.f;
+                continue;
             }
-            part(k, p0, p1);
-        }
-#pragma unroll
-        for (int q = 0; q < SDM_TOK_MAXV; q++) {
-            int col = (q * SDM_TOK_THREADS + threadIdx.x) * 4;
-            if (q < nv && col < a.d) *(float4 *)(a.wsum + ((size_t)s * a.C + t) * a.d + col) = ws[q];
+            float w = a.w_scat[ew + k], p0 = 0.f, p1 = 0.f;
+            const float *gr = G + (rowN + slot) * d;
+            for (int col = lane * 4; col < d; col += 128) {
+                float4 g = *(const float4 *)(gr + col), m = snap_load4(a.snap, ew + k, col);
+                float4 dl = *(const float4 *)(rowA + col);
+                *(float4 *)(wp + col) = axpy4(w, g, *(const float4 *)(wp + col));
+                p0 += dot4(dl, g);
+                p1 += dot4(g, m);
+            }
+            p0 = warp_sum(p0);
+            p1 = warp_sum(p1);
+            if (lane == 0) { a.omega[ew + k] = p0; a.eta[ew + k] = a.w_elam_tot[ew + k] * p1; }
         }
         __syncthreads();
-        for (int k = threadIdx.x; k < W; k += blockDim.x) {
-            a.omega[ew + k] = total(k, 0);
-            a.eta[ew + k] = a.w_elam_tot[ew + k] * total(k, 1);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            float x = 0.f;
+            for (int w = 0; w < warps; w++) x += wpart[w * d + i];
+            a.wsum[((size_t)s * a.C + t) * d + i] = x;
         }
         __syncthreads();
     }
     if (cd >= 0) {
         int tp = cd * a.C + t;
         size_t tok = (size_t)s * a.Tp + tp, ew = tok * W, er = tok * R;
-        bool valid = tp < a.T;
-        float4 go[SDM_TOK_MAXV], gx[SDM_TOK_MAXV];
-#pragma unroll
-        for (int q = 0; q < SDM_TOK_MAXV; q++) {
-            int col = (q * SDM_TOK_THREADS + threadIdx.x) * 4;
-            if (q < nv && col < a.d) {
-                go[q] = valid ? *(const float4 *)(dout + tok_off(a, s, tp, a.d) + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-                gx[q] = *(const float4 *)(a.dx + tok * a.d + col);
-            }
-        }
-        for (int k = 0; k < (W > R ? W : R); k++) {
-            int ws = k < W ? a.w_slot[ew + k] : -1, rs = k < R ? a.r_slot[er + k] : -1;
-            float p0 = 0.f, p1 = 0.f;
-            const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * a.d * (bank_fp32 ? 4 : 2) : NULL;
-#pragma unroll
-            for (int q = 0; q < SDM_TOK_MAXV; q++) {
-                int col = (q * SDM_TOK_THREADS + threadIdx.x) * 4;
-                if (q < nv && col < a.d) {
-                    if (ws >= 0) p0 += dot4(gx[q], snap_load4(a.snap, ew + k, col));
-                    if (rs >= 0) p1 += dot4(go[q], load4_any(brow, col, bank_fp32));
-                }
-            }
-            part(k, p0, p1);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            rowA[i] = a.dx[tok * d + i];
+            rowB[i] = tp < a.T ? dout[tok_off(a, s, tp, d) + i] : 0.f;
         }
         __syncthreads();
         float bt = a.beta[tok];
-        for (int k = threadIdx.x; k < W; k += blockDim.x) a.psi[ew + k] = -bt * total(k, 0);
-        for (int k = threadIdx.x; k < R; k += blockDim.x) a.phi[er + k] = total(k, 1);
+        for (int k = warp; k < (W > R ? W : R); k += warps) {
+            int ws = k < W ? a.w_slot[ew + k] : -1, rs = k < R ? a.r_slot[er + k] : -1;
+            float p0 = 0.f, p1 = 0.f;
+            const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * d * (bank_fp32 ? 4 : 2) : NULL;
+            for (int col = lane * 4; col < d; col += 128) {
+                if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), snap_load4(a.snap, ew + k, col));
+                if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), load4_any(brow, col, bank_fp32));
+            }
+            p0 = warp_sum(p0);
+            p1 = warp_sum(p1);
+            if (lane == 0) {
+                if (k < W) a.psi[ew + k] = -bt * p0;
+                if (k < R) a.phi[er + k] = p1;
+            }
+        }
     }
 }
 
-// Per (stream, column block) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX),
-// dR0 = -beta dX; then the bank gradient at the touched rows (write slots replaced, then read contributions added,
-// one thread per slot and column group) and the bank restored from the snapshots.
-// Grid (d/DB, S), 256 threads, dynamic smem: dO, dDelta, dR0 tiles [C][DB] fp32.
-__global__ void __launch_bounds__(256) sdm_gchunk_kernel(OpArgs a, void *bank, int bank_fp32, float *G,
-                                                         const float *dout, float *dv, int c) {
+static inline size_t sdm_token_smem(int d) { return (size_t)(2 + SDM_TOK_THREADS / 32) * d * sizeof(float); }
+
+// Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
+// dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem: dO, dDelta tiles [C][DB].
+__global__ void __launch_bounds__(256) sdm_bsolve_kernel(OpArgs a, const float *dout, float *dv, int c) {
     extern __shared__ float smem_tiles[];
-    const int C = a.C, W = a.W, R = a.R, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB;
-    float *Os = smem_tiles, *DDs = Os + C * DB, *DRs = DDs + C * DB;
-    const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
+    const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
+    float *Os = smem_tiles, *DDs = Os + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
-    const size_t rowN = (size_t)s * a.N;
-    const int items = C * nvec;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
         float4 o = tp < a.T ? *(const float4 *)(dout + tok_off(a, s, tp, a.d) + col0 + lc) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -576,39 +579,59 @@ __global__ void __launch_bounds__(256) sdm_gchunk_kernel(OpArgs a, void *bank, i
         for (int u = t; u < C; u++) acc = axpy4(Li[u * C + t], *(const float4 *)(DDs + u * DB + lc), acc);
         *(float4 *)(a.dx + (tok0 + t) * a.d + col0 + lc) = acc;
         float bt = a.beta[tok0 + t];
-        *(float4 *)(DRs + t * DB + lc) = make_float4(-bt * acc.x, -bt * acc.y, -bt * acc.z, -bt * acc.w);
+        *(float4 *)(a.cx + ((size_t)s * C + t) * a.d + col0 + lc) = make_float4(-bt * acc.x, -bt * acc.y, -bt * acc.z, -bt * acc.w);
         if (tp < a.T) *(float4 *)(dv + tok_off(a, s, tp, a.d) + col0 + lc) = make_float4(bt * acc.x, bt * acc.y, bt * acc.z, bt * acc.w);
     }
-    __syncthreads();
-    // written slots: G[i] = e^Lambda G[i] + sum over the slot's entries kappa e^lam dR0_t (the last entry writes)
-    for (int it = threadIdx.x; it < C * W * nvec; it += blockDim.x) {
-        int e = it / nvec, lc = (it % nvec) * 4;
-        int slot = a.w_slot[ew + e];
-        if (slot < 0 || a.w_next[ew + e] >= 0) continue;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int q = e; q >= 0; q = a.w_prev[ew + q]) acc = axpy4(a.w_gath[ew + q], *(const float4 *)(DRs + (q / W) * DB + lc), acc);
-        float4 *g = (float4 *)(G + (rowN + slot) * a.d + col0 + lc);
-        *g = axpy4(a.w_elam_tot[ew + e], *g, acc);
-    }
-    __syncthreads();
-    // read slots: G[j] += sum over the slot's read entries rho e^lam' dO_t (the last read entry writes)
-    for (int it = threadIdx.x; it < C * R * nvec; it += blockDim.x) {
-        int e = it / nvec, lc = (it % nvec) * 4;
-        int slot = a.r_slot[er + e];
-        if (slot < 0 || a.r_nextr[er + e] >= 0) continue;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int q = e; q >= 0; q = a.r_prevr[er + q]) acc = axpy4(a.r_gath[er + q], *(const float4 *)(Os + (q / R) * DB + lc), acc);
-        float4 *g = (float4 *)(G + (rowN + slot) * a.d + col0 + lc);
-        float4 x = *g;
-        *g = make_float4(x.x + acc.x, x.y + acc.y, x.z + acc.z, x.w + acc.w);
-    }
-    // restore the chunk-start bank: the first entry of each written slot holds its row
-    for (int it = threadIdx.x; it < C * W * nvec; it += blockDim.x) {
-        int e = it / nvec, lc = (it % nvec) * 4;
-        int slot = a.w_slot[ew + e];
-        if (slot < 0 || a.w_prev[ew + e] >= 0) continue;
-        void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-        store4_any(row, col0 + lc, snap_load4(a.snap, ew + e, col0 + lc), bank_fp32);
+}
+
+// acc += sum over the read entries of one slot (walking back from r) of rho e^lam' dO_t, 4 columns at col
+__device__ __forceinline__ float4 read_chain_sum(const OpArgs &a, const float *dout, int s, int c, size_t er, int r,
+                                                 int col, float4 acc) {
+    for (int q = r; q >= 0; q = a.r_prevr[er + q]) // read entries exist only for tokens inside the sequence
+        acc = axpy4(a.r_gath[er + q], *(const float4 *)(dout + tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
+    return acc;
+}
+
+// The bank gradient at the chunk's touched rows and the bank restore, one warp per entry, whole rows:
+//   write entry e, last of its slot:  G[i] = e^Lambda G[i] + sum_writes kappa e^lam dR0_t + sum_reads rho e^lam' dO_t
+//   read entry r, last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
+//   write entry e, first of its slot: M[i] = snapshot (the chunk-start row)
+// Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads.
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a, void *bank, int bank_fp32, float *G,
+                                                                       const float *dout, int c) {
+    const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int CW = a.C * a.W;
+    if (i >= CW + a.C * a.R) return;
+    const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W, er = ((size_t)s * a.Tp + (size_t)c * a.C) * a.R;
+    const size_t rowN = (size_t)s * a.N;
+    if (i < CW) {
+        int slot = a.w_slot[ew + i];
+        if (slot < 0) return;
+        if (a.w_prev[ew + i] < 0) { // restore
+            void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
+            for (int col = lane * 4; col < a.d; col += 128) store4_any(row, col, snap_load4(a.snap, ew + i, col), bank_fp32);
+        }
+        if (a.w_next[ew + i] >= 0) return;
+        float *g = G + (rowN + slot) * a.d;
+        float el = a.w_elam_tot[ew + i];
+        int lr = a.w_lastread[ew + i];
+        for (int col = lane * 4; col < a.d; col += 128) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
+            for (int q = i; q >= 0; q = a.w_prev[ew + q])
+                acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
+            if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
+            float4 x = axpy4(el, *(const float4 *)(g + col), acc);
+            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        }
+    } else {
+        int r = i - CW, slot = a.r_slot[er + r];
+        if (slot < 0 || a.r_nextr[er + r] >= 0 || a.r_lastw[er + r] >= 0) return;
+        float *g = G + (rowN + slot) * a.d;
+        for (int col = lane * 4; col < a.d; col += 128) {
+            float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
+            float4 x = *(const float4 *)(g + col);
+            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        }
     }
 }
 
@@ -669,12 +692,11 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
         x = warp_sum(x);
         if (lane == 0) dbeta[tok_off(a, s, c * C + t, 1)] = x;
     }
-    // per-entry direct terms (in place: omega -> dkappa, eta -> dgamma direct, psi -> dlam; phi -> drho)
+    // per-entry direct terms (in place: omega -> dkappa, eta stays (dgamma direct), psi -> dlam; phi -> drho)
     for (int e = threadIdx.x; e < C * W; e += blockDim.x) {
         size_t g = ew + e;
         float kap = a.w_kappa[g], pi = a.w_pi[g], el = expf(a.w_lam[g]), om = a.omega[g], ps = a.psi[g];
         a.omega[g] = pi * om + el * ps;
-        a.eta[g] = a.eta[g] - kap * pi * om;
         a.psi[g] = kap * el * ps;
         a.dmu[g] = kap * pi * om;
     }
@@ -689,7 +711,7 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
     float *dk = a.omega + ew, *dg = a.eta + ew, *dlam = a.psi + ew, *dmu = a.dmu + ew, *dr = a.phi + er, *dlr = a.dlamr + er;
     const float *kap = a.w_kappa + ew, *lam = a.w_lam + ew, *rho = a.r_rho + er, *rlam = a.r_lam + er;
     const float *bt = a.beta + tok0;
-    const int *prev = a.w_prev + ew, *prevr = a.r_prevr + er;
+    const int *prev = a.w_prev + ew, *prevr = a.r_prevr + er, *prevw = a.r_prevw + er;
     for (int h = threadIdx.x; h < C * W; h += blockDim.x) {
         if (a.w_slot[ew + h] < 0 || a.w_next[ew + h] >= 0) continue;
         for (int b = h; b >= 0; b = prev[b]) // write pairs (b later, q earlier)
@@ -708,14 +730,19 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
                 float gS = dS[tr * C + tq], E = expf(rlam[r] - lam[q]), x = gS * rho[r] * kap[q] * E;
                 dr[r] += gS * kap[q] * E;
                 dk[q] += gS * rho[r] * E;
-                dlr[r] += x;
-                dlam[q] -= x;
+                if (q != prevw[r]) { // E = e^{lam_prevw[r] - lam_q} depends on the gammas in (q, prevw[r]] only
+                    dlr[r] += x;
+                    dlam[q] -= x;
+                }
             }
-        // dgamma_q = direct + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r + sum_{writes b at or before q} dmu_b
+        // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r
+        //          + sum_{writes b before q} dmu_b
+        // (SDM_SPEC §4.4b also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since pi_q = e^{mu_q -
+        // gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when gamma << 0)
         for (int q = h; q >= 0; q = prev[q]) {
             int tq = q / W;
             float x = dg[q];
-            for (int b = h; b >= 0; b = prev[b]) x += (b / W >= tq ? dlam[b] : 0.f) + (b / W <= tq ? dmu[b] : 0.f);
+            for (int b = h; b >= 0; b = prev[b]) x += b / W >= tq ? dlam[b] : dmu[b];
             for (int r = a.w_lastread[ew + h]; r >= 0; r = prevr[r])
                 if (r / R >= tq) x += dlr[r];
             dg[q] = x;
@@ -769,39 +796,35 @@ __global__ void __launch_bounds__(32) sdm_decode_kernel(SdmOpShape sh, SdmOpInpu
 // ------------------------------------------------------------------------------------------------------------------
 // Host entry points
 
-// 1: the forward walks the chunks with one launch per chunk (host loop) instead of one persistent launch.
-static int g_sdm_op_host_loop = 0;
-
 static inline void sdm_op_require(const SdmOpShape *s) {
     const char *msg = sdm_op_check(s);
     if (msg) sdm_die("sdm_op: unsupported shape (B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d): %s", s->B, s->T, s->H,
                      s->N, s->d, s->W, s->R, s->C, msg);
 }
 
-static inline size_t sdm_op_tile_smem(const OpArgs &a) { return (size_t)3 * a.C * a.DB * sizeof(float); }
-
-template <typename Tb>
-static void sdm_op_forward_t(const OpArgs &a, const SdmOpInputs *in, void *bank, float *out, int training,
-                             cudaStream_t stream) {
-    size_t smem = sdm_op_tile_smem(a);
-    cudaCheck(cudaFuncSetAttribute(sdm_fwd_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dim3 grid(a.d / a.DB, a.S);
-    if (g_sdm_op_host_loop) {
-        for (int c = 0; c < a.nc; c++) {
-            sdm_fwd_kernel<Tb><<<grid, 256, smem, stream>>>(a, in->v, (Tb *)bank, out, c, c + 1, training);
-            cudaCheckLast();
-        }
-    } else {
-        sdm_fwd_kernel<Tb><<<grid, 256, smem, stream>>>(a, in->v, (Tb *)bank, out, 0, a.nc, training);
-        cudaCheckLast();
-    }
-}
+static inline size_t sdm_op_tile_smem(const OpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
+static inline size_t sdm_op_row_smem(const OpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
+static inline dim3 sdm_op_entry_grid(const OpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
 
 static inline void sdm_op_phase1(const OpArgs &a, const SdmOpInputs *in, cudaStream_t stream) {
-    size_t smem = (size_t)a.C * (a.W + a.R) * sizeof(int);
+    size_t smem = (size_t)SDM_MAX(a.C * (a.W + a.R), a.C * (a.C + 1) / 2) * sizeof(int);
     cudaCheck(cudaFuncSetAttribute(sdm_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     sdm_wy_kernel<<<dim3(a.nc, a.S), 256, smem, stream>>>(a, in->wslot, in->kappa, in->gamma, in->beta, in->rslot,
                                                           in->rho);
+    cudaCheckLast();
+}
+
+// One chunk of the forward for every stream: gather, solve, scatter.
+template <typename Tb>
+static void sdm_op_forward_chunk(const OpArgs &a, const float *v, void *bank, float *out, int c, cudaStream_t stream) {
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
+    cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
+    cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
+    sdm_fgather_kernel<Tb><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs, stream>>>(a, v, (const Tb *)bank, c);
+    cudaCheckLast();
+    sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts, stream>>>(a, out, c);
+    cudaCheckLast();
+    sdm_fscatter_kernel<Tb><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream>>>(a, (Tb *)bank, c);
     cudaCheckLast();
 }
 
@@ -810,8 +833,35 @@ static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *ban
     sdm_op_require(s);
     OpArgs a = sdm_op_args(s, saved, NULL);
     sdm_op_phase1(a, in, stream);
-    if (s->bank_fp32) sdm_op_forward_t<float>(a, in, bank, out, s->training, stream);
-    else sdm_op_forward_t<__nv_bfloat16>(a, in, bank, out, s->training, stream);
+    for (int c = 0; c < a.nc; c++) {
+        if (s->bank_fp32) sdm_op_forward_chunk<float>(a, in->v, bank, out, c, stream);
+        else sdm_op_forward_chunk<__nv_bfloat16>(a, in->v, bank, out, c, stream);
+    }
+}
+
+// The backward's launches (separate so the benchmark can time them one by one).
+static inline void sdm_op_launch_token(const OpArgs &a, const void *bank, int bank_fp32, const float *G,
+                                       const float *dout, int cg, int cd, cudaStream_t stream) {
+    size_t smem = sdm_token_smem(a.d);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<<<dim3(a.C, a.S), SDM_TOK_THREADS, smem, stream>>>(a, bank, bank_fp32, G, dout, cg, cd);
+    cudaCheckLast();
+}
+static inline void sdm_op_launch_bsolve(const OpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
+    size_t smem = sdm_op_tile_smem(a);
+    cudaCheck(cudaFuncSetAttribute(sdm_bsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c);
+    cudaCheckLast();
+}
+static inline void sdm_op_launch_bscatter(const OpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
+                                          int c, cudaStream_t stream) {
+    sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
+                                                                                                  dout, c);
+    cudaCheckLast();
+}
+static inline void sdm_op_launch_bwy(const OpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
+    sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
+    cudaCheckLast();
 }
 
 static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
@@ -825,21 +875,14 @@ static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *ba
     if (dbank_final)
         cudaCheck(cudaMemcpyAsync(g->dbank_init, dbank_final, bank_elems * 4, cudaMemcpyDeviceToDevice, stream));
     else cudaCheck(cudaMemsetAsync(g->dbank_init, 0, bank_elems * 4, stream));
-    size_t tsmem = (size_t)(a.W > a.R ? a.W : a.R) * 2 * (SDM_TOK_THREADS / 32) * sizeof(float), gsmem = sdm_op_tile_smem(a);
-    cudaCheck(cudaFuncSetAttribute(sdm_gchunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gsmem));
-    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tsmem));
     for (int c = a.nc - 1; c >= -1; c--) {
         // dots of chunk c against G (before its update) and of chunk c + 1 against its restored bank
-        sdm_token_kernel<<<dim3(a.C, a.S), SDM_TOK_THREADS, tsmem, stream>>>(a, bank, s->bank_fp32, g->dbank_init,
-                                                                             dout, c, c + 1 < a.nc ? c + 1 : -1);
-        cudaCheckLast();
+        sdm_op_launch_token(a, bank, s->bank_fp32, g->dbank_init, dout, c, c + 1 < a.nc ? c + 1 : -1, stream);
         if (c < 0) break;
-        sdm_gchunk_kernel<<<dim3(a.d / a.DB, a.S), 256, gsmem, stream>>>(a, bank, s->bank_fp32, g->dbank_init, dout,
-                                                                         g->dv, c);
-        cudaCheckLast();
+        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
+        sdm_op_launch_bscatter(a, bank, s->bank_fp32, g->dbank_init, dout, c, stream);
     }
-    sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
-    cudaCheckLast();
+    sdm_op_launch_bwy(a, dout, g, stream);
 }
 
 static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream) {

@@ -74,7 +74,7 @@ typedef struct {
 static inline int sdm_op_chunk(const SdmOpShape *s) { return s->C < s->T ? s->C : s->T; }
 static inline int sdm_op_chunks(const SdmOpShape *s) { int C = sdm_op_chunk(s); return (s->T + C - 1) / C; }
 
-// Width of the column block one CTA owns in the sequential kernels (also the granularity of the fp8/int4
+// Width of the column tile one CTA owns in the per-chunk solve kernels (also the granularity of the fp8/int4
 // snapshot scales): the widest of 64/32/16/8 that divides d and still gives >= 256 (stream, block) CTAs.
 static inline int sdm_op_col_block(const SdmOpShape *s) {
     int db = 64;
@@ -119,9 +119,10 @@ typedef struct {
     // saved: per write entry [S][Tp][W]
     size_t w_slot, w_prev, w_next, w_lastread, w_kappa, w_lam, w_gath, w_scat, w_pi, w_elam_tot;
     // saved: per read entry [S][Tp][R]
-    size_t r_slot, r_prevw, r_prevr, r_nextr, r_rho, r_lam, r_gath;
+    size_t r_slot, r_prevw, r_prevr, r_nextr, r_lastw, r_rho, r_lam, r_gath;
     size_t beta;                  // [S][Tp]
     size_t A, Sm, Linv;           // [S][nc][C][C]
+    size_t cx, ce, cdelta;        // [S][C][d] fp32 per-chunk buffers: X (forward) / dR0 (backward), E, Delta (prefill)
     size_t delta, u;              // [S][Tp][d] fp32 (training)
     size_t snap, snap_scale;      // [S][Tp][W] rows, [S][Tp][W][d/DB] fp32 (training)
     size_t saved_bytes;
@@ -152,10 +153,12 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     SDM_OP_TAKE(w_gath, ew * 4); SDM_OP_TAKE(w_scat, ew * 4); SDM_OP_TAKE(w_pi, ew * 4);
     SDM_OP_TAKE(w_elam_tot, ew * 4);
     SDM_OP_TAKE(r_slot, er * 4); SDM_OP_TAKE(r_prevw, er * 4); SDM_OP_TAKE(r_prevr, er * 4);
-    SDM_OP_TAKE(r_nextr, er * 4); SDM_OP_TAKE(r_rho, er * 4); SDM_OP_TAKE(r_lam, er * 4);
+    SDM_OP_TAKE(r_nextr, er * 4); SDM_OP_TAKE(r_lastw, er * 4); SDM_OP_TAKE(r_rho, er * 4); SDM_OP_TAKE(r_lam, er * 4);
     SDM_OP_TAKE(r_gath, er * 4);
     SDM_OP_TAKE(beta, tok * 4);
     SDM_OP_TAKE(A, cc * 4); SDM_OP_TAKE(Sm, cc * 4); SDM_OP_TAKE(Linv, cc * 4);
+    size_t chunk_rows = (size_t)L.S * L.C * s->d;
+    SDM_OP_TAKE(cx, chunk_rows * 4); SDM_OP_TAKE(ce, chunk_rows * 4); SDM_OP_TAKE(cdelta, chunk_rows * 4);
     if (s->training) {
         SDM_OP_TAKE(delta, rows * 4); SDM_OP_TAKE(u, rows * 4);
         SDM_OP_TAKE(snap, ew * sdm_op_snap_row_bytes(s));

@@ -103,6 +103,55 @@ static void report(const char *what, float ms, double floor_bytes) {
            100.0 * floor_ms / ms);
 }
 
+// Median time of fn() over reps runs after one warm-up.
+template <typename F> static float time_ms(int reps, F fn) {
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1));
+    std::vector<float> t;
+    for (int r = 0; r <= reps; r++) {
+        float ms;
+        cudaCheck(cudaEventRecord(e0));
+        fn();
+        cudaCheck(cudaEventRecord(e1));
+        cudaCheck(cudaEventSynchronize(e1));
+        cudaCheck(cudaEventElapsedTime(&ms, e0, e1));
+        if (r) t.push_back(ms);
+    }
+    cudaCheck(cudaEventDestroy(e0)); cudaCheck(cudaEventDestroy(e1));
+    return median(t);
+}
+
+// Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
+// by a full forward + backward; the values they compute are not used).
+static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
+                        void *saved, void *scratch, int reps) {
+    OpArgs a = sdm_op_args(s, saved, scratch);
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
+    float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
+    float fg = time_ms(reps, [&] {
+        for (int c = 0; c < a.nc; c++)
+            sdm_fgather_kernel<__nv_bfloat16><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+    });
+    float fs = time_ms(reps, [&] {
+        for (int c = 0; c < a.nc; c++) sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c);
+    });
+    float fc = time_ms(reps, [&] {
+        for (int c = 0; c < a.nc; c++)
+            sdm_fscatter_kernel<__nv_bfloat16><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
+    });
+    float tk = time_ms(reps, [&] {
+        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, bank, 0, g->dbank_init, dout, c, c, 0);
+    });
+    float bs = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bsolve(a, dout, g->dv, c, 0); });
+    float bc = time_ms(reps, [&] {
+        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, g->dbank_init, dout, c, 0);
+    });
+    float bw = time_ms(reps, [&] { sdm_op_launch_bwy(a, dout, g, 0); });
+    cudaCheckLast();
+    printf("  parts (ms): phase1 %.3f | fgather %.3f fsolve %.3f fscatter %.3f | token %.3f bsolve %.3f bscatter %.3f "
+           "bwy %.3f\n", p1, fg, fs, fc, tk, bs, bc, bw);
+}
+
 // Training forward + backward, prefill, and the forward with the host-loop schedule at one shape.
 static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, int reps) {
     SdmOpShape s;
@@ -128,7 +177,7 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
            gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4), gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
-    std::vector<float> tf, tb, tp, th;
+    std::vector<float> tf, tb;
     for (int r = 0; r <= reps; r++) { // first round is the warm-up
         float a, b;
         cudaCheck(cudaEventRecord(e0));
@@ -143,27 +192,14 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     }
     SdmOpShape sp = s;
     sp.training = 0;
-    for (int r = 0; r <= reps; r++) {
-        float a, b;
-        cudaCheck(cudaEventRecord(e0));
-        sdm_op_forward(&sp, &in, bank, out, saved, 0);
-        cudaCheck(cudaEventRecord(e1));
-        g_sdm_op_host_loop = 1;
-        sdm_op_forward(&sp, &in, bank, out, saved, 0);
-        g_sdm_op_host_loop = 0;
-        cudaCheck(cudaEventRecord(e2));
-        cudaCheck(cudaEventSynchronize(e2));
-        cudaCheck(cudaEventElapsedTime(&a, e0, e1));
-        cudaCheck(cudaEventElapsedTime(&b, e1, e2));
-        if (r) { tp.push_back(a); th.push_back(b); }
-    }
+    float tpre = time_ms(reps, [&] { sdm_op_forward(&sp, &in, bank, out, saved, 0); });
     double th_ = (double)tok;
     report("forward (training)", median(tf), th_ * (3.0 * W + R) * d * 2);
     report("backward", median(tb), th_ * ((2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
     report("forward + backward", median(tf) + median(tb),
            th_ * ((3.0 * W + R) * d * 2 + (2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
-    report("prefill (persistent CTAs)", median(tp), th_ * (2.0 * W + R) * d * 2);
-    report("prefill (host loop over chunks)", median(th), th_ * (2.0 * W + R) * d * 2);
+    report("prefill", tpre, th_ * (2.0 * W + R) * d * 2);
+    bench_parts(&s, &in, bank, dout, &g, saved, scratch, reps);
     cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
     cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv); cudaFree(g.dbank_init);
     free_inputs(&in);
