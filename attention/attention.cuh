@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include <type_traits>
+
 #include "attention/attention_ref.h" // attn_rope_inv_freq: the host computes the RoPE frequencies exactly as the CPU reference
 #include "attention/attn_dims.h"
 #include "core/common.h"
@@ -315,6 +317,14 @@ __global__ void attn_kv_append_kernel(const T *k, const T *v, T *kc, T *vc, cons
 
 #define ATTN_PAD 8
 
+// Default tile configurations <warps, tile, [row tiles per warp,] CTAs per SM>: forward: 16*MT*warps queries against
+// tile keys; dQ: 16*warps queries against tile keys; dK/dV: 16*warps keys against tile queries. Chosen from the variants tests/bench_attention.cu times (H200, d=128):
+// small windows (w <= 256) prefer the smaller query tiles of ATTN_FWD_SWA_CFG, which waste less work at the edges.
+#define ATTN_FWD_CFG 8, 64, 1, 1
+#define ATTN_FWD_SWA_CFG 4, 64, 1, 2
+#define ATTN_DKDV_CFG 4, 64, 2
+#define ATTN_DQ_CFG 4, 32, 2
+
 __device__ __forceinline__ void attn_cp_async16(void *smem, const void *gmem, bool valid) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     int n = valid ? 16 : 0; // 0: zero-fill (rows past T)
@@ -369,28 +379,52 @@ __device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// acc[NT] (16 x 8NT) += a (16 x 16, k-step k0) . B^T, B stored [n][k] from row n0.
-template <int NT>
-__device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int n0, int k0) {
+// acc[mt] (16 x 8NT) += a[mt] (16 x 16, k-step k0) . B^T for MT row tiles sharing each B fragment; B stored [n][k]
+// from row 0. PARTIAL: only the 16-column groups [glo, ghi) (the others hold no visible pair and stay as they are);
+// otherwise all, with no branches.
+template <int MT, int NT, bool PARTIAL>
+__device__ __forceinline__ void attn_mma_bt_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile,
+                                              int sd, int k0, int glo, int ghi) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
+        if (PARTIAL && (nt / 2 < glo || nt / 2 >= ghi)) continue;
         uint32_t b[4];
-        attn_ldsm_b_nk(b, tile, sd, n0 + nt * 8, k0);
-        attn_mma(acc[nt], a, b[0], b[1]);
-        attn_mma(acc[nt + 1], a, b[2], b[3]);
+        attn_ldsm_b_nk(b, tile, sd, nt * 8, k0);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            attn_mma(acc[mt][nt], a[mt], b[0], b[1]);
+            attn_mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
+        }
     }
 }
 
-// acc[NT] (16 x 8NT) += a (16 x 16) . B, B stored [k][n] with the k-step at row k0.
-template <int NT>
-__device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0) {
+// acc[mt] (16 x 8NT) += a[mt] (16 x 16) . B, B stored [k][n] with the k-step at row k0.
+template <int MT, int NT>
+__device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile, int sd,
+                                             int k0) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
         uint32_t b[4];
         attn_ldsm_b_kn(b, tile, sd, k0, nt * 8);
-        attn_mma(acc[nt], a, b[0], b[1]);
-        attn_mma(acc[nt + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            attn_mma(acc[mt][nt], a[mt], b[0], b[1]);
+            attn_mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
+        }
     }
+}
+
+// The same for one row tile.
+template <int NT, bool PARTIAL>
+__device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0,
+                                            int glo, int ghi) {
+    attn_mma_bt_m<1, NT, PARTIAL>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
+                                  tile, sd, k0, glo, ghi);
+}
+template <int NT>
+__device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0) {
+    attn_mma_b_m<1, NT>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a), tile,
+                        sd, k0);
 }
 
 __device__ __forceinline__ uint32_t attn_pack(float lo, float hi) {
@@ -434,36 +468,53 @@ __device__ __forceinline__ bool attn_block_all(int p0, int np, int s0, int ns, i
     return p0 + np <= T && s0 + ns <= T && s0 + ns - 1 <= p0 && (window == 0 || p0 + np - 1 - s0 < window);
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Forward (bf16): CTA = NW warps = a tile of 16*NW queries of one (b, head); each warp owns 16 query rows and loops
-// over the 64-key tiles its rows can see (K, V double-buffered by cp.async), keeping a running max and sum.
+// The 16-wide column groups [lo, hi) of a tile whose columns start at c0 (ncols of them) that hold any column of
+// [v_lo, v_hi] (absolute; the caller knows the intersection is not empty). Work on the others is skipped.
+__device__ __forceinline__ void attn_groups(int c0, int ncols, int v_lo, int v_hi, int &lo, int &hi) {
+    lo = max(0, v_lo - c0) / 16;
+    hi = min(ncols / 16, (v_hi - c0 + 16) / 16);
+}
 
-template <int D, int NW, int BN>
-__global__ void __launch_bounds__(NW * 32, 1) attn_fwd_mma_kernel(AttnArgs p) {
-    constexpr int BM = 16 * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BN / 8, DT = D / 8;
+// Keys visible to some query row of [r0, r0+16): [first key of r0, last row]; queries that see some key of
+// [k0, k0+16): [k0, last key + w - 1].
+__device__ __forceinline__ int attn_rows_key_hi(int r0, int T) { return min(r0 + 15, T - 1); }
+__device__ __forceinline__ int attn_keys_query_hi(int k0, int window, int T) {
+    return window == 0 ? T - 1 : min(T - 1, min(k0 + 15, T - 1) + window - 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward (bf16): CTA = NW warps = a tile of 16*MT*NW queries of one (b, head); each warp owns 16*MT query rows
+// (MT row tiles share every K and V fragment it reads) and loops over the BN-key tiles its rows can see (K, V
+// double-buffered by cp.async), keeping a running max and sum. A tile wholly inside the mask runs branch-free; in a
+// partial one, 16-key groups no row of the warp can see are skipped, so a window costs O(w) per query.
+
+template <int D, int NW, int BN, int MT, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p) {
+    constexpr int RW = 16 * MT, BM = RW * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BN / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
     bf16 *Qs = (bf16 *)attn_smem, *Ks = Qs + BM * SD, *Vs = Ks + 2 * BN * SD; // Q [BM][SD]; K, V [2][BN][SD]
     int mb = gridDim.x - 1 - blockIdx.x, j = blockIdx.y, b = blockIdx.z, g = j / (p.nh / p.nkv); // longest tiles first
-    int warp = threadIdx.x / 32, m0 = mb * BM, r0 = m0 + warp * 16;
+    int warp = threadIdx.x / 32, m0 = mb * BM, r0 = m0 + warp * RW;
     const bf16 *qg = (const bf16 *)p.q + ((size_t)b * p.T * p.nh + j) * D;
     const bf16 *kg = (const bf16 *)p.k + ((size_t)b * p.T * p.nkv + g) * D;
     const bf16 *vg = (const bf16 *)p.v + ((size_t)b * p.T * p.nkv + g) * D;
     size_t qstride = (size_t)p.nh * D, kstride = (size_t)p.nkv * D;
     int n_lo = attn_first_key_dev(m0, p.window) / BN, n_hi = (min(p.T, m0 + BM) + BN - 1) / BN;
+    int key_lo = attn_first_key_dev(r0, p.window), key_hi = min(r0 + RW - 1, p.T - 1);
 
     attn_load_tile<D, BM, NW * 32>(Qs, qg, m0, p.T, qstride);
     attn_load_tile<D, BN, NW * 32>(Ks, kg, n_lo * BN, p.T, kstride);
     attn_load_tile<D, BN, NW * 32>(Vs, vg, n_lo * BN, p.T, kstride);
     attn_cp_async_commit();
-    attn_cp_async_wait<0>();
-    __syncthreads();
-    uint32_t qf[KS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) attn_ldsm_a(qf[ks], Qs, SD, warp * 16, ks * 16);
 
-    float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[MT][DT][4], m[MT][2], l[MT][2];
 #pragma unroll
-    for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++) {
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+    }
 
     for (int n = n_lo; n < n_hi; n++) {
         int buf = (n - n_lo) & 1, key0 = n * BN;
@@ -474,74 +525,94 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_fwd_mma_kernel(AttnArgs p) {
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
-        if (attn_block_any(r0, 16, key0, BN, p.window, p.T)) {
+        auto tile = [&](auto partial) {
+            constexpr bool PARTIAL = decltype(partial)::value;
             const bf16 *Kb = Ks + buf * BN * SD, *Vb = Vs + buf * BN * SD;
-            float s[NT][4];
+            int glo = 0, ghi = BN / 16;
+            if (PARTIAL) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
+            float s[MT][NT][4]; // raw scores q.k, masked to -inf
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++) attn_mma_bt<NT>(s, qf[ks], Kb, SD, 0, ks * 16);
-            bool full = attn_block_all(r0, 16, key0, BN, p.window, p.T);
+                for (int nt = 0; nt < NT; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+            for (int ks = 0; ks < KS; ks++) {
+                uint32_t a[MT][4];
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int row = r0 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                    bool vis = full || (key < p.T && attn_visible_dev(row, key, p.window));
-                    s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
+                for (int mt = 0; mt < MT; mt++) attn_ldsm_a(a[mt], Qs, SD, warp * RW + mt * 16, ks * 16);
+                attn_mma_bt_m<MT, NT, PARTIAL>(s, a, Kb, SD, ks * 16, glo, ghi);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (PARTIAL) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            int row = r0 + mt * 16 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
+                            if (key >= p.T || !attn_visible_dev(row, key, p.window)) s[mt][nt][e] = -INFINITY;
+                        }
                 }
 #pragma unroll
-            for (int h = 0; h < 2; h++) { // rows lane/4 and lane/4 + 8
-                float mx = -INFINITY;
+                for (int h = 0; h < 2; h++) { // rows lane/4 and lane/4 + 8; m in base-2 units of the scaled score
+                    float mx = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                float m_new = fmaxf(m[h], mx), m_use = m_new == -INFINITY ? 0.0f : m_new;
-                float alpha = exp2f(m[h] - m_use);
-                m[h] = m_new;
-                l[h] *= alpha;
+                    for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    float m_new = fmaxf(m[mt][h], mx * p.scale_log2), m_use = m_new == -INFINITY ? 0.0f : m_new;
+                    float alpha = exp2f(m[mt][h] - m_use);
+                    m[mt][h] = m_new;
+                    l[mt][h] *= alpha;
 #pragma unroll
-                for (int dt = 0; dt < DT; dt++) o[dt][2 * h] *= alpha, o[dt][2 * h + 1] *= alpha;
+                    for (int dt = 0; dt < DT; dt++) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
-                    s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
-                    l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
+                    for (int nt = 0; nt < NT; nt++) {
+                        s[mt][nt][2 * h] = exp2f(fmaf(s[mt][nt][2 * h], p.scale_log2, -m_use));
+                        s[mt][nt][2 * h + 1] = exp2f(fmaf(s[mt][nt][2 * h + 1], p.scale_log2, -m_use));
+                        l[mt][h] += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
+                    }
                 }
             }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                uint32_t a[4];
-                attn_acc_to_a<NT>(a, s, kk);
-                attn_mma_b<DT>(o, a, Vb, SD, kk * 16);
+                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) attn_acc_to_a<NT>(a[mt], s[mt], kk);
+                attn_mma_b_m<MT, DT>(o, a, Vb, SD, kk * 16);
             }
-        }
+        };
+        if (attn_block_all(r0, RW, key0, BN, p.window, p.T)) tile(std::false_type());
+        else if (attn_block_any(r0, RW, key0, BN, p.window, p.T)) tile(std::true_type());
         __syncthreads();
     }
 
-    float inv[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        inv[h] = 1.0f / l[h];
-        int row = r0 + attn_acc_row(2 * h);
-        if (p.lse && (threadIdx.x & 3) == 0 && row < p.T)
-            p.lse[((size_t)b * p.nh + j) * p.T + row] = (m[h] + log2f(l[h])) * ATTN_LN2;
+    for (int mt = 0; mt < MT; mt++) {
+        float inv[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 1);
+            l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 2);
+            inv[h] = 1.0f / l[mt][h];
+            int row = r0 + mt * 16 + attn_acc_row(2 * h);
+            if (p.lse && (threadIdx.x & 3) == 0 && row < p.T)
+                p.lse[((size_t)b * p.nh + j) * p.T + row] = (m[mt][h] + log2f(l[mt][h])) * ATTN_LN2;
+        }
+        attn_store_acc<D>((bf16 *)p.out + ((size_t)b * p.T * p.nh + j) * D, qstride, r0 + mt * 16, p.T, o[mt], inv);
     }
-    attn_store_acc<D>((bf16 *)p.out + ((size_t)b * p.T * p.nh + j) * D, qstride, r0, p.T, o, inv);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Backward (bf16), two passes so that every output has one owner:
 //   dK/dV: CTA = a tile of 16*NW keys of one (b, kv head); each warp owns 16 keys and loops over the query heads of
-//          the group and the 64-query tiles that can see them: P^T = exp(K Q^T - lse), dP^T = V dO^T,
+//          the group and the BM-query tiles that can see them: P^T = exp(K Q^T - lse), dP^T = V dO^T,
 //          dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
 //   dQ:    CTA = a tile of 16*NW queries; loops over key tiles as the forward: dQ += dS K.
 
-template <int D, int NW, int BM>
-__global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dkdv_mma_kernel(AttnArgs p) {
+template <int D, int NW, int BM, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnArgs p) {
     constexpr int BN = 16 * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BM / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
     bf16 *Ks = (bf16 *)attn_smem, *Vs = Ks + BN * SD; // [BN][SD] each
@@ -554,6 +625,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dkdv_mma_kernel(AttnArgs 
     const bf16 *vg = (const bf16 *)p.v + ((size_t)b * p.T * p.nkv + g) * D;
     int q_hi = p.window == 0 ? p.T : min(p.T, n0 + BN - 1 + p.window); // queries < q_hi can see the tile
     int m_lo = n0 / BM, m_hi = (q_hi + BM - 1) / BM, per_head = m_hi - m_lo, steps = per_head * group;
+    int query_hi = attn_keys_query_hi(k0, p.window, p.T);
 
     // step i = (head j = g*group + i / per_head, query tile m_lo + i % per_head)
     auto load_step = [&](int i, int buf) {
@@ -587,9 +659,12 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dkdv_mma_kernel(AttnArgs 
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
-        if (attn_block_any(m0, BM, k0, 16, p.window, p.T)) {
+        auto tile = [&](auto partial) {
+            constexpr bool PARTIAL = decltype(partial)::value;
             const bf16 *Qb = Qs + buf * BM * SD, *Ob = Os + buf * BM * SD;
             const float *Lb = Ls + buf * BM, *Db = Ds + buf * BM;
+            int glo = 0, ghi = BM / 16;
+            if (PARTIAL) attn_groups(m0, BM, k0, query_hi, glo, ghi);
             float st[NT][4], dpt[NT][4]; // S^T, dP^T: 16 keys x BM queries
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -599,30 +674,40 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dkdv_mma_kernel(AttnArgs 
             for (int ks = 0; ks < KS; ks++) {
                 uint32_t a[4];
                 attn_ldsm_a(a, Ks, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT>(st, a, Qb, SD, 0, ks * 16);
+                attn_mma_bt<NT, PARTIAL>(st, a, Qb, SD, ks * 16, glo, ghi);
                 attn_ldsm_a(a, Vs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT>(dpt, a, Ob, SD, 0, ks * 16);
+                attn_mma_bt<NT, PARTIAL>(dpt, a, Ob, SD, ks * 16, glo, ghi);
             }
-            bool full = attn_block_all(m0, BM, k0, 16, p.window, p.T);
+            if (PARTIAL) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int key = k0 + attn_acc_row(e), query = m0 + attn_acc_col(nt, e);
+                        if (query >= p.T || key >= p.T || !attn_visible_dev(query, key, p.window)) st[nt][e] = -INFINITY;
+                    }
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int key = k0 + attn_acc_row(e), col = attn_acc_col(nt, e), query = m0 + col;
-                    bool vis = full || (query < p.T && key < p.T && attn_visible_dev(query, key, p.window));
-                    float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - Lb[col]) : 0.0f;
+                    int col = attn_acc_col(nt, e);
+                    float pr = exp2f(fmaf(st[nt][e], p.scale_log2, -Lb[col]));
                     st[nt][e] = pr;
                     dpt[nt][e] = pr * (dpt[nt][e] - Db[col]);
                 }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++) {
+                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
                 uint32_t a[4];
                 attn_acc_to_a<NT>(a, st, kk);
                 attn_mma_b<DT>(dv, a, Ob, SD, kk * 16);
                 attn_acc_to_a<NT>(a, dpt, kk);
                 attn_mma_b<DT>(dk, a, Qb, SD, kk * 16);
             }
-        }
+        };
+        if (attn_block_all(m0, BM, k0, 16, p.window, p.T)) tile(std::false_type());
+        else if (attn_block_any(m0, BM, k0, 16, p.window, p.T)) tile(std::true_type());
         __syncthreads();
     }
     float one[2] = {1.0f, 1.0f}, scale = p.scale_log2 / ATTN_LOG2E, sc[2] = {scale, scale};
@@ -630,8 +715,8 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dkdv_mma_kernel(AttnArgs 
     attn_store_acc<D>((bf16 *)p.dv + ((size_t)b * p.T * p.nkv + g) * D, kstride, k0, p.T, dv, one);
 }
 
-template <int D, int NW, int BN>
-__global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dq_mma_kernel(AttnArgs p) {
+template <int D, int NW, int BN, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs p) {
     constexpr int BM = 16 * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BN / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
     bf16 *Qs = (bf16 *)attn_smem, *Os = Qs + BM * SD, *Ks = Os + BM * SD, *Vs = Ks + 2 * BN * SD;
@@ -641,6 +726,7 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dq_mma_kernel(AttnArgs p)
     const bf16 *kg = (const bf16 *)p.k + ((size_t)b * p.T * p.nkv + g) * D;
     const bf16 *vg = (const bf16 *)p.v + ((size_t)b * p.T * p.nkv + g) * D;
     int n_lo = attn_first_key_dev(m0, p.window) / BN, n_hi = (min(p.T, m0 + BM) + BN - 1) / BN;
+    int key_lo = attn_first_key_dev(r0, p.window), key_hi = attn_rows_key_hi(r0, p.T);
 
     attn_load_tile<D, BM, NW * 32>(Qs, (const bf16 *)p.q + ((size_t)b * p.T * p.nh + j) * D, m0, p.T, qstride);
     attn_load_tile<D, BM, NW * 32>(Os, (const bf16 *)p.dout + ((size_t)b * p.T * p.nh + j) * D, m0, p.T, qstride);
@@ -669,8 +755,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dq_mma_kernel(AttnArgs p)
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
-        if (attn_block_any(r0, 16, key0, BN, p.window, p.T)) {
+        auto tile = [&](auto partial) {
+            constexpr bool PARTIAL = decltype(partial)::value;
             const bf16 *Kb = Ks + buf * BN * SD, *Vb = Vs + buf * BN * SD;
+            int glo = 0, ghi = BN / 16;
+            if (PARTIAL) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
             float s[NT][4], dp[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -680,27 +769,36 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dq_mma_kernel(AttnArgs p)
             for (int ks = 0; ks < KS; ks++) {
                 uint32_t a[4];
                 attn_ldsm_a(a, Qs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT>(s, a, Kb, SD, 0, ks * 16);
+                attn_mma_bt<NT, PARTIAL>(s, a, Kb, SD, ks * 16, glo, ghi);
                 attn_ldsm_a(a, Os, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT>(dp, a, Vb, SD, 0, ks * 16);
+                attn_mma_bt<NT, PARTIAL>(dp, a, Vb, SD, ks * 16, glo, ghi);
             }
-            bool full = attn_block_all(r0, 16, key0, BN, p.window, p.T);
+            if (PARTIAL) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int row = r0 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
+                        if (key >= p.T || row >= p.T || !attn_visible_dev(row, key, p.window)) s[nt][e] = -INFINITY;
+                    }
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int row = r0 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                    bool vis = full || (key < p.T && row < p.T && attn_visible_dev(row, key, p.window));
-                    float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[e >> 1]) : 0.0f;
+                    float pr = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[e >> 1]));
                     s[nt][e] = pr * (dp[nt][e] - delta[e >> 1]);
                 }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
+                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
                 uint32_t a[4];
                 attn_acc_to_a<NT>(a, s, kk);
                 attn_mma_b<DT>(dq, a, Kb, SD, kk * 16);
             }
-        }
+        };
+        if (attn_block_all(r0, 16, key0, BN, p.window, p.T)) tile(std::false_type());
+        else if (attn_block_any(r0, 16, key0, BN, p.window, p.T)) tile(std::true_type());
         __syncthreads();
     }
     float scale = p.scale_log2 / ATTN_LOG2E, sc[2] = {scale, scale};
@@ -709,13 +807,6 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_dq_mma_kernel(AttnArgs p)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Host API
-
-// Tile shapes: forward and dQ use 8 warps (128 queries) against 64-key tiles; dK/dV 4 warps (64 keys) against
-// 64-query tiles.
-#define ATTN_FWD_NW 8
-#define ATTN_BN 64
-#define ATTN_DKDV_NW 4
-#define ATTN_DKDV_BM 64
 
 static inline void attn_check_dims(const AttnDims *a) {
     if (a->head_dim != 64 && a->head_dim != 128)
@@ -752,15 +843,38 @@ static inline void attn_launch_rows(K kernel, int rows, cudaStream_t st, const A
     attn_cuda_check(cudaGetLastError(), what);
 }
 
+// The tensor-core kernels at a given tile configuration (NW warps, BN/BM tile, MINB CTAs per SM). The defaults below
+// were chosen by tests/bench_attention.cu, which also times the alternatives.
+template <int D, int NW, int BN, int MT, int MINB>
+static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
+    constexpr int BM = 16 * MT * NW;
+    size_t smem = (size_t)(BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
+    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
+                "attention forward");
+}
+
+template <int D, int NW, int BM, int MINB> static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
+    constexpr int BN = 16 * NW;
+    size_t smem = (size_t)(2 * BN + 4 * BM) * (D + ATTN_PAD) * sizeof(bf16) + 4 * BM * sizeof(float);
+    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p,
+                "attention backward dk dv");
+}
+
+template <int D, int NW, int BN, int MINB> static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
+    constexpr int BM = 16 * NW;
+    size_t smem = (size_t)(2 * BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
+    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
+                "attention backward dq");
+}
+
+template <typename T, int D> static inline void attn_delta(const AttnArgs &p, int B, cudaStream_t st) {
+    attn_launch_rows(attn_delta_kernel<T, D>, B * p.T * p.nh, st, p, "attention backward delta");
+}
+
 template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, AttnDtype dt, cudaStream_t st) {
-    if (dt == ATTN_FP32) {
-        attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p, "attention forward (fp32)");
-        return;
-    }
-    constexpr int BM = 16 * ATTN_FWD_NW;
-    size_t smem = (size_t)(BM + 4 * ATTN_BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_fwd_mma_kernel<D, ATTN_FWD_NW, ATTN_BN>, dim3((p.T + BM - 1) / BM, p.nh, B), ATTN_FWD_NW * 32, smem,
-                st, p, "attention forward");
+    if (dt == ATTN_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p, "attention forward (fp32)");
+    else if (p.window > 0 && p.window <= 256) attn_fwd_mma<D, ATTN_FWD_SWA_CFG>(p, B, st);
+    else attn_fwd_mma<D, ATTN_FWD_CFG>(p, B, st);
 }
 
 // out = attention(q, k, v) after RoPE; lse [B,n_h,T] is written when non-NULL (training), skipped for inference.
@@ -780,21 +894,15 @@ static inline size_t attn_backward_workspace_bytes(const AttnDims *a, int B, int
 }
 
 template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, AttnDtype dt, cudaStream_t st) {
-    int qrows = B * p.T * p.nh, krows = B * p.T * p.nkv;
     if (dt == ATTN_FP32) {
-        attn_launch_rows(attn_delta_kernel<float, D>, qrows, st, p, "attention backward delta (fp32)");
-        attn_launch_rows(attn_bwd_dq_rows_kernel<D>, qrows, st, p, "attention backward dq (fp32)");
-        attn_launch_rows(attn_bwd_dkdv_rows_kernel<D>, krows, st, p, "attention backward dk dv (fp32)");
+        attn_delta<float, D>(p, B, st);
+        attn_launch_rows(attn_bwd_dq_rows_kernel<D>, B * p.T * p.nh, st, p, "attention backward dq (fp32)");
+        attn_launch_rows(attn_bwd_dkdv_rows_kernel<D>, B * p.T * p.nkv, st, p, "attention backward dk dv (fp32)");
         return;
     }
-    attn_launch_rows(attn_delta_kernel<bf16, D>, qrows, st, p, "attention backward delta");
-    constexpr int BN = 16 * ATTN_DKDV_NW, BM = 16 * ATTN_FWD_NW;
-    size_t smem_kv = (size_t)(2 * BN + 4 * ATTN_DKDV_BM) * (D + ATTN_PAD) * sizeof(bf16) + 4 * ATTN_DKDV_BM * sizeof(float);
-    attn_launch(attn_bwd_dkdv_mma_kernel<D, ATTN_DKDV_NW, ATTN_DKDV_BM>, dim3((p.T + BN - 1) / BN, p.nkv, B),
-                ATTN_DKDV_NW * 32, smem_kv, st, p, "attention backward dk dv");
-    size_t smem_q = (size_t)(2 * BM + 4 * ATTN_BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_bwd_dq_mma_kernel<D, ATTN_FWD_NW, ATTN_BN>, dim3((p.T + BM - 1) / BM, p.nh, B), ATTN_FWD_NW * 32,
-                smem_q, st, p, "attention backward dq");
+    attn_delta<bf16, D>(p, B, st);
+    attn_dkdv_mma<D, ATTN_DKDV_CFG>(p, B, st);
+    attn_dq_mma<D, ATTN_DQ_CFG>(p, B, st);
 }
 
 // Given the forward's out and lse and the gradient dout, overwrite dq, dk, dv (same element type as q, k, v).

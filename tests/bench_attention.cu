@@ -29,16 +29,19 @@ static void run_pass(const BenchBufs *b, int backward) {
         attn_forward(b->a, b->B, b->T, ATTN_BF16, b->q, b->k, b->v, b->out, b->lse, 0);
 }
 
-// Median milliseconds of `reps` timed runs after `warm` untimed ones.
-static float time_pass(const BenchBufs *b, int backward, int warm, int reps) {
+typedef void (*KernelLaunch)(const AttnArgs &, int, cudaStream_t);
+
+// Median milliseconds of `reps` timed runs after `warm` untimed ones: of a whole pass (launch NULL) or one kernel.
+static float time_pass(const BenchBufs *b, int backward, KernelLaunch launch, const AttnArgs *args, int warm, int reps) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int i = 0; i < warm; i++) run_pass(b, backward);
+    for (int i = 0; i < warm; i++) launch ? launch(*args, b->B, 0) : run_pass(b, backward);
     float *ms = (float *)sdm_malloc(reps * sizeof(float));
     for (int i = 0; i < reps; i++) {
         CK(cudaEventRecord(e0));
-        run_pass(b, backward);
+        if (launch) launch(*args, b->B, 0);
+        else run_pass(b, backward);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         CK(cudaEventElapsedTime(&ms[i], e0, e1));
@@ -56,6 +59,22 @@ static double visible_pairs(int T, int window) {
     double n = 0.0;
     for (int p = 0; p < T; p++) n += window == 0 ? p + 1 : SDM_MIN(p + 1, window);
     return n;
+}
+
+static float *download_f(const bf16 *d, size_t n) {
+    bf16 *h = (bf16 *)sdm_malloc(n * sizeof(bf16));
+    float *f = (float *)sdm_malloc(n * sizeof(float));
+    CK(cudaMemcpy(h, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) f[i] = __bfloat162float(h[i]);
+    free(h);
+    return f;
+}
+
+// ||a - b|| / ||b||
+static double rel_diff(const float *a, const float *b, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) num += (double)(a[i] - b[i]) * (a[i] - b[i]), den += (double)b[i] * b[i];
+    return sqrt(num / den);
 }
 
 static int count_nonfinite(const bf16 *d, size_t n) {
@@ -91,9 +110,44 @@ int main(void) {
         BenchBufs bb = {&a, B, T, buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7], lse, ws};
         double pairs = visible_pairs(T, windows[c]) * B * H;
         for (int bwd = 0; bwd < 2; bwd++) {
-            ms[c][bwd] = time_pass(&bb, bwd, warm, reps);
+            ms[c][bwd] = time_pass(&bb, bwd, NULL, NULL, warm, reps);
             tflops[c][bwd] = (bwd ? 10.0 : 4.0) * D * pairs / (ms[c][bwd] * 1e-3) / 1e12;
         }
+        // tile configurations of each tensor-core kernel, timed alone (the pass above ran them, so lse and delta hold
+        // real values)
+        AttnArgs p = attn_args(&a, T);
+        p.q = bb.q; p.k = bb.k; p.v = bb.v; p.o = bb.out; p.dout = bb.dout; p.out = bb.out;
+        p.dq = bb.dq; p.dk = bb.dk; p.dv = bb.dv; p.lse = lse; p.delta = (float *)ws;
+        struct { const char *name; KernelLaunch f; } variants[] = {
+            {"fwd 8 warps x 16 rows x 64 keys, 1/SM", attn_fwd_mma<128, 8, 64, 1, 1>},
+            {"fwd 4 warps x 16 rows x 64 keys, 2/SM", attn_fwd_mma<128, 4, 64, 1, 2>},
+            {"fwd 4 warps x 32 rows x 64 keys, 1/SM", attn_fwd_mma<128, 4, 64, 2, 1>},
+            {"fwd 4 warps x 32 rows x 32 keys, 2/SM", attn_fwd_mma<128, 4, 32, 2, 2>},
+            {"fwd 8 warps x 32 rows x 32 keys, 1/SM", attn_fwd_mma<128, 8, 32, 2, 1>},
+            {"delta", attn_delta<bf16, 128>},
+            {"dkdv 4 warps x 64 queries, 2/SM", attn_dkdv_mma<128, 4, 64, 2>},
+            {"dkdv 8 warps x 64 queries, 1/SM", attn_dkdv_mma<128, 8, 64, 1>},
+            {"dkdv 4 warps x 32 queries, 2/SM", attn_dkdv_mma<128, 4, 32, 2>},
+            {"dq 8 warps x 64 keys, 1/SM", attn_dq_mma<128, 8, 64, 1>},
+            {"dq 4 warps x 64 keys, 2/SM", attn_dq_mma<128, 4, 64, 2>},
+            {"dq 4 warps x 32 keys, 2/SM", attn_dq_mma<128, 4, 32, 2>},
+        };
+        // each forward variant's output must match the default's (the GPU tests check the default against the CPU)
+        float *ref_out = download_f(bb.out, n);
+        printf("window %d, kernel variants (median ms):\n", windows[c]);
+        for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
+            printf("  %-40s %.3f", variants[i].name, time_pass(&bb, 0, variants[i].f, &p, 3, 15));
+            if (strncmp(variants[i].name, "fwd", 3) == 0) {
+                CK(cudaDeviceSynchronize());
+                float *got = download_f(bb.out, n);
+                double err = rel_diff(got, ref_out, n);
+                CHECK(err < 1e-2, "%s: output differs from the default forward by %.2e", variants[i].name, err);
+                printf("   (output vs default: %.1e)", err);
+                free(got);
+            }
+            printf("\n");
+        }
+        free(ref_out);
         CK(cudaDeviceSynchronize());
         CHECK(count_nonfinite(buf[3], n) == 0, "window %d: non-finite forward output", windows[c]);
         CHECK(count_nonfinite(buf[5], n) == 0, "window %d: non-finite dq", windows[c]);
