@@ -33,11 +33,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 act_from_float<__nv_bfloat1
 // Deterministic sum of one float per thread over a block of blockDim.x threads (a multiple of 32, at most 1024):
 // a fixed shuffle tree in each warp, then warp 0 adds the warp totals in the same tree. Every thread gets the sum.
 // `scratch` is __shared__ float[32]; the call ends with a barrier so scratch can be reused right after.
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
 __device__ __forceinline__ float block_sum(float v, float *scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     v = warp_sum(v);

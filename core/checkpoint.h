@@ -279,6 +279,37 @@ static inline int ckpt_get(FILE *fp, void *dst, size_t n, uint64_t *hash, const 
     return 1;
 }
 
+// The config text and tensor table of a model.bin: rebuild the model description from the text (into c and m)
+// and check that the table describes exactly that model.
+static inline int ckpt_check_model(const char *path, char *text, const CkptTensor *table, uint64_t n_tensors,
+                                   Config *c, ModelDesc *m, char *err) {
+    char where[CKPT_ERR], msg[CFG_ERR];
+    int lineno = 0;
+    cfg_defaults(c);
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) { // one `key = value` per line
+        snprintf(where, sizeof where, "%.600s: config line %d", path, ++lineno);
+        if (!cfg_apply_line(c, line, where, msg)) { snprintf(err, CKPT_ERR, "%s", msg); return 0; }
+    }
+    if (!cfg_validate(c, msg)) { snprintf(err, CKPT_ERR, "%.400s: stored config: %.300s", path, msg); return 0; }
+    model_build(m, c);
+    if ((uint64_t)m->n_params != n_tensors) {
+        snprintf(err, CKPT_ERR, "%.300s: %llu tensors in the table, its config describes %d", path,
+                 (unsigned long long)n_tensors, m->n_params);
+        return 0;
+    }
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamSpec *p = &m->params[i];
+        const CkptTensor *t = &table[i];
+        if (strncmp(t->name, p->name, sizeof t->name) || t->shape[0] != (uint64_t)p->shape[0] ||
+            t->shape[1] != (uint64_t)p->shape[1] || t->offset != (uint64_t)p->offset || t->numel != (uint64_t)p->numel) {
+            snprintf(err, CKPT_ERR, "%.300s: tensor %d ('%.64s') does not match the model its config describes ('%s')",
+                     path, i, t->name, p->name);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 // Load model.bin: its config (into c), the model description rebuilt from it (into m, checked against the tensor
 // table), and the parameters (*params, malloc'ed fp32 [m->storage]). Returns 0 with err naming the file and problem.
 static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, float **params, uint64_t *step,
@@ -288,57 +319,31 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
     if (!fp) return 0;
     uint64_t hash = CKPT_HASH_SEED, body = h.body_bytes;
     *params = NULL;
-    char *text = NULL;
-    CkptTensor *table = NULL;
-    int ok = 0;
-    if (h.config_bytes > body || h.n_tensors > MODEL_MAX_PARAMS || h.n_params > body / 4) {
-        snprintf(err, CKPT_ERR, "%.300s: header sizes are inconsistent with the file", path);
-        goto done;
+    int ok = h.config_bytes <= body && h.n_tensors <= MODEL_MAX_PARAMS && h.n_params <= body / 4 &&
+             h.config_bytes + sizeof(CkptTensor) * h.n_tensors + 4 * h.n_params == body;
+    if (!ok) snprintf(err, CKPT_ERR, "%.300s: header sizes are inconsistent with the file", path);
+    char *text = ok ? (char *)sdm_malloc(h.config_bytes + 1) : NULL;
+    CkptTensor *table = ok ? (CkptTensor *)sdm_malloc(sizeof(CkptTensor) * (h.n_tensors + 1)) : NULL;
+    ok = ok && ckpt_get(fp, text, h.config_bytes, &hash, path, err) &&
+         ckpt_get(fp, table, sizeof(CkptTensor) * h.n_tensors, &hash, path, err);
+    if (ok) {
+        text[h.config_bytes] = 0;
+        ok = ckpt_check_model(path, text, table, h.n_tensors, c, m, err);
     }
-    text = (char *)sdm_malloc(h.config_bytes + 1);
-    table = (CkptTensor *)sdm_malloc(sizeof(CkptTensor) * (h.n_tensors + 1));
-    if (!ckpt_get(fp, text, h.config_bytes, &hash, path, err)) goto done;
-    text[h.config_bytes] = 0;
-    if (!ckpt_get(fp, table, sizeof(CkptTensor) * h.n_tensors, &hash, path, err)) goto done;
-    if (h.config_bytes + sizeof(CkptTensor) * h.n_tensors + 4 * h.n_params != body) {
-        snprintf(err, CKPT_ERR, "%.300s: body is %llu bytes, its parts add up to another size", path,
-                 (unsigned long long)body);
-        goto done;
+    if (ok && (uint64_t)m->storage != h.n_params) {
+        snprintf(err, CKPT_ERR, "%.300s: %llu parameter values, its config describes %lld", path,
+                 (unsigned long long)h.n_params, m->storage);
+        ok = 0;
     }
-    // the config text: one `key = value` per line, as cfg_dump wrote it
-    cfg_defaults(c);
-    char where[CKPT_ERR], msg[CFG_ERR];
-    int lineno = 0;
-    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
-        snprintf(where, sizeof where, "%.600s: config line %d", path, ++lineno);
-        if (!cfg_apply_line(c, line, where, msg)) { snprintf(err, CKPT_ERR, "%s", msg); goto done; }
+    if (ok) {
+        *params = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);
+        ok = ckpt_get(fp, *params, sizeof(float) * (size_t)m->storage, &hash, path, err);
     }
-    if (!cfg_validate(c, msg)) { snprintf(err, CKPT_ERR, "%.400s: stored config: %.300s", path, msg); goto done; }
-    model_build(m, c);
-    if ((uint64_t)m->n_params != h.n_tensors || (uint64_t)m->storage != h.n_params) {
-        snprintf(err, CKPT_ERR, "%.300s: tensor table (%llu tensors, %llu values) does not match its config", path,
-                 (unsigned long long)h.n_tensors, (unsigned long long)h.n_params);
-        goto done;
-    }
-    for (int i = 0; i < m->n_params; i++) {
-        const ParamSpec *p = &m->params[i];
-        const CkptTensor *t = &table[i];
-        if (strncmp(t->name, p->name, sizeof t->name) || t->shape[0] != (uint64_t)p->shape[0] ||
-            t->shape[1] != (uint64_t)p->shape[1] || t->offset != (uint64_t)p->offset || t->numel != (uint64_t)p->numel) {
-            snprintf(err, CKPT_ERR, "%.300s: tensor %d ('%.64s') does not match the model its config describes ('%s')",
-                     path, i, t->name, p->name);
-            goto done;
-        }
-    }
-    *params = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);
-    if (!ckpt_get(fp, *params, sizeof(float) * (size_t)m->storage, &hash, path, err)) goto done;
-    if (ckpt_file_checksum(hash, &h) != h.checksum) {
+    if (ok && ckpt_file_checksum(hash, &h) != h.checksum) {
         snprintf(err, CKPT_ERR, "%.300s: checksum mismatch (corrupt file)", path);
-        goto done;
+        ok = 0;
     }
-    *step = h.step;
-    ok = 1;
-done:
+    if (ok) *step = h.step;
     fclose(fp);
     free(text);
     free(table);

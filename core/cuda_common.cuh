@@ -32,6 +32,12 @@ static inline size_t dtype_size(cudaDataType_t t) {
     return 0;
 }
 
+// Sum over the 32 lanes of a warp by a fixed xor butterfly: every lane gets the same, reproducible bits.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
 // Load/store one element of an activation buffer that is either fp32 or bf16 (chosen at run time: the all-fp32
 // test mode and the bf16 training mode share every kernel).
 __device__ __forceinline__ float load_act(const void *p, size_t i, bool fp32) {

@@ -34,6 +34,9 @@
 template <typename Tb> struct BankVec;
 template <> struct BankVec<float> {
     static constexpr int V = 4;
+    __device__ static void unpack(uint4 r, float *x) {
+        x[0] = __uint_as_float(r.x); x[1] = __uint_as_float(r.y); x[2] = __uint_as_float(r.z); x[3] = __uint_as_float(r.w);
+    }
     __device__ static void load(const float *p, float *x) {
         float4 a = *(const float4 *)p;
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
@@ -42,6 +45,10 @@ template <> struct BankVec<float> {
 };
 template <> struct BankVec<__nv_bfloat16> {
     static constexpr int V = 8;
+    __device__ static void unpack(uint4 r, float *x) {
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&r;
+        for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
+    }
     __device__ static void load(const __nv_bfloat16 *p, float *x) {
         uint4 a = *(const uint4 *)p;
         const __nv_bfloat162 *h = (const __nv_bfloat162 *)&a;
@@ -209,7 +216,8 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     extern __shared__ int smem_slots[];
     const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R;
     const int nvalid = min(C, a.T - c * C); // tokens of this chunk inside the sequence; the rest are inert padding
-    int *ks = smem_slots, *qs = smem_slots + C * W;
+    const int sW = W | 1, sR = R | 1; // odd row strides: lanes walking different tokens' lists hit different banks
+    int *ks = smem_slots, *qs = smem_slots + C * sW;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
     int *prev = a.w_prev + ew, *next = a.w_next + ew, *lastread = a.w_lastread + ew;
     int *prevw = a.r_prevw + er, *prevr = a.r_prevr + er, *nextr = a.r_nextr + er, *lastw = a.r_lastw + er;
@@ -220,19 +228,19 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         int t = e / W;
         bool v = t < nvalid;
         size_t g = tok_off(a, s, c * C + t, W) + e % W;
-        ks[e] = v ? wslot[g] : -1;
+        ks[t * sW + e % W] = v ? wslot[g] : -1;
         kap[e] = v ? kappa[g] : 0.f;
         gam[e] = v ? gamma[g] : 0.f;
-        a.w_slot[ew + e] = ks[e];
+        a.w_slot[ew + e] = ks[t * sW + e % W];
         prev[e] = -1; next[e] = INT_MAX; lastread[e] = -1;
     }
     for (int e = threadIdx.x; e < C * R; e += blockDim.x) {
         int t = e / R;
         bool v = t < nvalid;
         size_t g = tok_off(a, s, c * C + t, R) + e % R;
-        qs[e] = v ? rslot[g] : -1;
+        qs[t * sR + e % R] = v ? rslot[g] : -1;
         a.r_rho[er + e] = v ? rho[g] : 0.f;
-        a.r_slot[er + e] = qs[e];
+        a.r_slot[er + e] = qs[t * sR + e % R];
         prevw[e] = -1; prevr[e] = -1; nextr[e] = INT_MAX; lastw[e] = -1;
     }
     for (int t = threadIdx.x; t < C; t += blockDim.x)
@@ -242,16 +250,16 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     for (int p = threadIdx.x; p < nvalid * nvalid; p += blockDim.x) {
         int t = p / nvalid, u = p % nvalid;
         if (u < t) {
-            merge_equal(ks + t * W, W, ks + u * W, W, [&](int i, int j) {
+            merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
                 atomicMax(prev + t * W + i, u * W + j);
                 atomicMin(next + u * W + j, t * W + i);
             });
-            merge_equal(qs + t * R, R, qs + u * R, R, [&](int i, int j) {
+            merge_equal(qs + t * sR, R, qs + u * sR, R, [&](int i, int j) {
                 atomicMax(prevr + t * R + i, u * R + j);
                 atomicMin(nextr + u * R + j, t * R + i);
             });
         }
-        merge_equal(qs + t * R, R, ks + u * W, W, [&](int i, int j) {
+        merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
             if (u <= t) atomicMax(prevw + t * R + i, u * W + j);
             atomicMax(lastread + u * W + j, t * R + i);
             atomicMax(lastw + t * R + i, u * W + j);
@@ -302,10 +310,10 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         float av = 0.f, sv = 0.f;
         if (t < nvalid && u <= t) {
             if (u < t)
-                merge_equal(ks + t * W, W, ks + u * W, W, [&](int i, int j) {
+                merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
                     av += kap[t * W + i] * kap[u * W + j] * expf(lam[t * W + i] - lam[u * W + j]);
                 });
-            merge_equal(qs + t * R, R, ks + u * W, W, [&](int i, int j) {
+            merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
                 sv += rr[t * R + i] * kap[u * W + j] * expf(rlam[t * R + i] - lam[u * W + j]);
             });
         }
@@ -349,27 +357,45 @@ __device__ __forceinline__ float *delta_row(const OpArgs &a, int s, int c, int t
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
 
+#define SDM_SLAB 8 // 16-byte row vectors per lane whose loads are issued before any is used
+
 // part[col] += sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; the
-// calling warp's partial row `part`); `snap` stores each row's snapshot.
+// calling warp's partial row `part`); `snap` stores each row's snapshot. Two entries per step, loads staged.
 template <typename Tb>
 __device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, const int *slots, const float *gath,
                                                   size_t e0, int n, float *part, bool snap) {
     constexpr int V = BankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
-    for (int k = warp; k < n; k += SDM_ROW_WARPS) {
-        int slot = slots[e0 + k];
-        if (slot < 0) continue; // padding: the whole warp skips
-        float g = gath[e0 + k];
-        const Tb *row = M + (size_t)slot * a.d;
-        for (int q = 0; q < nq; q++) {
-            int col = (q * 32 + lane) * V;
-            bool on = col < a.d;
-            float x[V];
-            if (on) {
-                BankVec<Tb>::load(row + col, x);
-                for (int i = 0; i < V; i++) part[col + i] = fmaf(g, x[i], part[col + i]);
-            }
-            if (snap) snap_store<V>(a.snap, e0 + k, col, x, on, a.DB / V);
+    for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
+        int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
+        float g[2];
+        for (int j = 0; j < 2; j++) {
+            sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
+            g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+        }
+        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+            uint4 raw[2][SDM_SLAB];
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] >= 0 && q0 + u < nq && col < a.d) raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
+                }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] < 0 || q0 + u >= nq) continue; // warp-uniform
+                    bool on = col < a.d;
+                    float x[V];
+                    if (on) {
+                        BankVec<Tb>::unpack(raw[j][u], x);
+                        for (int i = 0; i < V; i++) part[col + i] = fmaf(g[j], x[i], part[col + i]);
+                    }
+                    if (snap) snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
+                }
         }
     }
 }
@@ -453,20 +479,32 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(OpArgs a,
     if (slot < 0 || a.w_next[ew + e] >= 0) return;
     Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
     float el = a.w_elam_tot[ew + e];
-    for (int col = lane * V; col < a.d; col += 32 * V) {
-        float x[V];
-        BankVec<Tb>::load(row + col, x);
-        for (int i = 0; i < V; i++) x[i] *= el;
-        for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
-            float w = a.w_scat[ew + q];
-            const float *dr = delta_row(a, s, c, q / a.W) + col;
-            for (int i = 0; i < V; i += 4) {
-                float4 dv = *(const float4 *)(dr + i);
-                x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
-                x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
-            }
+    const int nq = (a.d + 32 * V - 1) / (32 * V);
+    for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+        uint4 raw[SDM_SLAB];
+#pragma unroll
+        for (int u = 0; u < SDM_SLAB; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (q0 + u < nq && col < a.d) raw[u] = *(const uint4 *)(row + col);
         }
-        BankVec<Tb>::store(row + col, x);
+#pragma unroll
+        for (int u = 0; u < SDM_SLAB; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (q0 + u >= nq || col >= a.d) continue;
+            float x[V];
+            BankVec<Tb>::unpack(raw[u], x);
+            for (int i = 0; i < V; i++) x[i] *= el;
+            for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
+                float w = a.w_scat[ew + q];
+                const float *dr = delta_row(a, s, c, q / a.W) + col;
+                for (int i = 0; i < V; i += 4) {
+                    float4 dv = *(const float4 *)(dr + i);
+                    x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
+                    x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
+                }
+            }
+            BankVec<Tb>::store(row + col, x);
+        }
     }
 }
 
@@ -484,7 +522,7 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
                                                                     const float *G, const float *dout, int cg, int cd) {
     extern __shared__ float tok_smem[];
     const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, d = a.d, warps = SDM_TOK_THREADS / 32;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (d + 127) / 128;
     float *rowA = tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
     const size_t rowN = (size_t)s * a.N;
     if (cg >= 0) {
@@ -501,12 +539,22 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             }
             float w = a.w_scat[ew + k], p0 = 0.f, p1 = 0.f;
             const float *gr = G + (rowN + slot) * d;
-            for (int col = lane * 4; col < d; col += 128) {
-                float4 g = *(const float4 *)(gr + col), m = snap_load4(a.snap, ew + k, col);
-                float4 dl = *(const float4 *)(rowA + col);
-                *(float4 *)(wp + col) = axpy4(w, g, *(const float4 *)(wp + col));
-                p0 += dot4(dl, g);
-                p1 += dot4(g, m);
+            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) { // loads staged: all of a slab in flight together
+                float4 g[SDM_SLAB], m[SDM_SLAB];
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++)
+                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < d) g[u] = *(const float4 *)(gr + ((q0 + u) * 32 + lane) * 4);
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++)
+                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < d) m[u] = snap_load4(a.snap, ew + k, ((q0 + u) * 32 + lane) * 4);
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++) {
+                    int col = ((q0 + u) * 32 + lane) * 4;
+                    if (q0 + u >= nq || col >= d) continue;
+                    *(float4 *)(wp + col) = axpy4(w, g[u], *(const float4 *)(wp + col));
+                    p0 += dot4(*(const float4 *)(rowA + col), g[u]);
+                    p1 += dot4(g[u], m[u]);
+                }
             }
             p0 = warp_sum(p0);
             p1 = warp_sum(p1);
@@ -533,9 +581,22 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             int ws = k < W ? a.w_slot[ew + k] : -1, rs = k < R ? a.r_slot[er + k] : -1;
             float p0 = 0.f, p1 = 0.f;
             const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * d * (bank_fp32 ? 4 : 2) : NULL;
-            for (int col = lane * 4; col < d; col += 128) {
-                if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), snap_load4(a.snap, ew + k, col));
-                if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), load4_any(brow, col, bank_fp32));
+            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+                float4 m[SDM_SLAB], b[SDM_SLAB];
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++) {
+                    int col = ((q0 + u) * 32 + lane) * 4;
+                    if (q0 + u >= nq || col >= d) continue;
+                    if (ws >= 0) m[u] = snap_load4(a.snap, ew + k, col);
+                    if (rs >= 0) b[u] = load4_any(brow, col, bank_fp32);
+                }
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++) {
+                    int col = ((q0 + u) * 32 + lane) * 4;
+                    if (q0 + u >= nq || col >= d) continue;
+                    if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), m[u]);
+                    if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), b[u]);
+                }
             }
             p0 = warp_sum(p0);
             p1 = warp_sum(p1);
@@ -600,7 +661,7 @@ __device__ __forceinline__ float4 read_chain_sum(const OpArgs &a, const float *d
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a, void *bank, int bank_fp32, float *G,
                                                                        const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int CW = a.C * a.W;
+    const int CW = a.C * a.W, nq = (a.d + 127) / 128;
     if (i >= CW + a.C * a.R) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W, er = ((size_t)s * a.Tp + (size_t)c * a.C) * a.R;
     const size_t rowN = (size_t)s * a.N;
@@ -609,28 +670,53 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
         if (slot < 0) return;
         if (a.w_prev[ew + i] < 0) { // restore
             void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-            for (int col = lane * 4; col < a.d; col += 128) store4_any(row, col, snap_load4(a.snap, ew + i, col), bank_fp32);
+            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+                float4 m[SDM_SLAB];
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++)
+                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) m[u] = snap_load4(a.snap, ew + i, ((q0 + u) * 32 + lane) * 4);
+#pragma unroll
+                for (int u = 0; u < SDM_SLAB; u++)
+                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) store4_any(row, ((q0 + u) * 32 + lane) * 4, m[u], bank_fp32);
+            }
         }
         if (a.w_next[ew + i] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
         float el = a.w_elam_tot[ew + i];
         int lr = a.w_lastread[ew + i];
-        for (int col = lane * 4; col < a.d; col += 128) {
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
-            for (int q = i; q >= 0; q = a.w_prev[ew + q])
-                acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
-            if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
-            float4 x = axpy4(el, *(const float4 *)(g + col), acc);
-            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+            float4 go[SDM_SLAB];
+#pragma unroll
+            for (int u = 0; u < SDM_SLAB; u++)
+                if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) go[u] = *(const float4 *)(g + ((q0 + u) * 32 + lane) * 4);
+#pragma unroll
+            for (int u = 0; u < SDM_SLAB; u++) {
+                int col = ((q0 + u) * 32 + lane) * 4;
+                if (q0 + u >= nq || col >= a.d) continue;
+                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
+                for (int q = i; q >= 0; q = a.w_prev[ew + q])
+                    acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
+                if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
+                float4 x = axpy4(el, go[u], acc);
+                *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+            }
         }
     } else {
         int r = i - CW, slot = a.r_slot[er + r];
         if (slot < 0 || a.r_nextr[er + r] >= 0 || a.r_lastw[er + r] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
-        for (int col = lane * 4; col < a.d; col += 128) {
-            float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
-            float4 x = *(const float4 *)(g + col);
-            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
+            float4 go[SDM_SLAB];
+#pragma unroll
+            for (int u = 0; u < SDM_SLAB; u++)
+                if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) go[u] = *(const float4 *)(g + ((q0 + u) * 32 + lane) * 4);
+#pragma unroll
+            for (int u = 0; u < SDM_SLAB; u++) {
+                int col = ((q0 + u) * 32 + lane) * 4;
+                if (q0 + u >= nq || col >= a.d) continue;
+                float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
+                *(float4 *)(g + col) = make_float4(go[u].x + racc.x, go[u].y + racc.y, go[u].z + racc.z, go[u].w + racc.w);
+            }
         }
     }
 }
@@ -807,7 +893,7 @@ static inline size_t sdm_op_row_smem(const OpArgs &a) { return (size_t)SDM_ROW_W
 static inline dim3 sdm_op_entry_grid(const OpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
 
 static inline void sdm_op_phase1(const OpArgs &a, const SdmOpInputs *in, cudaStream_t stream) {
-    size_t smem = (size_t)SDM_MAX(a.C * (a.W + a.R), a.C * (a.C + 1) / 2) * sizeof(int);
+    size_t smem = (size_t)SDM_MAX(a.C * ((a.W | 1) + (a.R | 1)), a.C * (a.C + 1) / 2) * sizeof(int);
     cudaCheck(cudaFuncSetAttribute(sdm_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     sdm_wy_kernel<<<dim3(a.nc, a.S), 256, smem, stream>>>(a, in->wslot, in->kappa, in->gamma, in->beta, in->rslot,
                                                           in->rho);

@@ -1,0 +1,154 @@
+// tests/gpu_test_model.cu: the whole training step on the GPU (train_sdm.cu's model) against the double-precision
+// CPU oracle (core/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
+// bf16; bitwise determinism of repeated steps; and a few AdamW steps that must lower the loss of a fixed batch.
+#define SDM_TESTING
+#include "train_sdm.cu"
+
+#include "core/model_ref.h"
+#include "tests/test.h"
+
+#define TOL_FP32 1e-5  // relative error of the loss and of each tensor's gradient, all-fp32 mode
+#define TOL_BF16 3e-2  // the same through a bf16 model: weights, activations and logits rounded to 8 bits
+
+static ModelDesc g_desc;
+
+typedef struct {
+    const char *name;
+    const char *lines;
+    int B, T;
+} Case;
+
+// Head dims 64 (the GPU attention supports 64 and 128); SDM row width 64.
+static const Case CASES[] = {
+    {"full attn GQA + gated SWA w=5 + SDM H=2 (learned bank, gate, norm), T ragged for C=4",
+     "model.dim = 128\nmodel.n_layers = 3\nmodel.n_heads = 2\nmodel.n_kv_heads = 1\nmodel.vocab_size = 11\n"
+     "model.multiple_of = 32\nmodel.attn_gate = true\nmodel.attn_at = 0\nmodel.swa_at = 1\nmodel.sdm_at = 2\n"
+     "model.swa_window = 5\nsdm.num_heads = 2\nsdm.slots_per_head = 64\nsdm.num_writes = 4\nsdm.num_reads = 3\n"
+     "sdm.chunk_size = 4\nsdm.backprop_on_memory = true\nsdm.output_gate = true\nsdm.normalize_readings = true\n"
+     "sdm.A_init_range = 0.5,4\n",
+     2, 14},
+    {"tied head, SDM H=1 with 3 factors, key-weighted decay, zero bank, chunk 16 > T; full attn",
+     "model.dim = 64\nmodel.n_layers = 2\nmodel.n_heads = 1\nmodel.vocab_size = 13\nmodel.multiple_of = 32\n"
+     "model.weight_tying = true\nmodel.sdm_at = 0\nmodel.attn_at = 1\nsdm.num_heads = 1\nsdm.slots_per_head = 64\n"
+     "sdm.product_key_factor_dims = 4,4,4\nsdm.num_writes = 5\nsdm.num_reads = 2\nsdm.chunk_size = 16\n"
+     "sdm.key_weighted_decay = true\nsdm.backprop_on_memory = false\nsdm.A_init_range = 0.5,4\n",
+     3, 9},
+};
+
+static int build_case(const Case *c, Config *cfg, const char *dtype) {
+    char err[CFG_ERR], line[512];
+    cfg_defaults(cfg);
+    const char *p = c->lines;
+    while (*p) {
+        const char *nl = strchr(p, '\n');
+        size_t len = nl ? (size_t)(nl - p) : strlen(p);
+        memcpy(line, p, len);
+        line[len] = 0;
+        if (!cfg_apply_line(cfg, line, "case", err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
+        p += len + (nl ? 1 : 0);
+    }
+    snprintf(line, sizeof line, "distributed.model_dtype = %s", dtype);
+    if (!cfg_apply_line(cfg, line, "case", err) || !cfg_validate(cfg, err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
+    model_build(&g_desc, cfg);
+    return 1;
+}
+
+// Random parameters away from their symmetric init (biases, norms), rounded to fp32 so both sides see the same.
+static void random_params(const ModelDesc *m, double *params, float *host, Rng *r) {
+    model_ref_init(m, 777, params);
+    for (long long i = 0; i < m->storage; i++) {
+        params[i] += 0.1 * rng_normal(r);
+        host[i] = (float)params[i];
+        params[i] = host[i];
+    }
+}
+
+static double *download_grads(const GpuModel *g) {
+    size_t n = (size_t)g->m->storage;
+    float *f = (float *)sdm_malloc(4 * n);
+    double *d = (double *)sdm_malloc(8 * n);
+    cudaCheck(cudaMemcpy(f, g->grads, 4 * n, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) d[i] = f[i];
+    free(f);
+    return d;
+}
+
+static float step_grads(GpuModel *g, const int *tokens, const int *targets) {
+    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->padded));
+    gpu_model_forward(g, tokens, targets, 1.0f / g->n);
+    gpu_model_backward(g, tokens);
+    cudaCheck(cudaDeviceSynchronize());
+    return gpu_model_loss(g);
+}
+
+static void check_case(const Case *c, const char *dtype, double tol) {
+    Config cfg;
+    if (!build_case(c, &cfg, dtype)) return;
+    const ModelDesc *m = &g_desc;
+    int n = c->B * c->T;
+    printf("case: %s [%s]\n", c->name, dtype);
+    Rng r = rng_make(2024);
+    double *params = (double *)sdm_malloc(sizeof(double) * m->storage);
+    double *ref_grads = (double *)sdm_malloc(sizeof(double) * m->storage);
+    float *host = (float *)sdm_calloc((size_t)m->storage, sizeof(float));
+    int *tokens = (int *)sdm_malloc(sizeof(int) * n), *targets = (int *)sdm_malloc(sizeof(int) * n);
+    random_params(m, params, host, &r);
+    for (int i = 0; i < n; i++) {
+        tokens[i] = (int)rng_below(&r, (uint32_t)m->vocab);
+        targets[i] = (int)rng_below(&r, (uint32_t)m->vocab);
+    }
+    double ref_loss = model_ref_backward(m, params, tokens, targets, c->B, c->T, ref_grads);
+
+    GpuModel g;
+    gpu_model_create(&g, m, c->B, c->T, !strcmp(dtype, "fp32"), 1);
+    gpu_model_set_params(&g, host);
+    double loss = step_grads(&g, tokens, targets);
+    double err = fabs(loss - ref_loss) / fabs(ref_loss);
+    printf("  loss gpu %.8f cpu %.8f rel err %.2e\n", loss, ref_loss, err);
+    CHECK(err <= tol, "%s [%s]: loss rel err %.3e > %.1e", c->name, dtype, err, tol);
+    double *grads = download_grads(&g);
+    for (int t = 0; t < m->n_params; t++) {
+        const ParamSpec *p = &m->params[t];
+        double e = rel_error(grads + p->offset, ref_grads + p->offset, (size_t)p->numel);
+        printf("  %-28s rel err %.2e%s\n", p->name, e, e <= tol ? "" : "  FAIL");
+        CHECK(e <= tol, "%s [%s]: d loss / d %s rel err %.3e > %.1e", c->name, dtype, p->name, e, tol);
+    }
+
+    // determinism: a second step on the same inputs gives the same bits
+    float *bits1 = (float *)sdm_malloc(4 * m->storage), *bits2 = (float *)sdm_malloc(4 * m->storage);
+    cudaCheck(cudaMemcpy(bits1, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
+    double loss2 = step_grads(&g, tokens, targets);
+    cudaCheck(cudaMemcpy(bits2, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
+    CHECK(loss2 == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: a repeated step differs", c->name, dtype);
+
+    // a few AdamW steps on this batch must lower its loss
+    AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
+    double first = loss2, last = loss2;
+    for (int s = 1; s <= 20; s++) {
+        hyper.t = s;
+        adamw_update_model(m, 0, m->storage, g.master, g.work, g.ctype, g.grads, g.adam_m, g.adam_v, &hyper, NULL, 0);
+        last = step_grads(&g, tokens, targets);
+    }
+    printf("  20 AdamW steps on one batch: loss %.4f -> %.4f\n", first, last);
+    CHECK(last < 0.8 * first, "%s [%s]: 20 AdamW steps took the loss only from %.4f to %.4f", c->name, dtype, first,
+          last);
+
+    gpu_model_destroy(&g);
+    free(bits1);
+    free(bits2);
+    free(grads);
+    free(params);
+    free(ref_grads);
+    free(host);
+    free(tokens);
+    free(targets);
+}
+
+int main(void) {
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+        check_case(&CASES[i], "fp32", TOL_FP32);
+        check_case(&CASES[i], "bf16", TOL_BF16);
+    }
+    matmul_destroy();
+    return test_summary();
+}
