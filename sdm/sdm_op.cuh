@@ -357,55 +357,65 @@ __device__ __forceinline__ float *delta_row(const OpArgs &a, int s, int c, int t
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
 
-#define SDM_SLAB 8 // 16-byte row vectors per lane whose loads are issued before any is used
+#define SDM_GQ 4 // 16-byte row vectors per lane accumulated in registers per pass (one pass covers 32 * 4 * V columns)
 
-// part[col] += sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; the
-// calling warp's partial row `part`); `snap` stores each row's snapshot. Two entries per step, loads staged.
+// part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
+// the calling warp's partial row); `snap` stores each row's snapshot. The sums live in registers for SDM_GQ vectors
+// per lane (wider rows take several passes over the entries, each over other columns), two entries' loads in flight.
 template <typename Tb>
 __device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, const int *slots, const float *gath,
                                                   size_t e0, int n, float *part, bool snap) {
     constexpr int V = BankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
-    for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
-        int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
-        float g[2];
-        for (int j = 0; j < 2; j++) {
-            sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
-            g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
-        }
-        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-            uint4 raw[2][SDM_SLAB];
+    for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
+        float acc[SDM_GQ][V];
 #pragma unroll
-            for (int j = 0; j < 2; j++)
+        for (int u = 0; u < SDM_GQ; u++)
+            for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+        for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
+            int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
+            float g[2];
+            uint4 raw[2][SDM_GQ];
 #pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++) {
+            for (int j = 0; j < 2; j++) {
+                sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
+                g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
                     if (sl[j] >= 0 && q0 + u < nq && col < a.d) raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
                 }
+            }
 #pragma unroll
             for (int j = 0; j < 2; j++)
 #pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++) {
+                for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
                     if (sl[j] < 0 || q0 + u >= nq) continue; // warp-uniform
                     bool on = col < a.d;
                     float x[V];
                     if (on) {
                         BankVec<Tb>::unpack(raw[j][u], x);
-                        for (int i = 0; i < V; i++) part[col + i] = fmaf(g[j], x[i], part[col + i]);
+                        for (int i = 0; i < V; i++) acc[u][i] = fmaf(g[j], x[i], acc[u][i]);
                     }
                     if (snap) snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
                 }
         }
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (q0 + u < nq && col < a.d)
+                for (int i = 0; i < V; i++) part[col + i] = acc[u][i];
+        }
     }
 }
 
-// Sums the warps' partial rows in warp order into part[0..d) (the block's total), then re-zeroes the others.
+// Sums the warps' partial rows in warp order into part[0..d) (the block's total).
 __device__ __forceinline__ void sum_partials(float *part, int d) {
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float x = part[i];
-        for (int w = 1; w < SDM_ROW_WARPS; w++) { x += part[w * d + i]; part[w * d + i] = 0.f; }
+        for (int w = 1; w < SDM_ROW_WARPS; w++) x += part[w * d + i];
         part[i] = x;
     }
     __syncthreads();
@@ -418,8 +428,6 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(OpArgs a, 
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
-    for (int i = threadIdx.x; i < SDM_ROW_WARPS * d; i += blockDim.x) part[i] = 0.f;
-    __syncthreads();
     gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
     sum_partials(part, d);
     float bt = a.beta[tok];
@@ -427,9 +435,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(OpArgs a, 
         float u = (tp < a.T ? v[tok_off(a, s, tp, d) + i] : 0.f) - part[i];
         if (a.training) a.u[tok * d + i] = u;
         a.cx[crow + i] = bt * u;
-        part[i] = 0.f;
     }
-    __syncthreads();
+    __syncthreads(); // part is rewritten by the next gathers
     gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
     sum_partials(part, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
@@ -479,32 +486,20 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(OpArgs a,
     if (slot < 0 || a.w_next[ew + e] >= 0) return;
     Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
     float el = a.w_elam_tot[ew + e];
-    const int nq = (a.d + 32 * V - 1) / (32 * V);
-    for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-        uint4 raw[SDM_SLAB];
-#pragma unroll
-        for (int u = 0; u < SDM_SLAB; u++) {
-            int col = ((q0 + u) * 32 + lane) * V;
-            if (q0 + u < nq && col < a.d) raw[u] = *(const uint4 *)(row + col);
-        }
-#pragma unroll
-        for (int u = 0; u < SDM_SLAB; u++) {
-            int col = ((q0 + u) * 32 + lane) * V;
-            if (q0 + u >= nq || col >= a.d) continue;
-            float x[V];
-            BankVec<Tb>::unpack(raw[u], x);
-            for (int i = 0; i < V; i++) x[i] *= el;
-            for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
-                float w = a.w_scat[ew + q];
-                const float *dr = delta_row(a, s, c, q / a.W) + col;
-                for (int i = 0; i < V; i += 4) {
-                    float4 dv = *(const float4 *)(dr + i);
-                    x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
-                    x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
-                }
+    for (int col = lane * V; col < a.d; col += 32 * V) {
+        float x[V];
+        BankVec<Tb>::load(row + col, x);
+        for (int i = 0; i < V; i++) x[i] *= el;
+        for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
+            float w = a.w_scat[ew + q];
+            const float *dr = delta_row(a, s, c, q / a.W) + col;
+            for (int i = 0; i < V; i += 4) {
+                float4 dv = *(const float4 *)(dr + i);
+                x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
+                x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
             }
-            BankVec<Tb>::store(row + col, x);
         }
+        BankVec<Tb>::store(row + col, x);
     }
 }
 
@@ -522,7 +517,7 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
                                                                     const float *G, const float *dout, int cg, int cd) {
     extern __shared__ float tok_smem[];
     const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, d = a.d, warps = SDM_TOK_THREADS / 32;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (d + 127) / 128;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float *rowA = tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
     const size_t rowN = (size_t)s * a.N;
     if (cg >= 0) {
@@ -539,22 +534,12 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             }
             float w = a.w_scat[ew + k], p0 = 0.f, p1 = 0.f;
             const float *gr = G + (rowN + slot) * d;
-            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) { // loads staged: all of a slab in flight together
-                float4 g[SDM_SLAB], m[SDM_SLAB];
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++)
-                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < d) g[u] = *(const float4 *)(gr + ((q0 + u) * 32 + lane) * 4);
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++)
-                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < d) m[u] = snap_load4(a.snap, ew + k, ((q0 + u) * 32 + lane) * 4);
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++) {
-                    int col = ((q0 + u) * 32 + lane) * 4;
-                    if (q0 + u >= nq || col >= d) continue;
-                    *(float4 *)(wp + col) = axpy4(w, g[u], *(const float4 *)(wp + col));
-                    p0 += dot4(*(const float4 *)(rowA + col), g[u]);
-                    p1 += dot4(g[u], m[u]);
-                }
+            for (int col = lane * 4; col < d; col += 128) {
+                float4 g = *(const float4 *)(gr + col), m = snap_load4(a.snap, ew + k, col);
+                float4 dl = *(const float4 *)(rowA + col);
+                *(float4 *)(wp + col) = axpy4(w, g, *(const float4 *)(wp + col));
+                p0 += dot4(dl, g);
+                p1 += dot4(g, m);
             }
             p0 = warp_sum(p0);
             p1 = warp_sum(p1);
@@ -581,22 +566,9 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             int ws = k < W ? a.w_slot[ew + k] : -1, rs = k < R ? a.r_slot[er + k] : -1;
             float p0 = 0.f, p1 = 0.f;
             const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * d * (bank_fp32 ? 4 : 2) : NULL;
-            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-                float4 m[SDM_SLAB], b[SDM_SLAB];
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++) {
-                    int col = ((q0 + u) * 32 + lane) * 4;
-                    if (q0 + u >= nq || col >= d) continue;
-                    if (ws >= 0) m[u] = snap_load4(a.snap, ew + k, col);
-                    if (rs >= 0) b[u] = load4_any(brow, col, bank_fp32);
-                }
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++) {
-                    int col = ((q0 + u) * 32 + lane) * 4;
-                    if (q0 + u >= nq || col >= d) continue;
-                    if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), m[u]);
-                    if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), b[u]);
-                }
+            for (int col = lane * 4; col < d; col += 128) {
+                if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), snap_load4(a.snap, ew + k, col));
+                if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), load4_any(brow, col, bank_fp32));
             }
             p0 = warp_sum(p0);
             p1 = warp_sum(p1);
@@ -661,7 +633,7 @@ __device__ __forceinline__ float4 read_chain_sum(const OpArgs &a, const float *d
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a, void *bank, int bank_fp32, float *G,
                                                                        const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int CW = a.C * a.W, nq = (a.d + 127) / 128;
+    const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W, er = ((size_t)s * a.Tp + (size_t)c * a.C) * a.R;
     const size_t rowN = (size_t)s * a.N;
@@ -670,53 +642,28 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
         if (slot < 0) return;
         if (a.w_prev[ew + i] < 0) { // restore
             void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-            for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-                float4 m[SDM_SLAB];
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++)
-                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) m[u] = snap_load4(a.snap, ew + i, ((q0 + u) * 32 + lane) * 4);
-#pragma unroll
-                for (int u = 0; u < SDM_SLAB; u++)
-                    if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) store4_any(row, ((q0 + u) * 32 + lane) * 4, m[u], bank_fp32);
-            }
+            for (int col = lane * 4; col < a.d; col += 128) store4_any(row, col, snap_load4(a.snap, ew + i, col), bank_fp32);
         }
         if (a.w_next[ew + i] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
         float el = a.w_elam_tot[ew + i];
         int lr = a.w_lastread[ew + i];
-        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-            float4 go[SDM_SLAB];
-#pragma unroll
-            for (int u = 0; u < SDM_SLAB; u++)
-                if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) go[u] = *(const float4 *)(g + ((q0 + u) * 32 + lane) * 4);
-#pragma unroll
-            for (int u = 0; u < SDM_SLAB; u++) {
-                int col = ((q0 + u) * 32 + lane) * 4;
-                if (q0 + u >= nq || col >= a.d) continue;
-                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
-                for (int q = i; q >= 0; q = a.w_prev[ew + q])
-                    acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
-                if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
-                float4 x = axpy4(el, go[u], acc);
-                *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
-            }
+        for (int col = lane * 4; col < a.d; col += 128) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
+            for (int q = i; q >= 0; q = a.w_prev[ew + q])
+                acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
+            if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
+            float4 x = axpy4(el, *(const float4 *)(g + col), acc);
+            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
         }
     } else {
         int r = i - CW, slot = a.r_slot[er + r];
         if (slot < 0 || a.r_nextr[er + r] >= 0 || a.r_lastw[er + r] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
-        for (int q0 = 0; q0 < nq; q0 += SDM_SLAB) {
-            float4 go[SDM_SLAB];
-#pragma unroll
-            for (int u = 0; u < SDM_SLAB; u++)
-                if (q0 + u < nq && ((q0 + u) * 32 + lane) * 4 < a.d) go[u] = *(const float4 *)(g + ((q0 + u) * 32 + lane) * 4);
-#pragma unroll
-            for (int u = 0; u < SDM_SLAB; u++) {
-                int col = ((q0 + u) * 32 + lane) * 4;
-                if (q0 + u >= nq || col >= a.d) continue;
-                float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
-                *(float4 *)(g + col) = make_float4(go[u].x + racc.x, go[u].y + racc.y, go[u].z + racc.z, go[u].w + racc.w);
-            }
+        for (int col = lane * 4; col < a.d; col += 128) {
+            float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
+            float4 x = *(const float4 *)(g + col);
+            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
         }
     }
 }
