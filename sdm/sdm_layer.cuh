@@ -145,12 +145,9 @@ __device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = lane; i < 256; i += 32) hist[i] = 0;
         __syncwarp();
-        for (int base = 0; base < n; base += 32) { // lanes with equal digits add once (values often share digits)
-            int i = base + lane;
-            uint32_t x = i < n ? v[(size_t)i * stride] : 0u;
-            uint32_t bin = (i < n && (x & mask) == prefix) ? (x >> shift) & 255u : 256u;
-            unsigned peers = __match_any_sync(SL_FULL_MASK, bin);
-            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        for (int i = lane; i < n; i += 32) {
+            uint32_t x = v[(size_t)i * stride];
+            if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1);
         }
         __syncwarp();
         // lane L owns digits 255 - 8L - j (j = 0..7): lanes in descending digit order
@@ -506,7 +503,9 @@ typedef struct {
 static inline int readout_warps(int P) { return SDM_MIN(P, RO_MAX_WARPS); }
 
 __device__ __forceinline__ float4 ld4(const float *p) { return *(const float4 *)p; }
-__device__ __forceinline__ float f4get(const float4 &v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+__device__ __forceinline__ float f4get(const float4 &v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
 
 template <int NV>
 __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kernel(ReadoutArgs ra, const float *o,
@@ -713,19 +712,24 @@ static inline void bank_init(void *bank, int bank_fp32, const void *m0, int m0_f
 // The layer.
 // =================================================================================================================
 
-// Device parameters in the compute dtype. w_in/b_in: the model's consecutive wk, wq, wv, wa, wb (, wg) block
-// [n_in, D] and bk, bq, bv, ba, bb (, bg) block [n_in], n_in = 2*H*K + D + 2*H (+ D with output_gate).
+// Device parameters in the compute dtype. w_in: the model's consecutive wk, wq, wv, wa, wb (, wg) block [n_in, D],
+// n_in = 2*H*K + D + 2*H (+ D with output_gate); consecutive because every block has a multiple of 8 elements when
+// D % 8 == 0, so the model's 8-element tensor alignment adds no gaps. The biases need not be consecutive (ba and bb
+// have H elements, so alignment gaps follow them): one pointer each, packed into the layer's own buffer.
+enum { SDM_B_K, SDM_B_Q, SDM_B_V, SDM_B_A, SDM_B_B, SDM_B_G, SDM_B_COUNT };
+
 typedef struct {
-    const void *w_in, *b_in;
-    const void *A_log, *dt_bias; // [H]
-    const void *ln_w, *ln_b;     // [d] (normalize_readings, else NULL)
-    const void *w_out, *b_out;   // [D, D], [D]
-    const void *bank0;           // M0 [H*N, d] (learned_bank, else NULL)
+    const void *w_in;
+    const void *b_in[SDM_B_COUNT]; // bk [H*K], bq [H*K], bv [D], ba [H], bb [H], bg [D] (bg NULL without output_gate)
+    const void *A_log, *dt_bias;   // [H]
+    const void *ln_w, *ln_b;       // [d] (normalize_readings, else NULL)
+    const void *w_out, *b_out;     // [D, D], [D]
+    const void *bank0;             // M0 [H*N, d] (learned_bank, else NULL)
 } SdmLayerParams;
 
 // fp32 gradients, accumulated (+=) by sdm_layer_backward; same shapes as SdmLayerParams (bank0: 16-byte aligned).
 typedef struct {
-    float *w_in, *b_in, *A_log, *dt_bias, *ln_w, *ln_b, *w_out, *b_out, *bank0;
+    float *w_in, *b_in[SDM_B_COUNT], *A_log, *dt_bias, *ln_w, *ln_b, *w_out, *b_out, *bank0;
 } SdmLayerGrads;
 
 // Stage boundaries recorded with CUDA events when timing is on (see sdm_layer_stage_ms).
@@ -741,6 +745,7 @@ typedef struct {
     int n_in, ldz;       // fused projection width and its row stride (multiple of 8)
     int col_zk, col_zq, col_v, col_a, col_c, col_g;
     // saved by the forward for the backward
+    void *b_packed;      // [n_in] compute dtype: the input biases packed in the column order of z
     void *z;             // [BT, ldz] compute dtype: zK | zQ | v | a | c (| zG); the backward overwrites it with dz
     float *v, *g, *beta; // [BT, D], [BT, H], [BT, H]
     int *wslot, *rslot;  // [BT, H, W], [BT, H, R]
@@ -797,6 +802,7 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
     L.ldz = (L.n_in + 7) & ~7;
     size_t BT = (size_t)B * T, P = BT * H, cs = fp32 ? 4 : 2;
     size_t bank_elems = (size_t)B * H * s->slots * d;
+    L.b_packed = layer_alloc(&L, (size_t)L.n_in * cs);
     L.z = layer_alloc(&L, BT * L.ldz * cs);
     L.v = (float *)layer_alloc(&L, BT * D * 4);
     L.g = (float *)layer_alloc(&L, P * 4);
@@ -831,8 +837,8 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
 }
 
 static inline void sdm_layer_destroy(SdmLayer *L) {
-    void *bufs[] = {L->z, L->v, L->g, L->beta, L->wslot, L->kappa, L->gamma, L->rslot, L->rho, L->bank, L->o,
-                    L->ln_mean, L->ln_rstd, L->ln_partials, L->r, L->saved, L->scratch, L->dr, L->dkappa,
+    void *bufs[] = {L->b_packed, L->z, L->v, L->g, L->beta, L->wslot, L->kappa, L->gamma, L->rslot, L->rho, L->bank,
+                    L->o, L->ln_mean, L->ln_rstd, L->ln_partials, L->r, L->saved, L->scratch, L->dr, L->dkappa,
                     L->dgamma, L->dbeta, L->dv, L->drho, L->dbank, L->gate_grad};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree(bufs[i]));
     if (L->timing)
@@ -844,6 +850,15 @@ static inline void sdm_layer_destroy(SdmLayer *L) {
 
 static inline void layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
     if (L->timing) cudaCheck(cudaEventRecord(L->ev[ev], s));
+}
+
+// First column of each input bias block in z (SDM_B_* order) and its width.
+static inline void layer_bias_block(const SdmLayer *L, int which, int *col, int *width) {
+    const SdmDims *s = &L->s;
+    int HK = s->heads * s->key_dim, cols[SDM_B_COUNT] = {L->col_zk, L->col_zq, L->col_v, L->col_a, L->col_c, L->col_g};
+    int widths[SDM_B_COUNT] = {HK, HK, s->dim, s->heads, s->heads, s->output_gate ? s->dim : 0};
+    *col = cols[which];
+    *width = widths[which];
 }
 
 static inline SdmOpInputs layer_op_inputs(const SdmLayer *L) {
@@ -870,7 +885,14 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
     bool f32 = L->fp32 != 0;
     layer_mark(L, EV_F0, st);
-    matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, p->b_in, L->ctype, BT, L->n_in, D, st);
+    for (int i = 0; i < SDM_B_COUNT; i++) {
+        int col, width;
+        layer_bias_block(L, i, &col, &width);
+        if (width)
+            cudaCheck(cudaMemcpyAsync((void *)elem_ptr(L->b_packed, col, L->ctype), p->b_in[i],
+                                      (size_t)width * dtype_size(L->ctype), cudaMemcpyDeviceToDevice, st));
+    }
+    matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     layer_mark(L, EV_F_PROJ, st);
     unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
@@ -942,11 +964,15 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     layer_mark(L, EV_B_SUMS, st);
     // input projection
     matmul_backward_weight(g->w_in, CUDA_R_32F, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
-    // input bias: the a and c columns from the fp32 gate gradients, the others from dz
-    matmul_backward_bias(g->b_in, dz, L->ctype, L->ldz, BT, L->col_a, 1, st);
-    colsum(g->b_in + L->col_a, L->gate_grad, CUDA_R_32F, 3 * H, BT, 2 * H, 1, st);
-    if (s->output_gate)
-        matmul_backward_bias(g->b_in + L->col_g, elem_ptr(dz, L->col_g, L->ctype), L->ctype, L->ldz, BT, D, 1, st);
+    // input biases: ba and bb from the fp32 gate gradients, the others from dz
+    for (int i = 0; i < SDM_B_COUNT; i++) {
+        int col, width;
+        layer_bias_block(L, i, &col, &width);
+        if (i == SDM_B_A || i == SDM_B_B)
+            colsum(g->b_in[i], L->gate_grad + (i == SDM_B_A ? 0 : H), CUDA_R_32F, 3 * H, BT, H, 1, st);
+        else if (width)
+            matmul_backward_bias(g->b_in[i], elem_ptr(dz, col, L->ctype), L->ctype, L->ldz, BT, width, 1, st);
+    }
     matmul_backward_input(dx, L->ctype, dz, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, st);
     layer_mark(L, EV_B_IN, st);
 }

@@ -65,7 +65,7 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
     sdm_layer_forward(L, p, x, y, 0);
     printf("   pieces (mean of 5):\n");
     TIME_PIECE("fwd GEMM in-projection", fin,
-               matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, p->b_in, L->ctype, BT, L->n_in, D, 0));
+               matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, 0));
     TIME_PIECE("fwd GEMM out-projection", fout,
                matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, 0));
     TIME_PIECE("unpack (v fp32, gates)", 0,
@@ -104,7 +104,8 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
                (bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B)));
     TIME_PIECE("bwd GEMM in dW", fin,
                matmul_backward_weight(g->w_in, CUDA_R_32F, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
-    TIME_PIECE("bwd bias colsum dZ", 0, matmul_backward_bias(g->b_in, L->z, L->ctype, L->ldz, BT, L->n_in, 1, 0));
+    TIME_PIECE("bwd bias colsum dZ (all columns)", 0,
+               matmul_backward_bias(g->b_in[0], L->z, L->ctype, L->ldz, BT, L->n_in, 1, 0));
     TIME_PIECE("bwd GEMM in dX", fin,
                matmul_backward_input(dx, L->ctype, L->z, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, 0));
     cudaCheckLast();
@@ -128,9 +129,18 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
     float ws = 1.0f / sqrtf((float)D);
     SdmLayerParams p;
+    SdmLayerGrads g;
     memset(&p, 0, sizeof(p));
+    memset(&g, 0, sizeof(g));
     p.w_in = rand_buf((size_t)L.n_in * D, 1, 2.0f * ws, 0.0f);
-    p.b_in = rand_buf(L.n_in, 2, 0.1f, 0.0f);
+    void *bias = rand_buf(L.n_in, 2, 0.1f, 0.0f);
+    float *gbias = zero_grad(L.n_in);
+    for (int i = 0; i < SDM_B_COUNT; i++) {
+        int col, width;
+        layer_bias_block(&L, i, &col, &width);
+        p.b_in[i] = elem_ptr(bias, col, CUDA_R_16BF);
+        g.b_in[i] = gbias + col;
+    }
     p.A_log = rand_buf(H, 3, 0.5f, 1.0f);
     p.dt_bias = rand_buf(H, 4, 1.0f, -3.0f);
     p.ln_w = rand_buf(d, 5, 0.1f, 1.0f);
@@ -138,8 +148,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     p.w_out = rand_buf((size_t)D * D, 7, ws, 0.0f);
     p.b_out = rand_buf(D, 8, 0.1f, 0.0f);
     p.bank0 = rand_buf(nbank, 9, 0.02f, 0.0f);
-    SdmLayerGrads g;
-    g.w_in = zero_grad((size_t)L.n_in * D); g.b_in = zero_grad(L.n_in); g.A_log = zero_grad(H);
+    g.w_in = zero_grad((size_t)L.n_in * D); g.A_log = zero_grad(H);
     g.dt_bias = zero_grad(H); g.ln_w = zero_grad(d); g.ln_b = zero_grad(d); g.w_out = zero_grad((size_t)D * D);
     g.b_out = zero_grad(D); g.bank0 = zero_grad(nbank);
     void *x = rand_buf(BT * D, 10, 1.0f, 0.0f), *dy = rand_buf(BT * D, 11, 1.0f, 0.0f);
@@ -187,8 +196,8 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     CHECK(tot[iters / 2] > 0.0f, "%s: no time measured", name);
     bench_pieces(&L, &p, &g, x, dy, y, dx);
     sdm_layer_destroy(&L);
-    const void *bufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
-                          g.w_in, g.b_in, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
+    const void *bufs[] = {p.w_in, bias, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
+                          g.w_in, gbias, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree((void *)bufs[i]));
     cudaCheck(cudaEventDestroy(e0));
     cudaCheck(cudaEventDestroy(e1));

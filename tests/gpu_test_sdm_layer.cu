@@ -183,7 +183,8 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
             int dig[SDM_MAX_FACTORS];
             sdm_pk_digits(F, n, slot_ref[j], dig);
             float f32 = 0.0f;
-            for (int f = 0, off = 0; f < F; off += n[f], f++) f32 = f == 0 ? (float)zp[off + dig[f]] : f32 + (float)zp[off + dig[f]];
+            for (int f = 0, off = 0; f < F; off += n[f], f++)
+                f32 = f == 0 ? (float)zp[off + dig[f]] : f32 + (float)zp[off + dig[f]];
             if (sc[o] != f32) bad_score++;
             w_gpu[o] = w[o];
             gam_gpu[o] = gam[o];
@@ -254,6 +255,8 @@ static void layer_random_params(Rng *rng, const SdmDims *s, int fp32, double **t
     }
 }
 
+static const int BIAS_IDS[SDM_B_COUNT] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
+
 // concatenation of the fused input block (rows of wk, wq, wv, wa, wb, wg or biases) in the model's order
 static double *fused_in(const SdmDims *s, double *const *t, int bias) {
     static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
@@ -312,11 +315,12 @@ static void test_layer(Rng *rng, const LayerCase *c) {
 
     // GPU
     SdmLayer L = sdm_layer_create(&s, B, T, fp32, 0);
-    double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1);
+    double *w_in = fused_in(&s, t, 0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
     p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
-    p.b_in = dev_upload(b_in, L.n_in, fp32);
+    for (int i = 0; i < SDM_B_COUNT; i++) // separate allocations: the layer must not assume consecutive biases
+        if (t[BIAS_IDS[i]]) p.b_in[i] = dev_upload(t[BIAS_IDS[i]], sdm_ref_param_numel(&s, BIAS_IDS[i]), fp32);
     p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32);
     p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
     if (s.normalize_readings) {
@@ -328,10 +332,12 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     size_t nbank = sdm_ref_param_numel(&s, SDM_P_BANK);
     if (s.learned_bank) p.bank0 = dev_upload(t[SDM_P_BANK], nbank, fp32);
     SdmLayerGrads g;
-    size_t gsz[] = {(size_t)L.n_in * D, (size_t)L.n_in, (size_t)s.heads, (size_t)s.heads, (size_t)s.head_dim,
-                    (size_t)s.head_dim, (size_t)D * D, (size_t)D, nbank ? nbank : 1};
-    float **gp[] = {&g.w_in, &g.b_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0};
-    for (int i = 0; i < 9; i++) {
+    size_t gsz[] = {(size_t)L.n_in * D, (size_t)s.heads, (size_t)s.heads, (size_t)s.head_dim, (size_t)s.head_dim,
+                    (size_t)D * D, (size_t)D, nbank ? nbank : 1, 0, 0, 0, 0, 0, 0};
+    float **gp[] = {&g.w_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0, &g.b_in[0],
+                    &g.b_in[1], &g.b_in[2], &g.b_in[3], &g.b_in[4], &g.b_in[5]};
+    for (int i = 0; i < SDM_B_COUNT; i++) gsz[8 + i] = SDM_MAX((size_t)1, sdm_ref_param_numel(&s, BIAS_IDS[i]));
+    for (int i = 0; i < 14; i++) {
         cudaCheck(cudaMalloc(gp[i], sizeof(float) * gsz[i]));
         cudaCheck(cudaMemset(*gp[i], 0, sizeof(float) * gsz[i]));
     }
@@ -374,18 +380,16 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         compare_grad("dbeta (op)", L.dbeta, P, og.dbeta, tol);
         compare_grad("dv (op)", L.dv, (size_t)n * D, og.dv, tol);
         compare_grad("drho (op)", L.drho, P * s.reads, og.drho, tol);
-        double *gw_in = fused_in(&s, gr, 0), *gb_in = fused_in(&s, gr, 1);
+        double *gw_in = fused_in(&s, gr, 0);
         // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
         static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
-        static const int bi[] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
-        size_t woff = 0, boff = 0;
+        size_t woff = 0;
         for (int i = 0; i < 6; i++) {
-            size_t nw = sdm_ref_param_numel(&s, wi[i]), nb = sdm_ref_param_numel(&s, bi[i]);
+            size_t nw = sdm_ref_param_numel(&s, wi[i]), nb = sdm_ref_param_numel(&s, BIAS_IDS[i]);
             if (!nw) continue;
             compare_grad(sdm_ref_param_name(wi[i]), g.w_in + woff, nw, gw_in + woff, tol);
-            compare_grad(sdm_ref_param_name(bi[i]), g.b_in + boff, nb, gb_in + boff, tol);
+            compare_grad(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], nb, gr[BIAS_IDS[i]], tol);
             woff += nw;
-            boff += nb;
         }
         compare_grad("A_log", g.A_log, s.heads, gr[SDM_P_A_LOG], tol);
         compare_grad("dt_bias", g.dt_bias, s.heads, gr[SDM_P_DT_BIAS], tol);
@@ -397,17 +401,16 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         compare_grad("bo", g.b_out, D, gr[SDM_P_BO], tol);
         if (s.learned_bank) compare_grad("bank M0", g.bank0, nbank, gr[SDM_P_BANK], tol);
         free(gw_in);
-        free(gb_in);
     }
     sdm_layer_destroy(&L);
-    const void *dbufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dx_in, ddy,
-                           dyout, ddx};
+    const void *dbufs[] = {p.w_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dx_in, ddy, dyout,
+                           ddx, p.b_in[0], p.b_in[1], p.b_in[2], p.b_in[3], p.b_in[4], p.b_in[5]};
     for (size_t i = 0; i < sizeof(dbufs) / sizeof(dbufs[0]); i++) cudaCheck(cudaFree((void *)dbufs[i]));
-    for (int i = 0; i < 9; i++) cudaCheck(cudaFree(*gp[i]));
+    for (int i = 0; i < 14; i++) cudaCheck(cudaFree(*gp[i]));
     sdm_ref_trace_free(&tr);
     sdm_ref_grad_trace_free(&og);
     for (int i = 0; i < SDM_P_COUNT; i++) { free(t[i]); free(gr[i]); }
-    free(x); free(dy); free(dx_ref); free(w_in); free(b_in);
+    free(x); free(dy); free(dx_ref); free(w_in);
 }
 
 // Two forward+backward passes of one layer on the same inputs give bitwise-equal y, dx and gradients.
@@ -418,10 +421,14 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     layer_random_params(rng, &s, fp32, t);
     SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32, 0);
     double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
+    size_t boff[SDM_B_COUNT + 1] = {0};
+    for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_ref_param_numel(&s, BIAS_IDS[i]);
     fill_normal(rng, x, (size_t)n * D, 1.0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
-    p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32); p.b_in = dev_upload(b_in, L.n_in, fp32);
+    p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
+    void *bias = dev_upload(b_in, L.n_in, fp32);
+    for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = elem_ptr(bias, boff[i], fp32 ? CUDA_R_32F : CUDA_R_16BF);
     p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
     p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
     p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_BO], D, fp32);
@@ -436,8 +443,9 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     float *gbuf;
     cudaCheck(cudaMalloc(&gbuf, total * 4));
     SdmLayerGrads g;
-    float **gp[] = {&g.w_in, &g.b_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0};
+    float **gp[] = {&g.w_in, &g.b_in[0], &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0};
     for (int i = 0, off = 0; i < 9; off += (int)sz[i], i++) *gp[i] = gbuf + off;
+    for (int i = 0; i < SDM_B_COUNT; i++) g.b_in[i] = g.b_in[0] + boff[i];
     size_t ybytes = (size_t)n * D * (fp32 ? 4 : 2);
     unsigned char *run[2][3];
     for (int r = 0; r < 2; r++) {
@@ -461,7 +469,7 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < 3; i++) free(run[r][i]);
     sdm_layer_destroy(&L);
-    const void *dbufs[] = {p.w_in, p.b_in, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dxin, ddy,
+    const void *dbufs[] = {p.w_in, bias, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, dxin, ddy,
                            y, dx, gbuf};
     for (size_t i = 0; i < sizeof(dbufs) / sizeof(dbufs[0]); i++) cudaCheck(cudaFree((void *)dbufs[i]));
     for (int i = 0; i < SDM_P_COUNT; i++) free(t[i]);
