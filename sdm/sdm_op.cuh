@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
 //   fsolve_kernel   per (stream, DB columns): Delta = Linv X, O = S Delta + E
 //   fscatter_kernel one warp per write entry; the last entry of each written slot writes its whole row
 // Whole rows keep the random bank accesses long and contiguous (2-4 KB), which HBM serves far better than the
-// short column slices of one-CTA-per-column-block designs (measured: see tests/bench_sdm_op.cu notes).
+// short column slices of one-CTA-per-column-block designs (measured: see the notes in tests/bench_sdm_op.cu).
 #define SDM_ROW_THREADS 256
 #define SDM_ROW_WARPS (SDM_ROW_THREADS / 32)
 

@@ -7,6 +7,20 @@
 //   backward: fp32 G rows read + written at W + R rows, W snapshot rows read, W rows restored, R bank rows read
 //                                                                      -> (2W + 2R) d 4 + (2W + R) d 2 bytes
 //   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
+//
+// Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
+// floors: forward 8.0 ms, backward 22.0 ms):
+//   v1 design, one persistent CTA per (stream, 64-column block) walking all chunks (ARCHITECTURE.md §5):
+//       forward 33.7 ms, backward 112.6 ms; the same kernels with one launch per chunk: prefill 31.4 vs 31.2 ms
+//       persistent (no gain from persistence); gathers of 128-byte row slices, latency-bound.
+//   batched loads + split gathers in that design: forward 27.3 ms, backward 60.3 ms (phase-2 column loop 23.5 ms).
+//   whole-row kernels, host loop over chunks (current): forward 30.9, backward 44.4; its row gather spent 19.6 of
+//       the 30.9 ms in 8-way bank-conflicted shared-memory read-modify-writes of the partial sums;
+//   staging all row loads of a warp before use (more registers, lower occupancy): token kernel 16.0 -> 29.2 ms,
+//       backward scatter 23.6 -> 34.8 ms: reverted;
+//   partial sums in registers (current): gather 19.6 -> 7.9 ms; forward 18.0 ms, backward 44.9 ms.
+//   Per launch kind (ms, all 64 chunks): phase1 2.3 | gather 7.9 (3.1 TB/s of row traffic) solve 2.0 scatter 5.7 |
+//   token 16.1 (2.6 TB/s) bsolve 2.2 bscatter 23.9 (3.5 TB/s) bwy 1.5.
 #include <algorithm>
 #include <vector>
 
