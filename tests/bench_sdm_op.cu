@@ -14,7 +14,7 @@
 //       forward 33.7 ms, backward 112.6 ms; the same kernels with one launch per chunk: prefill 31.4 vs 31.2 ms
 //       persistent (no gain from persistence); gathers of 128-byte row slices, latency-bound.
 //   batched loads + split gathers in that design: forward 27.3 ms, backward 60.3 ms (phase-2 column loop 23.5 ms).
-//   whole-row kernels, host loop over chunks (current): forward 30.9, backward 44.4; its row gather spent 19.6 of
+//   whole-row kernels, host loop over chunks: forward 30.9, backward 44.4; its row gather spent 19.6 of
 //       the 30.9 ms in 8-way bank-conflicted shared-memory read-modify-writes of the partial sums;
 //   staging all row loads of a warp before use (more registers, lower occupancy): token kernel 16.0 -> 29.2 ms,
 //       backward scatter 23.6 -> 34.8 ms: reverted;
