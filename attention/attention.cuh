@@ -42,9 +42,6 @@ template <> __device__ __forceinline__ float attn_cast<float>(float x) { return 
 template <> __device__ __forceinline__ bf16 attn_cast<bf16>(float x) { return __float2bfloat16(x); }
 
 __device__ __forceinline__ int attn_first_key_dev(int p, int window) { return window == 0 ? 0 : max(0, p - window + 1); }
-__device__ __forceinline__ bool attn_visible_dev(int p, int s, int window) {
-    return s <= p && (window == 0 || p - s < window);
-}
 
 __device__ __forceinline__ float attn_warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -317,13 +314,15 @@ __global__ void attn_kv_append_kernel(const T *k, const T *v, T *kc, T *vc, cons
 
 #define ATTN_PAD 8
 
-// Default tile configurations <warps, tile, [row tiles per warp,] CTAs per SM>: forward: 16*MT*warps queries against
-// tile keys; dQ: 16*warps queries against tile keys; dK/dV: 16*warps keys against tile queries. Chosen from the variants tests/bench_attention.cu times (H200, d=128):
-// small windows (w <= 256) prefer the smaller query tiles of ATTN_FWD_SWA_CFG, which waste less work at the edges.
-#define ATTN_FWD_CFG 8, 64, 1, 1
-#define ATTN_FWD_SWA_CFG 4, 64, 1, 2
-#define ATTN_DKDV_CFG 4, 64, 2
-#define ATTN_DQ_CFG 4, 32, 2
+// Default configurations <warps, tile, [row tiles per warp,] CTAs per SM, skip>: forward: 16*MT*warps queries
+// against tile keys; dQ: 16*warps queries against tile keys; dK/dV: 16*warps keys against tile queries. skip: partial
+// tiles skip the 16-wide groups no row of the warp can see (fewer products, more branches); skipping or not gives the
+// same values. Chosen from the variants tests/bench_attention.cu times (H200, d=128, B=4, T=4096, 16 heads): the
+// forward runs 4 warps of 32 rows for full attention and 4 warps of 16 rows for windows up to 256, without skipping.
+#define ATTN_FWD_CFG 4, 64, 2, 1, false
+#define ATTN_FWD_SWA_CFG 4, 64, 1, 2, false
+#define ATTN_DKDV_CFG 4, 64, 2, true
+#define ATTN_DQ_CFG 4, 64, 2, true
 
 __device__ __forceinline__ void attn_cp_async16(void *smem, const void *gmem, bool valid) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -468,6 +467,13 @@ __device__ __forceinline__ bool attn_block_all(int p0, int np, int s0, int ns, i
     return p0 + np <= T && s0 + ns <= T && s0 + ns - 1 <= p0 && (window == 0 || p0 + np - 1 - s0 < window);
 }
 
+// Whether key is hidden from query row: outside [row - w + 1, row] or past T. wlim = w, or INT_MAX for full causal
+// (row - key < 0 wraps to a huge unsigned value).
+__device__ __forceinline__ bool attn_hidden(int row, int key, unsigned wlim, int T) {
+    return (unsigned)(row - key) >= wlim || key >= T;
+}
+__device__ __forceinline__ unsigned attn_wlim(int window) { return window == 0 ? 0x7fffffffu : (unsigned)window; }
+
 // The 16-wide column groups [lo, hi) of a tile whose columns start at c0 (ncols of them) that hold any column of
 // [v_lo, v_hi] (absolute; the caller knows the intersection is not empty). Work on the others is skipped.
 __device__ __forceinline__ void attn_groups(int c0, int ncols, int v_lo, int v_hi, int &lo, int &hi) {
@@ -488,7 +494,7 @@ __device__ __forceinline__ int attn_keys_query_hi(int k0, int window, int T) {
 // double-buffered by cp.async), keeping a running max and sum. A tile wholly inside the mask runs branch-free; in a
 // partial one, 16-key groups no row of the warp can see are skipped, so a window costs O(w) per query.
 
-template <int D, int NW, int BN, int MT, int MINB>
+template <int D, int NW, int BN, int MT, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p) {
     constexpr int RW = 16 * MT, BM = RW * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BN / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -525,11 +531,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
+        unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {
-            constexpr bool PARTIAL = decltype(partial)::value;
+            constexpr bool PARTIAL = decltype(partial)::value, SKIPS = PARTIAL && SKIP;
             const bf16 *Kb = Ks + buf * BN * SD, *Vb = Vs + buf * BN * SD;
             int glo = 0, ghi = BN / 16;
-            if (PARTIAL) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
+            if (SKIPS) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
             float s[MT][NT][4]; // raw scores q.k, masked to -inf
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -540,7 +547,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
                 uint32_t a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) attn_ldsm_a(a[mt], Qs, SD, warp * RW + mt * 16, ks * 16);
-                attn_mma_bt_m<MT, NT, PARTIAL>(s, a, Kb, SD, ks * 16, glo, ghi);
+                attn_mma_bt_m<MT, NT, SKIPS>(s, a, Kb, SD, ks * 16, glo, ghi);
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
@@ -550,7 +557,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             int row = r0 + mt * 16 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                            if (key >= p.T || !attn_visible_dev(row, key, p.window)) s[mt][nt][e] = -INFINITY;
+                            if (attn_hidden(row, key, wlim, p.T)) s[mt][nt][e] = -INFINITY;
                         }
                 }
 #pragma unroll
@@ -576,7 +583,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
             }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
+                if (SKIPS && (kk < glo || kk >= ghi)) continue;
                 uint32_t a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) attn_acc_to_a<NT>(a[mt], s[mt], kk);
@@ -611,7 +618,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
 //          dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
 //   dQ:    CTA = a tile of 16*NW queries; loops over key tiles as the forward: dQ += dS K.
 
-template <int D, int NW, int BM, int MINB>
+template <int D, int NW, int BM, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnArgs p) {
     constexpr int BN = 16 * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BM / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -659,12 +666,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
+        unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {
-            constexpr bool PARTIAL = decltype(partial)::value;
+            constexpr bool PARTIAL = decltype(partial)::value, SKIPS = PARTIAL && SKIP;
             const bf16 *Qb = Qs + buf * BM * SD, *Ob = Os + buf * BM * SD;
             const float *Lb = Ls + buf * BM, *Db = Ds + buf * BM;
             int glo = 0, ghi = BM / 16;
-            if (PARTIAL) attn_groups(m0, BM, k0, query_hi, glo, ghi);
+            if (SKIPS) attn_groups(m0, BM, k0, query_hi, glo, ghi);
             float st[NT][4], dpt[NT][4]; // S^T, dP^T: 16 keys x BM queries
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -674,9 +682,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
             for (int ks = 0; ks < KS; ks++) {
                 uint32_t a[4];
                 attn_ldsm_a(a, Ks, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, PARTIAL>(st, a, Qb, SD, ks * 16, glo, ghi);
+                attn_mma_bt<NT, SKIPS>(st, a, Qb, SD, ks * 16, glo, ghi);
                 attn_ldsm_a(a, Vs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, PARTIAL>(dpt, a, Ob, SD, ks * 16, glo, ghi);
+                attn_mma_bt<NT, SKIPS>(dpt, a, Ob, SD, ks * 16, glo, ghi);
             }
             if (PARTIAL) {
 #pragma unroll
@@ -684,7 +692,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         int key = k0 + attn_acc_row(e), query = m0 + attn_acc_col(nt, e);
-                        if (query >= p.T || key >= p.T || !attn_visible_dev(query, key, p.window)) st[nt][e] = -INFINITY;
+                        if (query >= p.T || attn_hidden(query, key, wlim, p.T)) st[nt][e] = -INFINITY;
                     }
             }
 #pragma unroll
@@ -698,7 +706,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
                 }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++) {
-                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
+                if (SKIPS && (kk < glo || kk >= ghi)) continue;
                 uint32_t a[4];
                 attn_acc_to_a<NT>(a, st, kk);
                 attn_mma_b<DT>(dv, a, Ob, SD, kk * 16);
@@ -715,7 +723,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
     attn_store_acc<D>((bf16 *)p.dv + ((size_t)b * p.T * p.nkv + g) * D, kstride, k0, p.T, dv, one);
 }
 
-template <int D, int NW, int BN, int MINB>
+template <int D, int NW, int BN, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs p) {
     constexpr int BM = 16 * NW, SD = D + ATTN_PAD, KS = D / 16, NT = BN / 8, DT = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -755,11 +763,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
         attn_cp_async_commit();
         attn_cp_async_wait<1>();
         __syncthreads();
+        unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {
-            constexpr bool PARTIAL = decltype(partial)::value;
+            constexpr bool PARTIAL = decltype(partial)::value, SKIPS = PARTIAL && SKIP;
             const bf16 *Kb = Ks + buf * BN * SD, *Vb = Vs + buf * BN * SD;
             int glo = 0, ghi = BN / 16;
-            if (PARTIAL) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
+            if (SKIPS) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
             float s[NT][4], dp[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -769,9 +778,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
             for (int ks = 0; ks < KS; ks++) {
                 uint32_t a[4];
                 attn_ldsm_a(a, Qs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, PARTIAL>(s, a, Kb, SD, ks * 16, glo, ghi);
+                attn_mma_bt<NT, SKIPS>(s, a, Kb, SD, ks * 16, glo, ghi);
                 attn_ldsm_a(a, Os, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, PARTIAL>(dp, a, Vb, SD, ks * 16, glo, ghi);
+                attn_mma_bt<NT, SKIPS>(dp, a, Vb, SD, ks * 16, glo, ghi);
             }
             if (PARTIAL) {
 #pragma unroll
@@ -779,7 +788,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         int row = r0 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                        if (key >= p.T || row >= p.T || !attn_visible_dev(row, key, p.window)) s[nt][e] = -INFINITY;
+                        if (attn_hidden(row, key, wlim, p.T)) s[nt][e] = -INFINITY; // rows >= T are never stored
                     }
             }
 #pragma unroll
@@ -791,7 +800,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
                 }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                if (PARTIAL && (kk < glo || kk >= ghi)) continue;
+                if (SKIPS && (kk < glo || kk >= ghi)) continue;
                 uint32_t a[4];
                 attn_acc_to_a<NT>(a, s, kk);
                 attn_mma_b<DT>(dq, a, Kb, SD, kk * 16);
@@ -845,25 +854,25 @@ static inline void attn_launch_rows(K kernel, int rows, cudaStream_t st, const A
 
 // The tensor-core kernels at a given tile configuration (NW warps, BN/BM tile, MINB CTAs per SM). The defaults below
 // were chosen by tests/bench_attention.cu, which also times the alternatives.
-template <int D, int NW, int BN, int MT, int MINB>
+template <int D, int NW, int BN, int MT, int MINB, bool SKIP>
 static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * MT * NW;
     size_t smem = (size_t)(BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
+    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
                 "attention forward");
 }
 
-template <int D, int NW, int BM, int MINB> static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
+template <int D, int NW, int BM, int MINB, bool SKIP> static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BN = 16 * NW;
     size_t smem = (size_t)(2 * BN + 4 * BM) * (D + ATTN_PAD) * sizeof(bf16) + 4 * BM * sizeof(float);
-    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p,
+    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB, SKIP>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p,
                 "attention backward dk dv");
 }
 
-template <int D, int NW, int BN, int MINB> static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
+template <int D, int NW, int BN, int MINB, bool SKIP> static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * NW;
     size_t smem = (size_t)(2 * BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
+    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
                 "attention backward dq");
 }
 

@@ -119,24 +119,25 @@ int main(void) {
         p.q = bb.q; p.k = bb.k; p.v = bb.v; p.o = bb.out; p.dout = bb.dout; p.out = bb.out;
         p.dq = bb.dq; p.dk = bb.dk; p.dv = bb.dv; p.lse = lse; p.delta = (float *)ws;
         struct { const char *name; KernelLaunch f; } variants[] = {
-            {"fwd 8 warps x 16 rows x 64 keys, 1/SM", attn_fwd_mma<128, 8, 64, 1, 1>},
-            {"fwd 4 warps x 16 rows x 64 keys, 2/SM", attn_fwd_mma<128, 4, 64, 1, 2>},
-            {"fwd 4 warps x 32 rows x 64 keys, 1/SM", attn_fwd_mma<128, 4, 64, 2, 1>},
-            {"fwd 4 warps x 32 rows x 32 keys, 2/SM", attn_fwd_mma<128, 4, 32, 2, 2>},
-            {"fwd 8 warps x 32 rows x 32 keys, 1/SM", attn_fwd_mma<128, 8, 32, 2, 1>},
+            {"fwd 8 warps x 16 rows x 64 keys, 1/SM", attn_fwd_mma<128, 8, 64, 1, 1, true>},
+            {"fwd 4 warps x 16 rows x 64 keys, 2/SM", attn_fwd_mma<128, 4, 64, 1, 2, true>},
+            {"fwd 4 warps x 16 rows x 64 keys, 2/SM, no skip", attn_fwd_mma<128, 4, 64, 1, 2, false>},
+            {"fwd 4 warps x 32 rows x 64 keys, 1/SM", attn_fwd_mma<128, 4, 64, 2, 1, true>},
+            {"fwd 4 warps x 32 rows x 64 keys, 1/SM, no skip", attn_fwd_mma<128, 4, 64, 2, 1, false>},
+            {"fwd 4 warps x 32 rows x 32 keys, 2/SM", attn_fwd_mma<128, 4, 32, 2, 2, true>},
             {"delta", attn_delta<bf16, 128>},
-            {"dkdv 4 warps x 64 queries, 2/SM", attn_dkdv_mma<128, 4, 64, 2>},
-            {"dkdv 8 warps x 64 queries, 1/SM", attn_dkdv_mma<128, 8, 64, 1>},
-            {"dkdv 4 warps x 32 queries, 2/SM", attn_dkdv_mma<128, 4, 32, 2>},
-            {"dq 8 warps x 64 keys, 1/SM", attn_dq_mma<128, 8, 64, 1>},
-            {"dq 4 warps x 64 keys, 2/SM", attn_dq_mma<128, 4, 64, 2>},
-            {"dq 4 warps x 32 keys, 2/SM", attn_dq_mma<128, 4, 32, 2>},
+            {"dkdv 4 warps x 64 queries, 2/SM", attn_dkdv_mma<128, 4, 64, 2, true>},
+            {"dkdv 4 warps x 64 queries, 2/SM, no skip", attn_dkdv_mma<128, 4, 64, 2, false>},
+            {"dkdv 4 warps x 32 queries, 2/SM", attn_dkdv_mma<128, 4, 32, 2, true>},
+            {"dq 4 warps x 64 keys, 2/SM", attn_dq_mma<128, 4, 64, 2, true>},
+            {"dq 4 warps x 64 keys, 2/SM, no skip", attn_dq_mma<128, 4, 64, 2, false>},
+            {"dq 4 warps x 32 keys, 2/SM", attn_dq_mma<128, 4, 32, 2, true>},
         };
         // each forward variant's output must match the default's (the GPU tests check the default against the CPU)
         float *ref_out = download_f(bb.out, n);
         printf("window %d, kernel variants (median ms):\n", windows[c]);
         for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-            printf("  %-40s %.3f", variants[i].name, time_pass(&bb, 0, variants[i].f, &p, 3, 15));
+            printf("  %-48s %.3f", variants[i].name, time_pass(&bb, 0, variants[i].f, &p, 3, 15));
             if (strncmp(variants[i].name, "fwd", 3) == 0) {
                 CK(cudaDeviceSynchronize());
                 float *got = download_f(bb.out, n);
