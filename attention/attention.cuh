@@ -379,14 +379,14 @@ __device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // acc[mt] (16 x 8NT) += a[mt] (16 x 16, k-step k0) . B^T for MT row tiles sharing each B fragment; B stored [n][k]
-// from row 0. PARTIAL: only the 16-column groups [glo, ghi) (the others hold no visible pair and stay as they are);
+// from row 0. SKIP: only the 16-column groups [glo, ghi) (the others hold no visible pair and stay as they are);
 // otherwise all, with no branches.
-template <int MT, int NT, bool PARTIAL>
+template <int MT, int NT, bool SKIP>
 __device__ __forceinline__ void attn_mma_bt_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile,
                                               int sd, int k0, int glo, int ghi) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
-        if (PARTIAL && (nt / 2 < glo || nt / 2 >= ghi)) continue;
+        if (SKIP && (nt / 2 < glo || nt / 2 >= ghi)) continue;
         uint32_t b[4];
         attn_ldsm_b_nk(b, tile, sd, nt * 8, k0);
 #pragma unroll
@@ -414,10 +414,10 @@ __device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint
 }
 
 // The same for one row tile.
-template <int NT, bool PARTIAL>
+template <int NT, bool SKIP>
 __device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0,
                                             int glo, int ghi) {
-    attn_mma_bt_m<1, NT, PARTIAL>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
+    attn_mma_bt_m<1, NT, SKIP>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
                                   tile, sd, k0, glo, ghi);
 }
 template <int NT>
@@ -491,8 +491,9 @@ __device__ __forceinline__ int attn_keys_query_hi(int k0, int window, int T) {
 // ---------------------------------------------------------------------------------------------------------------
 // Forward (bf16): CTA = NW warps = a tile of 16*MT*NW queries of one (b, head); each warp owns 16*MT query rows
 // (MT row tiles share every K and V fragment it reads) and loops over the BN-key tiles its rows can see (K, V
-// double-buffered by cp.async), keeping a running max and sum. A tile wholly inside the mask runs branch-free; in a
-// partial one, 16-key groups no row of the warp can see are skipped, so a window costs O(w) per query.
+// double-buffered by cp.async), keeping a running max and sum; key tiles no row of the CTA can see are never loaded,
+// so a window costs O(w) per query. A tile wholly inside the mask runs branch-free; a partial one is masked, and with
+// SKIP its 16-key groups no row of the warp can see are skipped.
 
 template <int D, int NW, int BN, int MT, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p) {
