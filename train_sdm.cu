@@ -620,7 +620,7 @@ int main(int argc, char **argv) {
             evaluate(&r);
         if (c->dump_every && r.step % c->dump_every == 0) save_checkpoint(&r);
     }
-    if (r.step > first_step && (!c->dump_every || r.step % c->dump_every)) save_checkpoint(&r);
+    if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
     say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);
 
     gpu_model_destroy(&r.g);

@@ -162,7 +162,7 @@ static const CfgField CFG_FIELDS[] = {
     {"sdm.A_init_range", CFG_NUMS, CFG_OFF(A_init_range), "0,16", CFG_ANY, NULL, "U(lo,hi) range of A at init"},
     {"sdm.snapshot_quant", CFG_CHOICE, CFG_OFF(snapshot_quant), "none", CFG_ANY, "none|bf16|fp8|int4",
      "storage of backward snapshots of touched bank rows"},
-    {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32", "dtype of the bank copy"},
+    {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32", "dtype of the bank copy (always fp32 when model_dtype is fp32)"},
     {"sdm.cuda_graph", CFG_BOOL, CFG_OFF(cuda_graph), "true", CFG_ANY, NULL,
      "replay the SDM op from CUDA graphs (speed knob)"},
 
@@ -174,7 +174,7 @@ static const CfgField CFG_FIELDS[] = {
      "training shards (glob; empty: the embedded recall dataset)"},
     {"data.val", CFG_STRING, CFG_OFF(val_data), "", CFG_ANY, NULL, "validation shards (glob; empty: embedded)"},
 
-    {"checkpoint.dump_every", CFG_INT, CFG_OFF(dump_every), "500", 0, 1e9, NULL, "steps between checkpoints"},
+    {"checkpoint.dump_every", CFG_INT, CFG_OFF(dump_every), "500", 0, 1e9, NULL, "steps between checkpoints, and one at the end (0: none)"},
     {"checkpoint.eval_every", CFG_INT, CFG_OFF(eval_every), "500", 0, 1e9, NULL, "steps between evaluations"},
     {"checkpoint.keep", CFG_INT, CFG_OFF(keep_checkpoints), "2", 1, 1000, NULL, "checkpoints kept"},
     {"eval.steps", CFG_INT, CFG_OFF(eval_steps), "20", 1, 1e9, NULL, "validation batches per evaluation"},

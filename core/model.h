@@ -110,7 +110,7 @@ static inline SdmDims model_sdm_dims(const Config *c) {
     s.output_gate = c->output_gate;
     s.norm_eps = (float)c->sdm_norm_eps;
     s.snapshot = model_snapshot(c->snapshot_quant);
-    s.bank_fp32 = !strcmp(c->bank_dtype, "fp32");
+    s.bank_fp32 = !strcmp(c->bank_dtype, "fp32") || !strcmp(c->model_dtype, "fp32"); // all-fp32 mode: bank too
     return s;
 }
 
