@@ -1,9 +1,9 @@
-// tests/gpu_test_model.cu: the whole training step on the GPU (train_sdm.cu's model) against the double-precision
+// tests/gpu_test_model.cu: the whole training step on the GPU (core/gpu_model.cuh) against the double-precision
 // CPU oracle (core/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
 // bf16; bitwise determinism of repeated steps; and a few AdamW steps that must lower the loss of a fixed batch.
-#define SDM_TESTING
-#include "train_sdm.cu"
-
+#include "core/adamw.cuh"
+#include "core/config.h"
+#include "core/gpu_model.cuh"
 #include "core/model_ref.h"
 #include "tests/test.h"
 
