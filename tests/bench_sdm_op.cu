@@ -27,22 +27,9 @@
 #include "core/cuda_common.cuh"
 #include "core/rng.h"
 #include "sdm/sdm_op.cuh"
+#include "tests/rand_slots.h"
 
 #define HBM_BYTES_PER_S 4.3e12
-
-// k distinct slots of [0, n) ascending (k << n: rejection)
-static void draw_slots(Rng *rng, int n, int k, int *out) {
-    for (int i = 0; i < k; i++) {
-        int x, dup;
-        do {
-            x = (int)rng_below(rng, (uint32_t)n);
-            dup = 0;
-            for (int j = 0; j < i; j++) dup |= out[j] == x;
-        } while (dup);
-        out[i] = x;
-    }
-    std::sort(out, out + k);
-}
 
 static float *dev_random(Rng *rng, size_t n, float lo, float hi) {
     std::vector<float> h(n);
@@ -69,7 +56,7 @@ static float *dev_weights(Rng *rng, size_t groups, int k) {
 
 static int *dev_slots(Rng *rng, size_t groups, int k, int n) {
     std::vector<int> h(groups * k);
-    for (size_t g = 0; g < groups; g++) draw_slots(rng, n, k, h.data() + g * k);
+    for (size_t g = 0; g < groups; g++) rand_slots(rng, n, k, h.data() + g * k);
     int *d;
     cudaCheck(cudaMalloc(&d, h.size() * 4));
     cudaCheck(cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice));

@@ -6,6 +6,7 @@
 #include "core/rng.h"
 #include "sdm/sdm_op.cuh"
 #include "sdm/sdm_ref.h"
+#include "tests/rand_slots.h"
 #include "tests/test.h"
 
 #define TOL_FP32 1e-5
@@ -22,30 +23,6 @@ typedef struct {
     int *wslot, *rslot;
     double *kappa, *gamma, *beta, *v, *rho, *bank, *dout, *dbank_final;
 } Case;
-
-// k distinct slots of [0, n), ascending
-static void draw_slots(Rng *rng, int n, int k, int *out, int *scratch) {
-    if (2 * k > n) { // partial Fisher-Yates
-        for (int i = 0; i < n; i++) scratch[i] = i;
-        for (int i = 0; i < k; i++) {
-            int j = i + (int)rng_below(rng, (uint32_t)(n - i)), x = scratch[i];
-            scratch[i] = scratch[j]; scratch[j] = x;
-            out[i] = scratch[i];
-        }
-    } else {
-        for (int i = 0; i < k; i++) {
-            int x, dup;
-            do {
-                x = (int)rng_below(rng, (uint32_t)n);
-                dup = 0;
-                for (int j = 0; j < i; j++) dup |= out[j] == x;
-            } while (dup);
-            out[i] = x;
-        }
-    }
-    for (int i = 1; i < k; i++) // insertion sort
-        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) { int x = out[j]; out[j] = out[j - 1]; out[j - 1] = x; }
-}
 
 // positive weights summing to 1 (a softmax of normal scores)
 static void draw_softmax(Rng *rng, int k, double *w) {
@@ -72,10 +49,9 @@ static Case make_case(uint64_t seed, int B, int T, int H, int N, int d, int W, i
     c.gamma = (double *)sdm_malloc(tok * W * sizeof(double));
     c.rho = (double *)sdm_malloc(tok * R * sizeof(double));
     c.beta = (double *)sdm_malloc(tok * sizeof(double));
-    int *scratch = (int *)sdm_malloc((size_t)N * sizeof(int));
     for (size_t i = 0; i < tok; i++) {
-        draw_slots(&rng, N, W, c.wslot + i * W, scratch);
-        draw_slots(&rng, N, R, c.rslot + i * R, scratch);
+        rand_slots(&rng, N, W, c.wslot + i * W);
+        rand_slots(&rng, N, R, c.rslot + i * R);
         draw_softmax(&rng, W, c.kappa + i * W);
         draw_softmax(&rng, R, c.rho + i * R);
         for (int k = 0; k < W; k++)
@@ -83,7 +59,6 @@ static Case make_case(uint64_t seed, int B, int T, int H, int N, int d, int W, i
                                                                                  : rng_range(&rng, -3.0, 0.0);
         c.beta[i] = rng_range(&rng, 0.02, 0.98);
     }
-    free(scratch);
     c.v = draw_normal(&rng, tok * d, 1.0);
     c.bank = draw_normal(&rng, (size_t)B * H * N * d, 0.5);
     c.dout = draw_normal(&rng, tok * d, 1.0);

@@ -4,31 +4,13 @@
 #define SDM_TESTS_SDM_OP_CASE_H
 
 #include "core/rng.h"
+#include "tests/rand_slots.h"
 #include "sdm/sdm_ref.h"
 
 static inline double *rand_array(Rng *rng, size_t n, double lo, double hi) {
     double *a = (double *)sdm_malloc(sizeof(double) * (n ? n : 1));
     for (size_t i = 0; i < n; i++) a[i] = rng_range(rng, lo, hi);
     return a;
-}
-
-static inline int cmp_int(const void *a, const void *b) {
-    int x = *(const int *)a, y = *(const int *)b;
-    return (x > y) - (x < y);
-}
-
-// k distinct slots of [0, n), sorted ascending
-static inline void rand_slots(Rng *rng, int n, int k, int *out) {
-    for (int i = 0; i < k; i++) {
-        int s, dup;
-        do {
-            s = (int)rng_below(rng, (uint32_t)n);
-            dup = 0;
-            for (int j = 0; j < i; j++) dup |= out[j] == s;
-        } while (dup);
-        out[i] = s;
-    }
-    qsort(out, (size_t)k, sizeof(int), cmp_int);
 }
 
 static inline double dot_all(const double *a, const double *b, size_t n) {

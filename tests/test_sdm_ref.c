@@ -180,7 +180,7 @@ static void test_topk_dims(int F, const int *dims, int quantized, int trials, Rn
         int n_all;
         BruteSlot *all = brute_rank(F, dims, s, &n_all);
         for (int j = 0; j < k; j++) ref[j] = all[j].slot;
-        qsort(ref, (size_t)k, sizeof(int), cmp_int);
+        qsort(ref, (size_t)k, sizeof(int), ascending_int_cmp);
         mismatches += memcmp(slot, ref, sizeof(int) * k) != 0;
         if (k < N) *boundary_ties += all[k - 1].score == all[k].score; // the tie rule decides the boundary
         int digit[SDM_MAX_FACTORS];
