@@ -15,6 +15,7 @@
 
 #include "attention/attn_dims.h"
 #include "core/common.h"
+#include "core/ref_ops.h"
 
 typedef struct { const double *wq, *wk, *wv, *wo, *wg; } AttnRefParams; // wg NULL when !gated
 typedef struct { double *wq, *wk, *wv, *wo, *wg; } AttnRefGrads;        // accumulated with +=
@@ -72,12 +73,6 @@ static inline const double *attn_ref_row(const double *x, int b, int t, int h, i
     return x + (((size_t)b * T + t) * n + h) * head_dim;
 }
 
-static inline double attn_ref_dot(const double *a, const double *b, int n) {
-    double s = 0.0;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 // Probabilities of query (b, t, head j) over its visible keys s0..t: prob[s - s0]. Returns the logsumexp of the
 // scaled scores. prob holds at least t - s0 + 1 entries.
 static inline double attn_ref_probs(const AttnDims *a, int T, const AttnRefQKV *in, int b, int t, int j, double *prob) {
@@ -85,7 +80,7 @@ static inline double attn_ref_probs(const AttnDims *a, int T, const AttnRefQKV *
     const double *qr = attn_ref_row(in->q, b, t, j, T, a->n_heads, d);
     double scale = 1.0 / sqrt((double)d), mx = -INFINITY, sum = 0.0;
     for (int s = s0; s <= t; s++) {
-        prob[s - s0] = scale * attn_ref_dot(qr, attn_ref_row(in->k, b, s, g, T, a->n_kv_heads, d), d);
+        prob[s - s0] = scale * ref_dot(qr, attn_ref_row(in->k, b, s, g, T, a->n_kv_heads, d), d);
         mx = fmax(mx, prob[s - s0]);
     }
     for (int s = s0; s <= t; s++) sum += exp(prob[s - s0] - mx);
@@ -144,7 +139,7 @@ static inline void attn_core_backward_ref(const AttnDims *a, int B, int T, const
                 attn_ref_probs(a, T, &in, b, t, j, prob);
                 double pdp = 0.0; // sum_s P_s dP_s = dout . o
                 for (int s = s0; s <= t; s++) {
-                    dp[s - s0] = attn_ref_dot(dor, attn_ref_row(v, b, s, g, T, nkv, d), d);
+                    dp[s - s0] = ref_dot(dor, attn_ref_row(v, b, s, g, T, nkv, d), d);
                     pdp += prob[s - s0] * dp[s - s0];
                 }
                 for (int s = s0; s <= t; s++) {
@@ -165,27 +160,6 @@ static inline void attn_core_backward_ref(const AttnDims *a, int B, int T, const
 
 // ---------------------------------------------------------------------------------------------------------------
 // The full layer
-
-// y [N, n_out] = x [N, n_in] . w^T  (w [n_out, n_in])
-static inline void attn_ref_linear(const double *w, const double *x, double *y, int N, int n_out, int n_in) {
-    for (int r = 0; r < N; r++)
-        for (int o = 0; o < n_out; o++) y[(size_t)r * n_out + o] = attn_ref_dot(w + (size_t)o * n_in, x + (size_t)r * n_in, n_in);
-}
-
-// Backward of attn_ref_linear: dx += dy . w, dw += dy^T . x.
-static inline void attn_ref_linear_backward(const double *w, const double *x, const double *dy, double *dx, double *dw,
-                                            int N, int n_out, int n_in) {
-    for (int r = 0; r < N; r++)
-        for (int o = 0; o < n_out; o++) {
-            double g = dy[(size_t)r * n_out + o];
-            for (int i = 0; i < n_in; i++) {
-                dx[(size_t)r * n_in + i] += g * w[(size_t)o * n_in + i];
-                dw[(size_t)o * n_in + i] += g * x[(size_t)r * n_in + i];
-            }
-        }
-}
-
-static inline double attn_ref_sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 
 // Everything the layer's forward computes, kept for the backward.
 typedef struct {
@@ -214,15 +188,15 @@ static inline void attn_ref_acts_free(AttnRefActs *s) {
 static inline void attn_ref_layer_acts(const AttnDims *a, int B, int T, const AttnRefParams *p, const double *x,
                                        AttnRefActs *s) {
     int N = B * T, D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
-    attn_ref_linear(p->wq, x, s->q, N, nq, D);
-    attn_ref_linear(p->wk, x, s->k, N, nk, D);
-    attn_ref_linear(p->wv, x, s->v, N, nk, D);
+    ref_linear_forward(x, p->wq, NULL, s->q, N, D, nq);
+    ref_linear_forward(x, p->wk, NULL, s->k, N, D, nk);
+    ref_linear_forward(x, p->wv, NULL, s->v, N, D, nk);
     attn_rope_ref(s->q, B, T, a->n_heads, a->head_dim, a->rope_theta, 1);
     attn_rope_ref(s->k, B, T, a->n_kv_heads, a->head_dim, a->rope_theta, 1);
     attn_core_forward_ref(a, B, T, s->q, s->k, s->v, s->o, NULL);
     if (a->gated) {
-        attn_ref_linear(p->wg, x, s->z, N, nq, D);
-        for (size_t i = 0; i < (size_t)N * nq; i++) s->og[i] = attn_ref_sigmoid(s->z[i]) * s->o[i];
+        ref_linear_forward(x, p->wg, NULL, s->z, N, D, nq);
+        for (size_t i = 0; i < (size_t)N * nq; i++) s->og[i] = ref_sigmoid(s->z[i]) * s->o[i];
     } else {
         memcpy(s->og, s->o, (size_t)N * nq * sizeof(double));
     }
@@ -233,7 +207,7 @@ static inline void attn_layer_forward_ref(const AttnDims *a, int B, int T, const
                                           double *y) {
     AttnRefActs s = attn_ref_acts_alloc(a, B, T);
     attn_ref_layer_acts(a, B, T, p, x, &s);
-    attn_ref_linear(p->wo, s.og, y, B * T, a->dim, a->n_heads * a->head_dim);
+    ref_linear_forward(s.og, p->wo, NULL, y, B * T, a->n_heads * a->head_dim, a->dim);
     attn_ref_acts_free(&s);
 }
 
@@ -250,21 +224,21 @@ static inline void attn_layer_backward_ref(const AttnDims *a, int B, int T, cons
     double *dv = (double *)sdm_malloc(nke * sizeof(double));
     memset(dx, 0, (size_t)N * D * sizeof(double));
 
-    attn_ref_linear_backward(p->wo, s.og, dy, dog, g->wo, N, D, nq);
+    ref_linear_backward(s.og, p->wo, dy, dog, g->wo, NULL, N, nq, D);
     if (a->gated) { // og = sigmoid(z) o: do = sigmoid(z) dog (in place), dz = dog o sigmoid'(z) (into s.z)
         for (size_t i = 0; i < nqe; i++) {
-            double sg = attn_ref_sigmoid(s.z[i]);
+            double sg = ref_sigmoid(s.z[i]);
             s.z[i] = dog[i] * s.o[i] * sg * (1.0 - sg);
             dog[i] *= sg;
         }
-        attn_ref_linear_backward(p->wg, x, s.z, dx, g->wg, N, nq, D);
+        ref_linear_backward(x, p->wg, s.z, dx, g->wg, NULL, N, D, nq);
     }
     attn_core_backward_ref(a, B, T, s.q, s.k, s.v, dog, dq, dk, dv);
     attn_rope_ref(dq, B, T, a->n_heads, a->head_dim, a->rope_theta, -1);
     attn_rope_ref(dk, B, T, a->n_kv_heads, a->head_dim, a->rope_theta, -1);
-    attn_ref_linear_backward(p->wq, x, dq, dx, g->wq, N, nq, D);
-    attn_ref_linear_backward(p->wk, x, dk, dx, g->wk, N, nk, D);
-    attn_ref_linear_backward(p->wv, x, dv, dx, g->wv, N, nk, D);
+    ref_linear_backward(x, p->wq, dq, dx, g->wq, NULL, N, D, nq);
+    ref_linear_backward(x, p->wk, dk, dx, g->wk, NULL, N, D, nk);
+    ref_linear_backward(x, p->wv, dv, dx, g->wv, NULL, N, D, nk);
 
     free(dog); free(dq); free(dk); free(dv);
     attn_ref_acts_free(&s);

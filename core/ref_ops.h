@@ -8,6 +8,12 @@
 
 #include "core/common.h"
 
+static inline double ref_dot(const double *a, const double *b, int n) {
+    double s = 0.0;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 // 1 / (1 + e^-x) without overflow for large |x|
 static inline double ref_sigmoid(double x) {
     if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
@@ -24,8 +30,7 @@ static inline void ref_linear_forward(const double *x, const double *w, const do
     for (int i = 0; i < n; i++)
         for (int o = 0; o < out; o++) {
             double s = b ? b[o] : 0.0;
-            for (int k = 0; k < in; k++) s += x[(size_t)i * in + k] * w[(size_t)o * in + k];
-            y[(size_t)i * out + o] = s;
+            y[(size_t)i * out + o] = s + ref_dot(x + (size_t)i * in, w + (size_t)o * in, in);
         }
 }
 

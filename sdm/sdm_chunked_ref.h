@@ -365,11 +365,11 @@ static inline void sdm_chunk_backward_step(const SdmChunk *ch, double *M, double
     for (int e = 0; e < n; e++) {
         int t = e / W;
         const double *m0 = ch->snap + (size_t)e * d, *g = Gw + (size_t)e * d;
-        cg->omega[e] = sdm_dot(ch->Delta + (size_t)t * d, g, d);
-        cg->psi[e] = -ch->beta[t] * sdm_dot(cg->dX + (size_t)t * d, m0, d);
-        cg->eta[e] = ch->eLam[e] * sdm_dot(g, m0, d);
+        cg->omega[e] = ref_dot(ch->Delta + (size_t)t * d, g, d);
+        cg->psi[e] = -ch->beta[t] * ref_dot(cg->dX + (size_t)t * d, m0, d);
+        cg->eta[e] = ch->eLam[e] * ref_dot(g, m0, d);
     }
-    for (int q = 0; q < C * R; q++) cg->phi[q] = sdm_dot(cg->dO + (size_t)(q / R) * d, M + (size_t)ch->qs[q] * d, d);
+    for (int q = 0; q < C * R; q++) cg->phi[q] = ref_dot(cg->dO + (size_t)(q / R) * d, M + (size_t)ch->qs[q] * d, d);
     free(Gw);
     free(dDelta);
 }
@@ -397,7 +397,7 @@ static inline void sdm_chunk_entry_grads(const SdmChunk *ch, const SdmChunkGrad 
     // 5. dV = diag(beta) dX, dbeta_t = <v_t - r0_t, dX_t>
     for (int t = 0; t < C; t++) {
         const double *dx = cg->dX + (size_t)t * d;
-        out->dbeta[t] = sdm_dot(ch->VmR0 + (size_t)t * d, dx, d);
+        out->dbeta[t] = ref_dot(ch->VmR0 + (size_t)t * d, dx, d);
         for (int k = 0; k < d; k++) out->dV[(size_t)t * d + k] = ch->beta[t] * dx[k];
     }
     // direct per-entry terms (§4.4b)
@@ -419,7 +419,7 @@ static inline void sdm_chunk_entry_grads(const SdmChunk *ch, const SdmChunkGrad 
         for (int u = 0; u <= t; u++) {
             const double *du = ch->Delta + (size_t)u * d;
             if (u < t) {
-                double dL = -sdm_dot(cg->dX + (size_t)t * d, du, d);
+                double dL = -ref_dot(cg->dX + (size_t)t * d, du, d);
                 out->dbeta[t] += ch->A[t * C + u] * dL;
                 SdmGramBack a = {ch->kap + t * W, ch->lam + t * W, ch->kap + u * W, ch->lam + u * W,
                                  out->dkap + t * W, dlam + t * W, out->dkap + u * W, dlam + u * W, ch->beta[t] * dL};
@@ -427,7 +427,7 @@ static inline void sdm_chunk_entry_grads(const SdmChunk *ch, const SdmChunkGrad 
             }
             SdmGramBack s = {ch->rho + t * R, ch->lamr + t * R, ch->kap + u * W, ch->lam + u * W,
                              out->drho + t * R, dlamr + t * R, out->dkap + u * W, dlam + u * W,
-                             sdm_dot(cg->dO + (size_t)t * d, du, d)};
+                             ref_dot(cg->dO + (size_t)t * d, du, d)};
             sdm_merge_common(ch->qs + t * R, R, ch->ks + u * W, W, sdm_gram_back, &s);
         }
     // log-decay gradients into dgamma by per-slot scans inside the chunk: a read's dlambda' reaches the slot's write

@@ -21,12 +21,6 @@ static inline size_t sdm_tok_off(int T, int H, int b, int t, int h, int width) {
     return ((size_t)((size_t)b * T + t) * H + h) * (size_t)width;
 }
 
-static inline double sdm_dot(const double *a, const double *b, int n) {
-    double s = 0.0;
-    for (int k = 0; k < n; k++) s += a[k] * b[k];
-    return s;
-}
-
 // y += a * x over n entries
 static inline void sdm_axpy(double *y, double a, const double *x, int n) {
     for (int k = 0; k < n; k++) y[k] += a * x[k];
@@ -111,7 +105,7 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
                 const double *kap = kappa + ow, *gam = gamma + ow, *dO = dout + od;
                 // (5) o = sum_j rho_j M[j] with M the state after token t
                 for (int j = 0; j < R; j++) {
-                    drho[orr + j] = sdm_dot(dO, M + (size_t)qs[j] * d, d);
+                    drho[orr + j] = ref_dot(dO, M + (size_t)qs[j] * d, d);
                     sdm_axpy(G + (size_t)qs[j] * d, rho[orr + j], dO, d);
                 }
                 // recompute token t's forward quantities from its snapshot
@@ -126,7 +120,7 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
                 for (int k = 0; k < d; k++) ddelta[k] = 0.0;
                 for (int w = 0; w < W; w++) {
                     const double *Gi = G + (size_t)ks[w] * d;
-                    dkappa[ow + w] = sdm_dot(Gi, delta, d);
+                    dkappa[ow + w] = ref_dot(Gi, delta, d);
                     sdm_axpy(ddelta, kap[w], Gi, d);
                     memcpy(dDec + (size_t)w * d, Gi, sizeof(double) * d);
                 }
@@ -139,14 +133,14 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
                 }
                 // (2) r = sum_i kappa_i decayed_i
                 for (int w = 0; w < W; w++) {
-                    dkappa[ow + w] += sdm_dot(dr, decayed + (size_t)w * d, d);
+                    dkappa[ow + w] += ref_dot(dr, decayed + (size_t)w * d, d);
                     sdm_axpy(dDec + (size_t)w * d, kap[w], dr, d);
                 }
                 // (1) decayed_i = exp(gamma_i) M_prev[i]; restore M[i] = M_prev[i]
                 for (int w = 0; w < W; w++) {
                     double a = exp(gam[w]);
                     double *Gi = G + (size_t)ks[w] * d;
-                    dgamma[ow + w] = sdm_dot(dDec + (size_t)w * d, decayed + (size_t)w * d, d);
+                    dgamma[ow + w] = ref_dot(dDec + (size_t)w * d, decayed + (size_t)w * d, d);
                     for (int k = 0; k < d; k++) Gi[k] = a * dDec[(size_t)w * d + k];
                     memcpy(M + (size_t)ks[w] * d, snap + ((size_t)t * W + w) * d, sizeof(double) * d);
                 }
@@ -287,7 +281,7 @@ static inline void sdm_act_forward_ref(SdmAct act, double scale, int k, const do
         for (int i = 0; i < k; i++) sum += (w[i] = exp(scale * (e[i] - mx)));
         for (int i = 0; i < k; i++) w[i] /= sum;
     } else if (act == SDM_ACT_L2_NORMALIZE) {
-        double den = sqrt(sdm_dot(e, e, k)) + SDM_L2_EPS;
+        double den = sqrt(ref_dot(e, e, k)) + SDM_L2_EPS;
         for (int i = 0; i < k; i++) w[i] = e[i] / den;
     } else if (act == SDM_ACT_IDENTITY) {
         for (int i = 0; i < k; i++) w[i] = e[i];
@@ -300,11 +294,11 @@ static inline void sdm_act_forward_ref(SdmAct act, double scale, int k, const do
 static inline void sdm_act_backward_ref(SdmAct act, double scale, int k, const double *e, const double *w,
                                         const double *dw, double *de) {
     if (act == SDM_ACT_SOFTMAX) {
-        double wdw = sdm_dot(w, dw, k);
+        double wdw = ref_dot(w, dw, k);
         for (int i = 0; i < k; i++) de[i] = scale * w[i] * (dw[i] - wdw);
     } else if (act == SDM_ACT_L2_NORMALIZE) {
-        double norm = sqrt(sdm_dot(e, e, k)), den = norm + SDM_L2_EPS;
-        double proj = norm > 0.0 ? sdm_dot(e, dw, k) / (den * den * norm) : 0.0;
+        double norm = sqrt(ref_dot(e, e, k)), den = norm + SDM_L2_EPS;
+        double proj = norm > 0.0 ? ref_dot(e, dw, k) / (den * den * norm) : 0.0;
         for (int i = 0; i < k; i++) de[i] = dw[i] / den - e[i] * proj;
     } else if (act == SDM_ACT_IDENTITY) {
         for (int i = 0; i < k; i++) de[i] = dw[i];

@@ -65,7 +65,7 @@ static double *random_vec(Rng *r, size_t n) {
     return x;
 }
 
-static double norm(const double *x, size_t n) { return sqrt(attn_ref_dot(x, x, (int)n)); }
+static double norm(const double *x, size_t n) { return sqrt(ref_dot(x, x, (int)n)); }
 
 // ||a - b|| / max(||b||, floor), checked against tol and returned for the printed table. For gradients that are
 // exactly zero in exact arithmetic (dq, dk when every query sees only itself: w = 1 or T = 1) the floor is the size of
@@ -317,7 +317,7 @@ static void test_gate(AttnDtype dt) {
     double *r_og = (double *)sdm_malloc(n * sizeof(double)), *r_do = (double *)sdm_malloc(n * sizeof(double));
     double *r_dz = (double *)sdm_malloc(n * sizeof(double));
     for (size_t i = 0; i < n; i++) {
-        double s = attn_ref_sigmoid(z[i]);
+        double s = ref_sigmoid(z[i]);
         r_og[i] = s * o[i];
         r_do[i] = s * dog[i];
         r_dz[i] = dog[i] * o[i] * s * (1.0 - s);

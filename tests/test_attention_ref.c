@@ -44,7 +44,7 @@ static LayerParams layer_params(const AttnDims *a, Rng *r) {
 static double layer_loss(const AttnDims *a, int B, int T, const AttnRefParams *p, const double *x, const double *r,
                          double *y) {
     attn_layer_forward_ref(a, B, T, p, x, y);
-    return attn_ref_dot(y, r, B * T * a->dim);
+    return ref_dot(y, r, B * T * a->dim);
 }
 
 // Central differences of the loss with respect to every entry of v[0..n), which the forward reads through p or x.
@@ -182,7 +182,7 @@ static void check_lse(int window) {
                 double sum = 0.0;
                 for (int s = 0; s < T; s++)
                     if (attn_visible(t, s, window))
-                        sum += exp(attn_ref_dot(c.q + (((size_t)b * T + t) * 2 + j) * 4, c.k + ((size_t)b * T + s) * 4, 4) / 2.0);
+                        sum += exp(ref_dot(c.q + (((size_t)b * T + t) * 2 + j) * 4, c.k + ((size_t)b * T + s) * 4, 4) / 2.0);
                 worst = fmax(worst, fabs(log(sum) - c.lse[((size_t)b * 2 + j) * T + t]));
             }
     CHECK(worst < 1e-13, "lse, window %d: max abs error %.3e", window, worst);
@@ -201,8 +201,8 @@ static void check_rope(void) {
     attn_rope_ref(x, 1, T, n, dh, 10000.0, 1);
     double norm_err = 0.0;
     for (int r = 0; r < T * n; r++)
-        norm_err = fmax(norm_err, fabs(sqrt(attn_ref_dot(x + r * dh, x + r * dh, dh)) -
-                                       sqrt(attn_ref_dot(x0 + r * dh, x0 + r * dh, dh))));
+        norm_err = fmax(norm_err, fabs(sqrt(ref_dot(x + r * dh, x + r * dh, dh)) -
+                                       sqrt(ref_dot(x0 + r * dh, x0 + r * dh, dh))));
     CHECK(norm_err < 1e-12, "rope changes a norm by %.3e", norm_err);
     attn_rope_ref(x, 1, T, n, dh, 10000.0, -1);
     check_close("rope backward(forward(x)) = x", x, x0, (size_t)T * n * dh, 1e-14);
