@@ -91,8 +91,8 @@ static inline void open_data(Run *r) {
 // Initial weights (SDM_SPEC §6.7), the same on every rank.
 static inline void init_params(Run *r) {
     const ModelDesc *m = r->m;
-    float *host = (float *)sdm_calloc((size_t)m->storage, sizeof(float));
-    for (int i = 0; i < m->n_params; i++) model_init_tensor(m, i, (unsigned long long)r->cfg.seed, host + m->params[i].offset);
+    float *host = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);
+    model_init_all(m, (unsigned long long)r->cfg.seed, host, (int)sysconf(_SC_NPROCESSORS_ONLN));
     gpu_model_set_params(&r->g, host);
     free(host);
 }

@@ -7,6 +7,7 @@
 #define SDM_CORE_MODEL_H
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -264,12 +265,16 @@ static inline double model_init_dt_bias(Rng *r) {
     return dt + log(-expm1(-dt));
 }
 
-// Initialise tensor p into out[0..numel) (SDM_SPEC §6.7, §1.4). Each tensor draws from its own stream, derived from
-// the seed and the tensor's index, so the values do not depend on how the work is split.
-static inline void model_init_tensor(const ModelDesc *m, int index, unsigned long long seed, float *out) {
+#define MODEL_INIT_BLOCK 65536 // values drawn from one RNG stream
+
+// Initialise block `block` of tensor `index` (its values [block*MODEL_INIT_BLOCK, ...)) into out, tensor-relative
+// (SDM_SPEC §6.7, §1.4). Each block draws from its own stream, derived from the seed, the tensor's index and the
+// block, so the values do not depend on how the work is split over threads.
+static inline void model_init_block(const ModelDesc *m, int index, unsigned long long seed, long long block, float *out) {
     const ParamSpec *p = &m->params[index];
-    Rng r = rng_make(seed * 1000003ull + (unsigned long long)index);
-    for (long long i = 0; i < p->numel; i++) {
+    Rng r = rng_make((seed * 1000003ull + (unsigned long long)index) * 0x9E3779B97F4A7C15ull + (unsigned long long)block);
+    long long end = SDM_MIN(p->numel, (block + 1) * MODEL_INIT_BLOCK);
+    for (long long i = block * MODEL_INIT_BLOCK; i < end; i++) {
         double v = 0;
         switch (p->init) {
         case INIT_TRUNC_NORMAL: v = rng_trunc_normal(&r, p->std, p->bound); break;
@@ -280,6 +285,39 @@ static inline void model_init_tensor(const ModelDesc *m, int index, unsigned lon
         }
         out[i] = (float)v;
     }
+}
+
+static inline long long model_init_blocks(const ParamSpec *p) { return (p->numel + MODEL_INIT_BLOCK - 1) / MODEL_INIT_BLOCK; }
+
+static inline void model_init_tensor(const ModelDesc *m, int index, unsigned long long seed, float *out) {
+    for (long long b = 0; b < model_init_blocks(&m->params[index]); b++) model_init_block(m, index, seed, b, out);
+}
+
+typedef struct { const ModelDesc *m; unsigned long long seed; float *storage; int thread, threads; } ModelInitJob;
+
+// Thread `thread` of `threads` takes every threads-th (tensor, block) pair.
+static inline void *model_init_worker(void *arg) {
+    const ModelInitJob *j = (const ModelInitJob *)arg;
+    long long job = 0;
+    for (int i = 0; i < j->m->n_params; i++)
+        for (long long b = 0; b < model_init_blocks(&j->m->params[i]); b++, job++)
+            if (job % j->threads == j->thread) model_init_block(j->m, i, j->seed, b, j->storage + j->m->params[i].offset);
+    return NULL;
+}
+
+// Every tensor of the flat storage [m->storage] (alignment gaps zero), on `threads` threads (the 2B parameters of
+// the flagship take about a minute on one core).
+static inline void model_init_all(const ModelDesc *m, unsigned long long seed, float *storage, int threads) {
+    memset(storage, 0, sizeof(float) * (size_t)m->storage);
+    threads = SDM_MAX(1, SDM_MIN(threads, 64));
+    pthread_t tid[64];
+    ModelInitJob jobs[64];
+    for (int t = 0; t < threads; t++) {
+        ModelInitJob j = {m, seed, storage, t, threads};
+        jobs[t] = j;
+        if (pthread_create(&tid[t], NULL, model_init_worker, &jobs[t]) != 0) sdm_die("cannot start an init thread");
+    }
+    for (int t = 0; t < threads; t++) pthread_join(tid[t], NULL);
 }
 
 static inline void model_print_summary(const ModelDesc *m, const Config *c, FILE *fp) {

@@ -191,11 +191,31 @@ static void test_init(void) {
     }
 }
 
+// The threaded init of the whole storage equals tensor-by-tensor init, bit for bit, for any thread count.
+static void test_init_threads(void) {
+    char err[CFG_ERR];
+    char *argv[] = {(char *)"test", (char *)"-c", (char *)"configs/debug_hybrid.cfg", (char *)"model.n_layers=2",
+                    (char *)"model.attn_at=1", (char *)"model.swa_at=", (char *)"model.sdm_at=0"};
+    Config c;
+    CHECK(cfg_from_args(&c, 7, argv, err), "load: %s", err);
+    model_build(&g_model, &c);
+    size_t n = (size_t)g_model.storage;
+    float *one = (float *)sdm_calloc(n, sizeof(float)), *many = (float *)sdm_malloc(sizeof(float) * n);
+    for (int i = 0; i < g_model.n_params; i++) model_init_tensor(&g_model, i, 5, one + g_model.params[i].offset);
+    for (int threads = 1; threads <= 3; threads += 2) {
+        model_init_all(&g_model, 5, many, threads);
+        CHECK(memcmp(one, many, sizeof(float) * n) == 0, "init on %d threads differs from tensor-by-tensor", threads);
+    }
+    free(one);
+    free(many);
+}
+
 int main(void) {
     test_shipped_configs();
     test_dump_round_trip();
     test_errors();
     test_sdm_description();
     test_init();
+    test_init_threads();
     return test_summary();
 }
