@@ -255,6 +255,9 @@ int main(int argc, char **argv) {
         if (fp) { cfg_dump(c, fp); fclose(fp); }
         model_print_summary(r.m, c, stdout);
     }
+    char unimplemented[512];
+    cfg_unimplemented(c, unimplemented, sizeof unimplemented);
+    if (unimplemented[0]) say(&r, "note: accepted but not implemented yet (no effect on results): %s\n", unimplemented);
     say(&r, "ranks %d | micro-batch %d x %d tokens | %s | est. memory per GPU %.1f GiB\n", r.dist.world,
         c->batch_size, c->seq_len, c->model_dtype, model_train_memory_bytes(r.m, c, r.dist.world) / (1 << 30));
 

@@ -98,8 +98,8 @@ static const CfgField CFG_FIELDS[] = {
      "compute dtype of weights and activations (fp32: exact comparison mode)"},
     {"distributed.fsdp_type", CFG_CHOICE, CFG_OFF(fsdp_type), "full_shard", CFG_ANY, "full_shard|no_shard",
      "full_shard: optimizer state sharded over ranks (ZeRO-1); no_shard: replicated"},
-    {"distributed.matmul_allow_tf32", CFG_BOOL, CFG_OFF(matmul_allow_tf32), "false", CFG_ANY, NULL,
-     "allow TF32 in fp32 matmuls"},
+    {"distributed.matmul_allow_tf32", CFG_BOOL, CFG_OFF(matmul_allow_tf32), "false", 0, 0, NULL,
+     "allow TF32 in fp32 matmuls (refused: sdm.c never uses TF32)"},
     {"distributed.selective_act_ckpt", CFG_BOOL, CFG_OFF(selective_act_ckpt), "false", CFG_ANY, NULL,
      "recompute cheap activations in the backward (memory knob, same results)"},
     {"distributed.compile", CFG_BOOL, CFG_OFF(compile), "false", CFG_ANY, NULL,
@@ -253,11 +253,16 @@ static inline int cfg_set(Config *c, const CfgField *f, const char *value, char 
         if (!cfg_in_range(f, d)) { snprintf(err, CFG_ERR, "%g is out of range [%g, %g]", d, f->lo, f->hi); return 0; }
         *(double *)base = d;
         return 1;
-    case CFG_BOOL:
-        if (!strcmp(value, "true") || !strcmp(value, "1")) *(int *)base = 1;
-        else if (!strcmp(value, "false") || !strcmp(value, "0")) *(int *)base = 0;
-        else { snprintf(err, CFG_ERR, "'%s' is not a boolean (true/false)", value); return 0; }
+    case CFG_BOOL: {
+        int b = !strcmp(value, "true") || !strcmp(value, "1");
+        if (!b && strcmp(value, "false") && strcmp(value, "0")) {
+            snprintf(err, CFG_ERR, "'%s' is not a boolean (true/false)", value);
+            return 0;
+        }
+        if (!cfg_in_range(f, b)) { snprintf(err, CFG_ERR, "%s is not supported (%s)", value, f->help); return 0; }
+        *(int *)base = b;
         return 1;
+    }
     case CFG_STRING:
         if (strlen(value) >= CFG_STR) { snprintf(err, CFG_ERR, "value longer than %d characters", CFG_STR - 1); return 0; }
         strcpy(base, value);
@@ -527,6 +532,14 @@ static inline void cfg_print_help(FILE *fp) {
         else if (f->lo <= f->hi) fprintf(fp, "; range %g..%g", f->lo, f->hi);
         fprintf(fp, ")\n");
     }
+}
+
+// Speed and memory knobs of the reference that sdm.c accepts (so its configs load unchanged) but does not implement
+// yet; none of them changes results. Writes their names, comma separated, into out (empty when none is set).
+static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
+    snprintf(out, size, "%s%s%s%s", c->compile ? "distributed.compile " : "",
+             c->selective_act_ckpt ? "distributed.selective_act_ckpt " : "", c->cuda_graph ? "sdm.cuda_graph " : "",
+             strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (optimizer state is sharded) ");
 }
 
 // Parse command-line arguments: `-c file.cfg` (loaded first), then `key=value` overrides in order.

@@ -122,6 +122,7 @@ static void test_errors(void) {
     expect_error(SMALL "model.sdm_at = all\nsdm.num_heads = 3\n", "3 does not divide model.dim 64");
     expect_error(SMALL "model.attn_at = all\nmodel.n_kv_heads = 3\n", "3 does not divide n_heads 4");
     expect_error(SMALL "model.attn_at = all\ndistributed.tp_size = 2\n", "out of range");
+    expect_error(SMALL "model.attn_at = all\ndistributed.matmul_allow_tf32 = true\n", "true is not supported");
     // command-line errors name the argument
     char err[CFG_ERR] = "";
     Config c;
