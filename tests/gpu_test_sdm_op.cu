@@ -273,6 +273,41 @@ static int bitwise_equal(const Case *c, const Result *x, const Result *y) {
            !memcmp(x->drho, y->drho, tok * c->R * 8) && !memcmp(x->dbank_init, y->dbank_init, bank_elems(c) * 8);
 }
 
+// FNV-1a over every output and gradient of a run: equal digests mean bitwise-equal results.
+static unsigned long long result_digest(const Case *c, const Result *r) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    const double *parts[] = {r->out, r->bank_final, r->dkappa, r->dgamma, r->dbeta, r->dv, r->drho, r->dbank_init};
+    size_t sizes[] = {tok * c->d, bank_elems(c), tok * c->W, tok * c->W, tok, tok * c->d, tok * c->R, bank_elems(c)};
+    unsigned long long h = 0xCBF29CE484222325ull;
+    for (int i = 0; i < 8; i++) {
+        const unsigned char *b = (const unsigned char *)parts[i];
+        for (size_t k = 0; k < sizes[i] * sizeof(double); k++) h = (h ^ b[k]) * 0x100000001B3ull;
+    }
+    return h;
+}
+
+// The digest of a fixed bf16 forward + backward (the case `--digest` runs in a fresh process).
+static unsigned long long fixed_case_digest(void) {
+    Case c = make_case(4242, 2, 300, 2, 128, 16, 16, 16, GAMMA_UNIFORM, 1);
+    double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+    Result r = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb);
+    unsigned long long h = result_digest(&c, &r);
+    free_result(&r); free(rb); free_case(&c);
+    return h;
+}
+
+// The same inputs in this process and in a fresh one (this binary re-run with --digest) give the same bits.
+static void test_fresh_process(const char *self) {
+    unsigned long long here = fixed_case_digest(), there = 0;
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' --digest", self);
+    FILE *p = popen(cmd, "r");
+    int got = p && fscanf(p, "%llx", &there) == 1;
+    if (p) pclose(p);
+    CHECK(got && here == there, "a fresh process gives other bits (digest %016llx here, %016llx there)", here, there);
+    printf("  fresh process: digest %016llx here, %016llx there\n", here, there);
+}
+
 // ---- test groups ----------------------------------------------------------------------------------------------
 
 typedef struct {
@@ -455,12 +490,14 @@ static void test_refusals(void) {
     CHECK(sdm_op_check(&s) != NULL, "bf16 snapshots over a bf16 bank accepted");
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--digest")) { printf("%016llx\n", fixed_case_digest()); return 0; }
     test_refusals();
     test_against_oracle();
     test_chunk_invariance_and_determinism();
     test_snapshot_modes();
     test_decode(1);
     test_decode(0);
+    test_fresh_process(argv[0]);
     return test_summary();
 }
