@@ -782,7 +782,8 @@ static inline const char *sdm_layer_check(const SdmDims *s) {
     return NULL;
 }
 
-static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32, int timing) {
+// Shape, column layout and top-k plans of a layer for B sequences of T tokens (no device buffers yet).
+static inline SdmLayer layer_setup(const SdmDims *s, int B, int T, int fp32, int training) {
     const char *why = sdm_layer_check(s);
     if (why) sdm_die("SDM layer: %s", why);
     SdmLayer L;
@@ -790,36 +791,56 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
     L.s = *s;
     L.B = B; L.T = T; L.fp32 = fp32;
     L.ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
-    int D = s->dim, H = s->heads, HK = H * s->key_dim, W = s->writes, R = s->reads, d = s->head_dim;
-    L.op.B = B; L.op.T = T; L.op.H = H; L.op.N = s->slots; L.op.d = d; L.op.W = W; L.op.R = R; L.op.C = s->chunk;
-    L.op.bank_fp32 = s->bank_fp32; L.op.snapshot = s->snapshot; L.op.training = 1;
+    int D = s->dim, H = s->heads, HK = H * s->key_dim;
+    L.op.B = B; L.op.T = T; L.op.H = H; L.op.N = s->slots; L.op.d = s->head_dim; L.op.W = s->writes;
+    L.op.R = s->reads; L.op.C = s->chunk; L.op.bank_fp32 = s->bank_fp32; L.op.snapshot = s->snapshot;
+    L.op.training = training;
     if ((why = sdm_op_check(&L.op))) sdm_die("SDM layer: memory op: %s", why);
-    L.tw = topk_plan_make(s, W);
-    L.tr = topk_plan_make(s, R);
+    L.tw = topk_plan_make(s, s->writes);
+    L.tr = topk_plan_make(s, s->reads);
     L.col_zk = 0; L.col_zq = HK; L.col_v = 2 * HK; L.col_a = 2 * HK + D; L.col_c = L.col_a + H;
     L.col_g = L.col_c + H;
     L.n_in = L.col_g + (s->output_gate ? D : 0);
     L.ldz = (L.n_in + 7) & ~7;
-    size_t BT = (size_t)B * T, P = BT * H, cs = fp32 ? 4 : 2;
-    size_t bank_elems = (size_t)B * H * s->slots * d;
-    L.b_packed = layer_alloc(&L, (size_t)L.n_in * cs);
-    L.z = layer_alloc(&L, BT * L.ldz * cs);
-    L.v = (float *)layer_alloc(&L, BT * D * 4);
-    L.g = (float *)layer_alloc(&L, P * 4);
-    L.beta = (float *)layer_alloc(&L, P * 4);
-    L.wslot = (int *)layer_alloc(&L, P * W * 4);
-    L.kappa = (float *)layer_alloc(&L, P * W * 4);
-    L.gamma = (float *)layer_alloc(&L, P * W * 4);
-    L.rslot = (int *)layer_alloc(&L, P * R * 4);
-    L.rho = (float *)layer_alloc(&L, P * R * 4);
-    L.bank = layer_alloc(&L, bank_elems * (s->bank_fp32 ? 4 : 2));
-    L.o = (float *)layer_alloc(&L, BT * D * 4);
+    return L;
+}
+
+// The per-token buffers of the forward for L->B * L->T tokens (all but the bank and the op's saved state).
+static inline void layer_alloc_forward(SdmLayer *L) {
+    const SdmDims *s = &L->s;
+    size_t BT = (size_t)L->B * L->T, P = BT * s->heads, D = s->dim, W = s->writes, R = s->reads;
+    size_t cs = L->fp32 ? 4 : 2;
+    L->b_packed = layer_alloc(L, (size_t)L->n_in * cs);
+    L->z = layer_alloc(L, BT * L->ldz * cs);
+    L->v = (float *)layer_alloc(L, BT * D * 4);
+    L->g = (float *)layer_alloc(L, P * 4);
+    L->beta = (float *)layer_alloc(L, P * 4);
+    L->wslot = (int *)layer_alloc(L, P * W * 4);
+    L->kappa = (float *)layer_alloc(L, P * W * 4);
+    L->gamma = (float *)layer_alloc(L, P * W * 4);
+    L->rslot = (int *)layer_alloc(L, P * R * 4);
+    L->rho = (float *)layer_alloc(L, P * R * 4);
+    L->o = (float *)layer_alloc(L, BT * D * 4);
     if (s->normalize_readings) {
-        L.ln_mean = (float *)layer_alloc(&L, P * 4);
-        L.ln_rstd = (float *)layer_alloc(&L, P * 4);
-        L.ln_partials = (float *)layer_alloc(&L, 2 * (size_t)readout_warps((int)P) * d * 4);
+        L->ln_mean = (float *)layer_alloc(L, P * 4);
+        L->ln_rstd = (float *)layer_alloc(L, P * 4);
     }
-    L.r = layer_alloc(&L, BT * D * cs);
+    L->r = layer_alloc(L, BT * D * cs);
+}
+
+// Bytes of one sequence's bank [H, N, d] in the bank dtype.
+static inline size_t sdm_bank_bytes(const SdmDims *s) {
+    return (size_t)s->heads * s->slots * s->head_dim * (s->bank_fp32 ? 4 : 2);
+}
+
+static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32, int timing) {
+    SdmLayer L = layer_setup(s, B, T, fp32, 1);
+    layer_alloc_forward(&L);
+    int W = s->writes, R = s->reads, d = s->head_dim;
+    size_t BT = (size_t)B * T, P = BT * s->heads, D = s->dim;
+    size_t bank_elems = (size_t)B * s->heads * s->slots * d;
+    L.bank = layer_alloc(&L, B * sdm_bank_bytes(s));
+    if (s->normalize_readings) L.ln_partials = (float *)layer_alloc(&L, 2 * (size_t)readout_warps((int)P) * d * 4);
     L.saved = layer_alloc(&L, sdm_op_saved_bytes(&L.op));
     L.scratch = layer_alloc(&L, sdm_op_scratch_bytes(&L.op));
     L.dr = (float *)layer_alloc(&L, BT * D * 4);
@@ -829,7 +850,7 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32
     L.dv = (float *)layer_alloc(&L, BT * D * 4);
     L.drho = (float *)layer_alloc(&L, P * R * 4);
     L.dbank = (float *)layer_alloc(&L, bank_elems * 4);
-    L.gate_grad = (float *)layer_alloc(&L, BT * 3 * H * 4);
+    L.gate_grad = (float *)layer_alloc(&L, BT * 3 * s->heads * 4);
     L.timing = timing;
     if (timing)
         for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventCreate(&L.ev[i]));
@@ -879,12 +900,12 @@ static inline ReadoutArgs layer_readout_args(const SdmLayer *L, const SdmLayerPa
     return ra;
 }
 
-// Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.
-static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
+// z = x W_inᵀ + b (the fused projection), then the gates, values and both top-k selections with their weights,
+// for the L->B * L->T tokens of x [B,T,D].
+static inline void layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
     const SdmDims *s = &L->s;
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
     bool f32 = L->fp32 != 0;
-    layer_mark(L, EV_F0, st);
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         layer_bias_block(L, i, &col, &width);
@@ -902,17 +923,30 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
     topk_forward(&L->tr, L->z, f32, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
                  st);
     layer_mark(L, EV_F_TOPK, st);
-    bank_init(L->bank, s->bank_fp32, s->learned_bank ? p->bank0 : NULL, L->fp32, (size_t)H * s->slots * s->head_dim,
-              L->B, st);
+}
+
+// y [B,T,D] = Wo · readout(the op readings L->o) + bo.
+static inline void layer_output(SdmLayer *L, const SdmLayerParams *p, void *y, cudaStream_t st) {
+    ReadoutArgs ra = layer_readout_args(L, p);
+    readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st);
+    layer_mark(L, EV_F_READOUT, st);
+    int BT = L->B * L->T, D = L->s.dim;
+    matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
+    layer_mark(L, EV_F_OUT, st);
+}
+
+// Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.
+static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
+    const SdmDims *s = &L->s;
+    layer_mark(L, EV_F0, st);
+    layer_address(L, p, x, st);
+    bank_init(L->bank, s->bank_fp32, s->learned_bank ? p->bank0 : NULL, L->fp32,
+              (size_t)s->heads * s->slots * s->head_dim, L->B, st);
     layer_mark(L, EV_F_BANK, st);
     SdmOpInputs in = layer_op_inputs(L);
     sdm_op_forward(&L->op, &in, L->bank, L->o, L->saved, st);
     layer_mark(L, EV_F_OP, st);
-    ReadoutArgs ra = layer_readout_args(L, p);
-    readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st);
-    layer_mark(L, EV_F_READOUT, st);
-    matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
-    layer_mark(L, EV_F_OUT, st);
+    layer_output(L, p, y, st);
 }
 
 // Backward after sdm_layer_forward on the same x: dx [B,T,D] (compute dtype) is overwritten, every parameter
@@ -992,6 +1026,80 @@ static inline void sdm_layer_stage_ms(SdmLayer *L, float *ms) {
     ms[3] = t[EV_F_BANK] + t[EV_F_READOUT] + t[EV_B_READOUT] + t[EV_B_SUMS];
     cudaCheck(cudaEventElapsedTime(&ms[4], L->ev[EV_F0], L->ev[EV_F_OUT]));
     cudaCheck(cudaEventElapsedTime(&ms[5], L->ev[EV_B0], L->ev[EV_B_IN]));
+}
+
+// =================================================================================================================
+// Inference (SDM_SPEC §5): each stream's bank persists between calls. A prefill runs one stream's prompt through
+// the op's chunked forward without saves (training = 0) and leaves the final bank as the decode state; a decode
+// step applies the §2 recurrence to one token of every stream in place (sdm_op_decode). Both reuse the training
+// forward's projections, top-k and readout on the first rows of the state's buffers.
+// =================================================================================================================
+
+typedef struct {
+    SdmLayer L;         // forward buffers for up to `rows` tokens (no backward buffers); L.B, L.T: the current call
+    int streams, rows;  // rows = max(max_tokens, streams)
+    void *banks;        // [streams, H, N, d] bank dtype: each stream's memory
+    size_t saved_bytes; // size of L.saved, the prefill op's scratch
+} SdmInferState;
+
+// State for `streams` streams and prompts of up to max_tokens tokens; call sdm_infer_reset before use.
+static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, int fp32) {
+    SdmInferState I;
+    memset(&I, 0, sizeof I);
+    I.streams = streams;
+    I.rows = SDM_MAX(max_tokens, streams);
+    I.L = layer_setup(s, 1, I.rows, fp32, 0);
+    layer_alloc_forward(&I.L);
+    I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
+    I.L.saved = layer_alloc(&I.L, I.saved_bytes);
+    I.banks = layer_alloc(&I.L, (size_t)streams * sdm_bank_bytes(s));
+    return I;
+}
+
+static inline void sdm_infer_destroy(SdmInferState *I) {
+    cudaCheck(cudaFree(I->banks));
+    sdm_layer_destroy(&I->L);
+    memset(I, 0, sizeof *I);
+}
+
+static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
+    return (char *)I->banks + (size_t)b * sdm_bank_bytes(&I->L.s);
+}
+
+// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (§10.6).
+static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
+    const SdmDims *s = &I->L.s;
+    bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), s->bank_fp32, s->learned_bank ? p->bank0 : NULL, I->L.fp32,
+              (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+}
+
+// The buffers' first B*T rows describe this call.
+static inline void sdm_infer_shape(SdmInferState *I, int B, int T) {
+    if (B * T > I->rows) sdm_die("SDM inference: %d tokens exceed the state's %d rows", B * T, I->rows);
+    I->L.B = I->L.op.B = B;
+    I->L.T = I->L.op.T = T;
+}
+
+// Prefill of stream b: y [T, D] = the layer of its prompt's x [T, D] (compute dtype), continuing from the stream's
+// bank (a fresh copy of M0 after sdm_infer_reset) and leaving it after the last token.
+static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, int b, const void *x, void *y, int T,
+                                     cudaStream_t st) {
+    sdm_infer_shape(I, 1, T);
+    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes) sdm_die("SDM inference: prefill scratch too small for T = %d", T);
+    layer_address(&I->L, p, x, st);
+    SdmOpInputs in = layer_op_inputs(&I->L);
+    sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);
+    layer_output(&I->L, p, y, st);
+}
+
+// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D].
+static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y,
+                                    cudaStream_t st) {
+    sdm_infer_shape(I, I->streams, 1);
+    layer_address(&I->L, p, x, st);
+    SdmOpInputs in = layer_op_inputs(&I->L);
+    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
+    layer_output(&I->L, p, y, st);
 }
 
 #endif
