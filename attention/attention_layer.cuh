@@ -66,22 +66,36 @@ static inline void attn_layer_destroy(AttnLayer *L) {
     memset(L, 0, sizeof *L);
 }
 
+// q [n, n_h*d_h], k, v [n, n_kv*d_h] = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of x [n, D] (before RoPE).
+static inline void attn_layer_qkv(const AttnDims *a, cudaDataType_t ct, const AttnLayerParams *p, const void *x, int n,
+                                  void *q, void *k, void *v, cudaStream_t s) {
+    int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
+    matmul_forward(q, ct, nq, x, p->wq, NULL, ct, n, nq, D, s);
+    matmul_forward(k, ct, nk, x, p->wk, NULL, ct, n, nk, D, s);
+    matmul_forward(v, ct, nk, x, p->wv, NULL, ct, n, nk, D, s);
+}
+
+// y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h].
+static inline void attn_layer_out(const AttnDims *a, cudaDataType_t ct, AttnDtype adt, const AttnLayerParams *p,
+                                  const void *x, const void *o, void *z, void *og, int n, void *y, cudaStream_t s) {
+    int D = a->dim, nq = a->n_heads * a->head_dim;
+    const void *mixed = o;
+    if (a->gated) {
+        matmul_forward(z, ct, nq, x, p->wg, NULL, ct, n, nq, D, s);
+        attn_gate_forward(adt, (size_t)n * nq, z, o, og, s);
+        mixed = og;
+    }
+    matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
+}
+
 // y [B*T, D] = the layer of x [B*T, D] (compute dtype); saves what the backward needs.
 static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, const void *x, void *y, cudaStream_t s) {
     const AttnDims *a = &L->a;
-    int n = L->B * L->T, D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
-    matmul_forward(L->q, L->ctype, nq, x, p->wq, NULL, L->ctype, n, nq, D, s);
-    matmul_forward(L->k, L->ctype, nk, x, p->wk, NULL, L->ctype, n, nk, D, s);
-    matmul_forward(L->v, L->ctype, nk, x, p->wv, NULL, L->ctype, n, nk, D, s);
+    int n = L->B * L->T;
+    attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, s);
     attn_rope(&L->rope, a, L->B, L->T, L->adt, L->q, L->k, NULL, 1, s);
     attn_forward(a, L->B, L->T, L->adt, L->q, L->k, L->v, L->o, L->lse, s);
-    const void *mixed = L->o;
-    if (a->gated) {
-        matmul_forward(L->z, L->ctype, nq, x, p->wg, NULL, L->ctype, n, nq, D, s);
-        attn_gate_forward(L->adt, (size_t)n * nq, L->z, L->o, L->og, s);
-        mixed = L->og;
-    }
-    matmul_forward(y, L->ctype, D, mixed, p->wo, NULL, L->ctype, n, D, nq, s);
+    attn_layer_out(a, L->ctype, L->adt, p, x, L->o, L->z, L->og, n, y, s);
 }
 
 // dx [B*T, D] (overwritten) and the weight gradients (+=) from dy, after attn_layer_forward on the same x.
@@ -110,6 +124,104 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
     matmul_backward_input(dx, L->ctype, dq, nq, p->wq, L->ctype, n, nq, D, have_dx, s);
     matmul_backward_input(dx, L->ctype, L->dk, nk, p->wk, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, L->dv, nk, p->wv, L->ctype, n, nk, D, 1, s);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Inference (SDM_SPEC §5.1): per stream a KV cache [C, n_kv, d_h] of K after RoPE and V, where position s lives in
+// slot s % C: a ring buffer of C = window entries for SWA, or a full cache of C = max_tokens for full attention. A
+// prefill runs one stream's prompt (positions 0..T-1) through the training kernels and stores its last C keys and
+// values; a decode step appends one token per stream at its position and attends over the cache.
+
+typedef struct {
+    AttnDims a;
+    int streams, rows, C; // rows = max(max_tokens, streams): the scratch buffers' token capacity
+    cudaDataType_t ctype;
+    AttnDtype adt;
+    AttnRope rope;
+    void *q, *k, *v, *o, *z, *og; // [rows, ...] scratch of one call
+    void *k_cache, *v_cache;      // [streams, C, n_kv, d_h]
+} AttnInferState;
+
+static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, int max_tokens, cudaDataType_t ctype) {
+    attn_check_dims(a);
+    AttnInferState I;
+    memset(&I, 0, sizeof I);
+    I.a = *a;
+    I.streams = streams;
+    I.rows = max_tokens > streams ? max_tokens : streams;
+    I.C = a->window > 0 ? a->window : max_tokens;
+    I.ctype = ctype;
+    I.adt = ctype == CUDA_R_32F ? ATTN_FP32 : ATTN_BF16;
+    I.rope = attn_rope_create(a->head_dim, a->rope_theta);
+    size_t es = dtype_size(ctype), qb = (size_t)I.rows * a->n_heads * a->head_dim * es;
+    size_t kb = (size_t)I.rows * a->n_kv_heads * a->head_dim * es;
+    I.q = attn_layer_alloc(qb);
+    I.k = attn_layer_alloc(kb);
+    I.v = attn_layer_alloc(kb);
+    I.o = attn_layer_alloc(qb);
+    if (a->gated) {
+        I.z = attn_layer_alloc(qb);
+        I.og = attn_layer_alloc(qb);
+    }
+    size_t cache = (size_t)streams * I.C * a->n_kv_heads * a->head_dim * es;
+    I.k_cache = attn_layer_alloc(cache);
+    I.v_cache = attn_layer_alloc(cache);
+    return I;
+}
+
+static inline void attn_infer_destroy(AttnInferState *I) {
+    void *bufs[] = {I->q, I->k, I->v, I->o, I->z, I->og, I->k_cache, I->v_cache};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    attn_rope_destroy(&I->rope);
+    memset(I, 0, sizeof *I);
+}
+
+// Rows t in [T - n, T) of k, v [T, row] go to slots t % C of one stream's caches [C, row], n = min(T, C).
+template <typename T>
+__global__ void attn_cache_fill_kernel(const T *k, const T *v, T *kc, T *vc, int T_, int C, size_t row) {
+    int n = T_ < C ? T_ : C;
+    size_t total = (size_t)n * row;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = (size_t)(T_ - n) + i / row, dst = (t % C) * row + i % row;
+        kc[dst] = k[t * row + i % row];
+        vc[dst] = v[t * row + i % row];
+    }
+}
+
+// Prefill of stream b: y [T, D] = the layer of its prompt x [T, D] at positions 0..T-1; fills its caches.
+static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *p, int b, const void *x, void *y,
+                                      int T, cudaStream_t s) {
+    const AttnDims *a = &I->a;
+    if (T > I->rows) sdm_die("attention inference: a prompt of %d tokens exceeds the state's %d", T, I->rows);
+    if (a->window == 0 && T > I->C) sdm_die("attention inference: %d tokens exceed the KV cache of %d", T, I->C);
+    attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, s);
+    attn_rope(&I->rope, a, 1, T, I->adt, I->q, I->k, NULL, 1, s);
+    attn_forward(a, 1, T, I->adt, I->q, I->k, I->v, I->o, NULL, s);
+    attn_layer_out(a, I->ctype, I->adt, p, x, I->o, I->z, I->og, T, y, s);
+    size_t row = (size_t)a->n_kv_heads * a->head_dim, off = (size_t)b * I->C * row;
+    if (I->adt == ATTN_BF16)
+        attn_cache_fill_kernel<bf16><<<256, 256, 0, s>>>((const bf16 *)I->k, (const bf16 *)I->v,
+                                                         (bf16 *)I->k_cache + off, (bf16 *)I->v_cache + off, T, I->C,
+                                                         row);
+    else
+        attn_cache_fill_kernel<float><<<256, 256, 0, s>>>((const float *)I->k, (const float *)I->v,
+                                                          (float *)I->k_cache + off, (float *)I->v_cache + off, T,
+                                                          I->C, row);
+    attn_cuda_check(cudaGetLastError(), "kv cache fill");
+}
+
+// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D] at position
+// pos[b] (device), attending over positions 0..pos[b] (len[b] = pos[b] + 1, device). Full attention needs
+// pos[b] < C (the caller checks).
+static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
+                                     const int *pos, const int *len, cudaStream_t s) {
+    const AttnDims *a = &I->a;
+    int B = I->streams;
+    attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
+    attn_rope(&I->rope, a, B, 1, I->adt, I->q, I->k, pos, 1, s);
+    attn_kv_cache_append(a, B, I->adt, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
+    attn_decode(a, B, I->adt, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
+    attn_layer_out(a, I->ctype, I->adt, p, x, I->o, I->z, I->og, B, y, s);
 }
 
 #endif
