@@ -7,6 +7,7 @@
 #define SDM_CORE_GPU_MODEL_CUH
 
 #include "attention/attention_layer.cuh"
+#include "core/adamw.cuh"
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
@@ -268,6 +269,15 @@ static inline void mixer_backward(GpuModel *g, int l, const void *x, const void 
 
 static inline const char *gm_head_name(const GpuModel *g) { return g->m->tied ? "tok_emb" : "lm_head"; }
 
+// SwiGLU FFN of layer l on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
+// are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
+static inline void ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
+    int D = g->D, F = g->F;
+    matmul_forward(ab, g->ctype, 2 * F, x, gm_weight(g, l, "ffn.w1"), NULL, g->ctype, n, 2 * F, D, 0);
+    swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+    matmul_forward(y, g->ctype, D, hf, gm_weight(g, l, "ffn.w2"), NULL, g->ctype, n, D, F, 0);
+}
+
 // Forward over tokens/targets (host int32 [n]). Leaves the mean loss in g->loss; with dscale != 0 the logits are
 // overwritten by dscale * d(sum of losses)/d(logits), ready for gpu_model_backward.
 static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *targets, float dscale) {
@@ -284,10 +294,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
         mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, gm_weight(g, l, "ffn_norm"),
                                  g->ctype, n, D, eps, 0);
-        // SwiGLU FFN: one GEMM for W1|W3 (adjacent in the parameter table), then W2
-        matmul_forward(ab, g->ctype, 2 * F, xffn, gm_weight(g, l, "ffn.w1"), NULL, g->ctype, n, 2 * F, D, 0);
-        swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
-        matmul_forward(g->branch, g->ctype, D, hf, gm_weight(g, l, "ffn.w2"), NULL, g->ctype, n, D, F, 0);
+        ffn_forward(g, l, xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -344,5 +351,150 @@ static inline float gpu_model_loss(const GpuModel *g) {
     return loss;
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// Inference (SDM_SPEC §5): generation state of `streams` independent streams over a model's weights. Each stream
+// has its own SDM banks, KV caches and position; a stream starts fresh (gpu_infer_reset: banks = M0, position 0),
+// takes its prompt in one prefill, then one token per decode step (every stream steps together). The generator
+// uses one stream (§5.3: SDM models generate one prompt at a time).
+
+typedef struct {
+    const GpuModel *g;             // the weights (g->work) and the model's dimensions
+    int streams, max_tokens, rows; // rows = max(max_tokens, streams): scratch capacity in tokens
+    int full_attention;            // some layer is full attention: a stream holds at most max_tokens positions
+    SdmInferState *sdm;            // [L], for SDM layers
+    AttnInferState *attn;          // [L], for attention layers
+    void *h, *x, *branch;          // [rows, D] compute dtype: residual stream, normed input, a block's branch
+    void *ab, *hf;                 // [rows, 2F], [rows, F] FFN intermediates
+    float *rstd;                   // [rows] (written by the norms, unused)
+    float *logits;                 // [streams, Vp] fp32 on the device
+    float *logits_host;            // [streams, Vp]
+    int *tokens;                   // device [rows]
+    int *pos_len;                  // device [2, streams]: the new token's position per stream, then pos + 1
+    int *pos;                      // host [streams]: positions processed so far
+} GpuInferState;
+
+static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int streams, int max_tokens) {
+    memset(I, 0, sizeof *I);
+    I->g = g;
+    I->streams = streams;
+    I->max_tokens = max_tokens;
+    I->rows = SDM_MAX(max_tokens, streams);
+    size_t rows = (size_t)I->rows, D = (size_t)g->D, F = (size_t)g->F;
+    I->sdm = (SdmInferState *)sdm_calloc(g->L, sizeof(SdmInferState));
+    I->attn = (AttnInferState *)sdm_calloc(g->L, sizeof(AttnInferState));
+    for (int l = 0; l < g->L; l++) {
+        if (g->m->kind[l] == LAYER_SDM) {
+            I->sdm[l] = sdm_infer_create(&g->m->sdm, streams, max_tokens, g->ctype == CUDA_R_32F);
+        } else {
+            I->attn[l] = attn_infer_create(&g->m->attn[l], streams, max_tokens, g->ctype);
+            if (g->m->attn[l].window == 0) I->full_attention = 1;
+        }
+    }
+    I->h = gpu_alloc(rows * D * g->es);
+    I->x = gpu_alloc(rows * D * g->es);
+    I->branch = gpu_alloc(rows * D * g->es);
+    I->ab = gpu_alloc(rows * 2 * F * g->es);
+    I->hf = gpu_alloc(rows * F * g->es);
+    I->rstd = (float *)gpu_alloc(rows * 4);
+    I->logits = (float *)gpu_alloc((size_t)streams * g->Vp * 4);
+    I->logits_host = (float *)sdm_malloc((size_t)streams * g->Vp * 4);
+    I->tokens = (int *)gpu_alloc(rows * 4);
+    I->pos_len = (int *)gpu_alloc((size_t)2 * streams * 4);
+    I->pos = (int *)sdm_calloc((size_t)streams, sizeof(int));
+}
+
+static inline void gpu_infer_destroy(GpuInferState *I) {
+    for (int l = 0; l < I->g->L; l++) {
+        if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_destroy(&I->sdm[l]);
+        else attn_infer_destroy(&I->attn[l]);
+    }
+    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->tokens, I->pos_len};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    free(I->sdm);
+    free(I->attn);
+    free(I->logits_host);
+    free(I->pos);
+    memset(I, 0, sizeof *I);
+}
+
+// Stream b (b < 0: every stream) starts afresh: its SDM banks become copies of M0 (or zeros), its position 0.
+static inline void gpu_infer_reset(GpuInferState *I, int b) {
+    for (int l = 0; l < I->g->L; l++)
+        if (I->g->m->kind[l] == LAYER_SDM) {
+            SdmLayerParams p = gm_sdm_params(I->g, l);
+            sdm_infer_reset(&I->sdm[l], &p, b, 0);
+        }
+    for (int i = 0; i < I->streams; i++)
+        if (b < 0 || i == b) I->pos[i] = 0;
+}
+
+// Mixer of layer l on the n rows of I->x into I->branch: a prefill of stream b (b >= 0), or a decode step.
+static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n) {
+    const GpuModel *g = I->g;
+    if (g->m->kind[l] == LAYER_SDM) {
+        SdmLayerParams p = gm_sdm_params(g, l);
+        if (b >= 0) sdm_infer_prefill(&I->sdm[l], &p, b, I->x, I->branch, n, 0);
+        else sdm_infer_decode(&I->sdm[l], &p, I->x, I->branch, 0);
+    } else {
+        AttnLayerParams p = gm_attn_params(g, l);
+        if (b >= 0) attn_infer_prefill(&I->attn[l], &p, b, I->x, I->branch, n, 0);
+        else attn_infer_decode(&I->attn[l], &p, I->x, I->branch, I->pos_len, I->pos_len + I->streams, 0);
+    }
+}
+
+// The model on the n tokens in I->tokens (see gpu_infer_mixer for b); returns host fp32 logits [n_out, Vp] of
+// the last n_out rows.
+static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_out) {
+    const GpuModel *g = I->g;
+    int D = g->D;
+    float eps = (float)g->m->norm_eps;
+    embedding_forward(I->h, gm_weight(g, -1, "tok_emb"), I->tokens, g->ctype, n, D, 0);
+    rmsnorm_forward(I->x, I->rstd, I->h, gm_weight(g, 0, "mixer_norm"), g->ctype, n, D, eps, 0);
+    for (int l = 0; l < g->L; l++) {
+        gpu_infer_mixer(I, l, b, n);
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_weight(g, l, "ffn_norm"), g->ctype, n, D,
+                                 eps, 0);
+        ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
+        const void *next_norm = l == g->L - 1 ? gm_weight(g, -1, "norm") : gm_weight(g, l + 1, "mixer_norm");
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, next_norm, g->ctype, n, D, eps, 0);
+    }
+    const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
+    matmul_forward(I->logits, CUDA_R_32F, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
+                   D, 0);
+    cudaCheck(cudaMemcpy(I->logits_host, I->logits, (size_t)n_out * g->Vp * 4, cudaMemcpyDeviceToHost));
+    return I->logits_host;
+}
+
+// Prefill of stream b (fresh: after gpu_infer_reset) with its prompt tokens[T] (host): returns the logits [V]
+// (host fp32, valid until the next call) of the token after the prompt.
+static inline const float *gpu_infer_prefill(GpuInferState *I, int b, const int *tokens, int T) {
+    if (b < 0 || b >= I->streams) sdm_die("gpu_infer_prefill: stream %d of %d", b, I->streams);
+    if (I->pos[b] != 0) sdm_die("gpu_infer_prefill: stream %d is not fresh (call gpu_infer_reset first)", b);
+    if (T < 1 || T > I->max_tokens) sdm_die("gpu_infer_prefill: a prompt of %d tokens (1..%d)", T, I->max_tokens);
+    cudaCheck(cudaMemcpy(I->tokens, tokens, sizeof(int) * T, cudaMemcpyHostToDevice));
+    const float *logits = gpu_infer_run(I, b, T, 1);
+    I->pos[b] = T;
+    return logits;
+}
+
+// Decode step: one new token per stream, tokens[streams] (host); returns the logits [streams, Vp] (host fp32,
+// row stride g->Vp, valid until the next call) of the token after each.
+static inline const float *gpu_infer_decode(GpuInferState *I, const int *tokens) {
+    int S = I->streams;
+    int *pl = (int *)sdm_malloc(sizeof(int) * 2 * S);
+    for (int i = 0; i < S; i++) {
+        if (I->full_attention && I->pos[i] >= I->max_tokens)
+            sdm_die("gpu_infer_decode: stream %d is full (%d positions, the KV cache holds %d)", i, I->pos[i],
+                    I->max_tokens);
+        pl[i] = I->pos[i];
+        pl[S + i] = I->pos[i] + 1;
+    }
+    cudaCheck(cudaMemcpy(I->pos_len, pl, sizeof(int) * 2 * S, cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(I->tokens, tokens, sizeof(int) * S, cudaMemcpyHostToDevice));
+    free(pl);
+    const float *logits = gpu_infer_run(I, -1, S, S);
+    for (int i = 0; i < S; i++) I->pos[i]++;
+    return logits;
+}
 
 #endif
