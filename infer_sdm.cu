@@ -112,8 +112,11 @@ static uint8_t *read_prompt(const Options *o, size_t *n) {
 }
 
 int main(int argc, char **argv) {
-    // 1. options and the checkpoint: its config rebuilds the model description; its parameters are fp32
+    // 1. options, the prompt's bytes, and the checkpoint: its config rebuilds the model description; its
+    //    parameters are fp32
     Options o = parse_args(argc, argv);
+    size_t n_bytes;
+    uint8_t *text = read_prompt(&o, &n_bytes);
     char path[1200], err[CKPT_ERR];
     resolve_checkpoint(o.checkpoint, path, sizeof path);
     Config cfg;
@@ -145,8 +148,6 @@ int main(int argc, char **argv) {
     gpu_infer_create(&st, &g, 1, context);
 
     // 3. the prompt: BOS + bytes, cut from the left to context - max_new tokens
-    size_t n_bytes;
-    uint8_t *text = read_prompt(&o, &n_bytes);
     int *prompt = (int *)sdm_malloc(sizeof(int) * (size_t)context);
     int P = gen_prompt_tokens(text, n_bytes, context - o.max_new, prompt);
     if ((size_t)P < n_bytes + 1) printf("prompt: cut from %zu to its last %d tokens\n", n_bytes + 1, P);
