@@ -22,10 +22,14 @@
 // fp32: the decode applies the §2 recurrence token by token where the teacher-forced op uses the chunked WY form,
 // and the GEMMs run at other shapes: both round differently at the 1e-7 level.
 #define TOL_FP32 1e-5
-// bf16: the decode rounds the bf16 bank after every token, the chunked forward once per chunk, and activations
-// are bf16; held per position and over all positions of a case.
-#define TOL_BF16_POS 1e-1
-#define TOL_BF16_ALL 3e-2
+// bf16: the decode rounds the bf16 bank after every token, the chunked forward once per chunk; activations are
+// bf16, so a GEMM of another shape can move a value by one bf16 ulp (2^-8), and the attention decode keeps the
+// probabilities in fp32 where the tensor-core forward rounds them to bf16. A one-ulp change of a sub-key score
+// can also swap one of the W or R selected slots at a near tie, which moves that position's logits by a few
+// percent. So bf16 is held to 5e-2 over all positions of a case and 2e-1 at any one position: an error in the
+// state (a wrong position, cache slot or bank) gives O(1) errors.
+#define TOL_BF16_POS 2e-1
+#define TOL_BF16_ALL 5e-2
 
 #define T_SEQ 20
 #define SEQ_LEN_CFG 32 // data.seq_len of the model: infer_sdm's context
