@@ -107,34 +107,29 @@ static inline void *gm_at(const GpuModel *g, void *stack, int layer, size_t widt
 
 static const char *const SDM_BIAS_NAMES[SDM_B_COUNT] = {"sdm.bk", "sdm.bq", "sdm.bv", "sdm.ba", "sdm.bb", "sdm.bg"};
 
-// The SDM layer's tensors: the input weights wk..wg are adjacent in the table (one fused GEMM), the biases each
+// The SDM layer's tensors of one layer as S (SdmLayerParams: working weights, or SdmLayerGrads: fp32 gradients),
+// each found by `at(name)`. The input weights wk..wg are adjacent in the table (one fused GEMM); the biases each
 // follow an alignment gap, so they are passed one by one.
+template <typename S, typename At> static inline S gm_sdm_tensors(At at) {
+    S t;
+    t.w_in = at("sdm.wk");
+    for (int i = 0; i < SDM_B_COUNT; i++) t.b_in[i] = at(SDM_BIAS_NAMES[i]);
+    t.A_log = at("sdm.A_log");
+    t.dt_bias = at("sdm.dt_bias");
+    t.ln_w = at("sdm.ln_w");
+    t.ln_b = at("sdm.ln_b");
+    t.w_out = at("sdm.wo");
+    t.b_out = at("sdm.bo");
+    t.bank0 = at("sdm.bank");
+    return t;
+}
+
 static inline SdmLayerParams gm_sdm_params(const GpuModel *g, int l) {
-    SdmLayerParams p;
-    p.w_in = gm_weight(g, l, "sdm.wk");
-    for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = gm_weight(g, l, SDM_BIAS_NAMES[i]);
-    p.A_log = gm_weight(g, l, "sdm.A_log");
-    p.dt_bias = gm_weight(g, l, "sdm.dt_bias");
-    p.ln_w = gm_weight(g, l, "sdm.ln_w");
-    p.ln_b = gm_weight(g, l, "sdm.ln_b");
-    p.w_out = gm_weight(g, l, "sdm.wo");
-    p.b_out = gm_weight(g, l, "sdm.bo");
-    p.bank0 = gm_weight(g, l, "sdm.bank");
-    return p;
+    return gm_sdm_tensors<SdmLayerParams>([&](const char *name) { return (const void *)gm_weight(g, l, name); });
 }
 
 static inline SdmLayerGrads gm_sdm_grads(const GpuModel *g, int l) {
-    SdmLayerGrads d;
-    d.w_in = gm_grad(g, l, "sdm.wk");
-    for (int i = 0; i < SDM_B_COUNT; i++) d.b_in[i] = gm_grad(g, l, SDM_BIAS_NAMES[i]);
-    d.A_log = gm_grad(g, l, "sdm.A_log");
-    d.dt_bias = gm_grad(g, l, "sdm.dt_bias");
-    d.ln_w = gm_grad(g, l, "sdm.ln_w");
-    d.ln_b = gm_grad(g, l, "sdm.ln_b");
-    d.w_out = gm_grad(g, l, "sdm.wo");
-    d.b_out = gm_grad(g, l, "sdm.bo");
-    d.bank0 = gm_grad(g, l, "sdm.bank");
-    return d;
+    return gm_sdm_tensors<SdmLayerGrads>([&](const char *name) { return gm_grad(g, l, name); });
 }
 
 static inline AttnLayerParams gm_attn_params(const GpuModel *g, int l) {
