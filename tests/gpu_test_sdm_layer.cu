@@ -283,6 +283,50 @@ static void compare_grad(const char *what, const float *dev, size_t n, const dou
     free(h);
 }
 
+// Gradients that are sums over the n = B*T tokens of per-token terms t[tok, h]: d ba and d dt_bias (terms da),
+// d bb (dc), d A_log (dg * g). The layer keeps the terms in fp32 (gate_grad [n, 3H]) and sums them in fp32, so the
+// sum adds no error of its own; the terms carry the error of the bf16 forward, checked as a vector at tol
+// (compare_gate_terms). The terms have both signs: when they cancel, |sum| << sum |t| and the error relative to |sum|
+// is the terms' error times sum |t| / |sum|. Measured on the H200 over four seeds in bf16: terms <= 2.7e-3, sums
+// <= 1.2e-3 of sum |t| but up to 5.3e-2 of |sum| at cancellation ratios up to 491 (this made the old check, 1e-2 of
+// |sum|, fail on some seeds). So each head's sum is held to tol * sum_tok |t[tok, h]|: the error model's bound.
+static void compare_token_sum(const char *what, const float *dev, const double *terms, size_t n, int H, double tol) {
+    double *h = hzeros(H);
+    dev_download(h, dev, H, 1);
+    double worst = 0, worst_rel = 0, ratio = 0;
+    for (int hh = 0; hh < H; hh++) {
+        double sum = 0, l1 = 0;
+        for (size_t i = 0; i < n; i++) sum += terms[i * H + hh], l1 += fabs(terms[i * H + hh]);
+        double err = fabs(h[hh] - sum);
+        worst = fmax(worst, l1 > 0 ? err / l1 : err);
+        worst_rel = fmax(worst_rel, err / fmax(fabs(sum), 1e-300));
+        ratio = fmax(ratio, l1 / fmax(fabs(sum), 1e-300));
+    }
+    printf("    %-10s %.2e of sum|t| (%.2e of |sum|, cancellation sum|t|/|sum| up to %.1f)\n", what, worst, worst_rel,
+           ratio);
+    CHECK(worst <= tol, "%s: error %.3e of sum |terms| > tolerance %.1e", what, worst, tol);
+    free(h);
+}
+
+// The per-token gate terms of the GPU (gate_grad columns: da, dc, dg * g) against the reference's.
+static void compare_gate_terms(const SdmLayer *L, const SdmRefTrace *tr, const SdmRefGradTrace *og, size_t n, int H,
+                               double tol, double *dg_g) {
+    double *gg = hzeros(n * 3 * H), *dev = hzeros(n * H);
+    dev_download(gg, L->gate_grad, n * 3 * H, 1);
+    for (size_t i = 0; i < n * H; i++) dg_g[i] = og->dg[i] * tr->g[i];
+    const char *names[3] = {"da (tok)", "dc (tok)", "dg*g (tok)"};
+    const double *ref[3] = {og->da, og->dc, dg_g};
+    for (int k = 0; k < 3; k++) {
+        for (size_t i = 0; i < n; i++)
+            for (int hh = 0; hh < H; hh++) dev[i * H + hh] = gg[i * 3 * H + k * H + hh];
+        double e = rel_error(dev, ref[k], n * H);
+        printf("    %-10s %.2e\n", names[k], e);
+        CHECK(e <= tol, "%s: relative error %.3e > tolerance %.1e", names[k], e, tol);
+    }
+    free(gg);
+    free(dev);
+}
+
 static int count_slot_mismatch(const int *dev, const int *ref, size_t n) {
     int *h = (int *)sdm_malloc(sizeof(int) * n), bad = 0;
     cudaCheck(cudaMemcpy(h, dev, sizeof(int) * n, cudaMemcpyDeviceToHost));
@@ -384,15 +428,21 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
         static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
         size_t woff = 0;
+        double *dg_g = hzeros(P);
+        compare_gate_terms(&L, &tr, &og, (size_t)n, s.heads, tol, dg_g);
         for (int i = 0; i < 6; i++) {
             size_t nw = sdm_ref_param_numel(&s, wi[i]), nb = sdm_ref_param_numel(&s, BIAS_IDS[i]);
             if (!nw) continue;
             compare_grad(sdm_ref_param_name(wi[i]), g.w_in + woff, nw, gw_in + woff, tol);
-            compare_grad(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], nb, gr[BIAS_IDS[i]], tol);
+            if (i == SDM_B_A || i == SDM_B_B)
+                compare_token_sum(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], i == SDM_B_A ? og.da : og.dc, n,
+                                  s.heads, tol);
+            else compare_grad(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], nb, gr[BIAS_IDS[i]], tol);
             woff += nw;
         }
-        compare_grad("A_log", g.A_log, s.heads, gr[SDM_P_A_LOG], tol);
-        compare_grad("dt_bias", g.dt_bias, s.heads, gr[SDM_P_DT_BIAS], tol);
+        compare_token_sum("A_log", g.A_log, dg_g, n, s.heads, tol);
+        compare_token_sum("dt_bias", g.dt_bias, og.da, n, s.heads, tol);
+        free(dg_g);
         if (s.normalize_readings) {
             compare_grad("ln_w", g.ln_w, s.head_dim, gr[SDM_P_LN_W], tol);
             compare_grad("ln_b", g.ln_b, s.head_dim, gr[SDM_P_LN_B], tol);
