@@ -1,4 +1,4 @@
-// infer_sdm.cu: generates text from a checkpoint of a model trained by train_sdm (SDM_SPEC §5.3).
+// infer_sdm.cu: generates text from a checkpoint of a model trained by train_sdm (docs/MODEL.md#generation).
 //
 //   ./infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F] [--max-new N] [--temperature T] [--top-p P]
 //               [--top-k K] [--seed S] [--fp32]

@@ -1,5 +1,5 @@
 // train_sdm.cu: trains a hybrid language model of sliding-window attention, full attention and Sparse Delta Memory
-// layers (SDM_SPEC §6) on one or many GPUs.
+// layers (docs/MODEL.md) on one or many GPUs.
 //
 //   ./train_sdm -c configs/sdm_flagship.cfg [key=value ...]
 //   scripts/launch_local.sh 8 ./train_sdm -c configs/sdm_flagship.cfg      (8 GPUs of one node; see scripts/)
@@ -88,7 +88,7 @@ static inline void open_data(Run *r) {
         sdm_die("%s: the shards' vocabulary (%u) exceeds model.vocab_size %d", train, r->train.vocab, c->vocab_size);
 }
 
-// Initial weights (SDM_SPEC §6.7), the same on every rank.
+// Initial weights (docs/MODEL.md#initialisation), the same on every rank.
 static inline void init_params(Run *r) {
     const ModelDesc *m = r->m;
     float *host = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);

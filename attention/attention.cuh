@@ -1,4 +1,4 @@
-// attention/attention.cuh: causal and sliding-window attention on the GPU (SDM_SPEC §6.3): RoPE, the attention core
+// attention/attention.cuh: causal and sliding-window attention on the GPU (docs/MODEL.md#attention): RoPE, the attention core
 // (flash-style forward with logsumexp, deterministic backward), the sigmoid gate, and decode against a KV cache.
 //
 // Layouts (row-major, last index fastest; what the projection GEMM writes):

@@ -1,4 +1,4 @@
-// attention/attention_ref.h: the double-precision CPU reference of one attention layer (SDM_SPEC §6.3), written to be
+// attention/attention_ref.h: the double-precision CPU reference of one attention layer (docs/MODEL.md#attention), written to be
 // read as the definition. Speed does not matter here; the GPU kernels and the whole-model oracle are checked against it.
 //
 //   q = Wq x [B,T,n_h,d_h];  k = Wk x, v = Wv x [B,T,n_kv,d_h]          (no biases)

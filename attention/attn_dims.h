@@ -1,4 +1,4 @@
-// attention/attn_dims.h: the hyper-parameters of one attention layer (SDM_SPEC §6.3), full or sliding-window.
+// attention/attn_dims.h: the hyper-parameters of one attention layer (docs/MODEL.md#attention), full or sliding-window.
 #ifndef SDM_ATTN_DIMS_H
 #define SDM_ATTN_DIMS_H
 

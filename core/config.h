@@ -31,22 +31,22 @@ typedef struct {
     char name[CFG_STR];
     char run_dir[CFG_STR];
     int steps, seed, probe_freq;
-    // optim (SDM_SPEC §6.8)
+    // optim (docs/MODEL.md#optimizer)
     double lr, lr_min_ratio, clip, weight_decay, beta1, beta2, adam_eps;
     int warmup, grad_acc_steps;
     char scheduler[CFG_STR];
-    // distributed / precision (SDM_SPEC §6.6)
+    // distributed / precision (docs/MODEL.md#precision)
     char model_dtype[CFG_STR];
     char fsdp_type[CFG_STR];
     int matmul_allow_tf32, selective_act_ckpt, compile, tp_size;
-    // model (SDM_SPEC §6)
+    // model (docs/MODEL.md#config-keys)
     int dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, multiple_of, weight_tying;
     double rope_theta, norm_eps, ffn_dim_multiplier, init_base_std;
     char init_std_factor[CFG_STR];
     int attn_gate, full_attn_gate;
     LayerList attn_at, swa_at, sdm_at;
     int swa_window, swa_n_heads, swa_n_kv_heads, swa_head_dim;
-    // sdm (SDM_SPEC §1.1, §10)
+    // sdm (docs/SDM.md#hyper-parameters)
     int sdm_heads, sdm_slots, sdm_writes, sdm_reads, sdm_chunk;
     NumList sdm_factors;
     char write_act[CFG_STR], read_act[CFG_STR];
@@ -54,7 +54,7 @@ typedef struct {
     NumList A_init_range;
     int key_weighted_decay, backprop_on_memory, normalize_readings, output_gate, cuda_graph;
     char snapshot_quant[CFG_STR], bank_dtype[CFG_STR];
-    // data (SDM_SPEC §6.1)
+    // data (docs/MODEL.md#top-level)
     int batch_size, seq_len, n_views;
     char tokenizer[CFG_STR], train_data[CFG_STR], val_data[CFG_STR];
     // checkpoint / eval / logging
@@ -350,7 +350,7 @@ static inline int cfg_load_file(Config *c, const char *path, char *err) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Validation of the whole configuration (cross-field rules of SDM_SPEC §6.3, §6.5, §1.1, §10).
+// Validation of the whole configuration (cross-field rules of docs/MODEL.md#config-keys).
 
 static inline int cfg_layer_in(const LayerList *l, int layer) {
     if (l->all) return 1;

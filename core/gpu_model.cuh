@@ -1,4 +1,4 @@
-// core/gpu_model.cuh: the hybrid model (SDM_SPEC §6) on the GPU, shared by train_sdm and infer_sdm: its flat
+// core/gpu_model.cuh: the hybrid model (docs/MODEL.md) on the GPU, shared by train_sdm and infer_sdm: its flat
 // parameter, gradient and optimizer arrays, the activations the backward needs, and the forward and backward passes
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
 // with the mixers of attention/attention_layer.cuh and sdm/sdm_layer.cuh. Weights live in one flat array in the
@@ -347,10 +347,10 @@ static inline float gpu_model_loss(const GpuModel *g) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Inference (SDM_SPEC §5): generation state of `streams` independent streams over a model's weights. Each stream
+// Inference (docs/MODEL.md#inference): generation state of `streams` independent streams over a model's weights. Each stream
 // has its own SDM banks, KV caches and position; a stream starts fresh (gpu_infer_reset: banks = M0, position 0),
 // takes its prompt in one prefill, then one token per decode step (every stream steps together). The generator
-// uses one stream (§5.3: SDM models generate one prompt at a time).
+// uses one stream (docs/MODEL.md#generation: SDM models generate one prompt at a time).
 
 typedef struct {
     const GpuModel *g;             // the weights (g->work) and the model's dimensions

@@ -1,4 +1,4 @@
-// core/layers.cuh: the pointwise and row-wise kernels of the dense model (SDM_SPEC §6.1, §6.2, §6.4), forward and
+// core/layers.cuh: the pointwise and row-wise kernels of the dense model (docs/MODEL.md), forward and
 // backward, for fp32 or bf16 activations (T, see core/act.cuh); arithmetic in fp32; no floating-point atomics.
 //   token embedding    out[n, D] = E[tokens[i], :]             backward: dE[V, D] += scatter of dout (sorted plan)
 //   RMSNorm (+resid)   h = h_in + branch (optional);  y = h * rstd * w,  rstd[n] saved (fp32)
@@ -174,7 +174,7 @@ static inline void embedding_backward(float *dE, const void *dout, cudaDataType_
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// RMSNorm, with the residual add of the block fused in front (SDM_SPEC §6.2)
+// RMSNorm, with the residual add of the block fused in front (docs/MODEL.md#blocks)
 
 #define RMS_WARPS 8 // rows per block in the forward (one warp per row) and per tile in the backward
 
@@ -304,7 +304,7 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// SwiGLU pointwise part (SDM_SPEC §6.4): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
+// SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
 // row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,4 +1,4 @@
-// core/loss.cuh: the fused LM-head loss (SDM_SPEC §6.1): softmax cross-entropy over logits [n, V] in fp32, with the
+// core/loss.cuh: the fused LM-head loss (docs/MODEL.md#top-level): softmax cross-entropy over logits [n, V] in fp32, with the
 // gradient written over the logits in place, so the step never holds more than the one logits buffer.
 //   losses[i]   = logsumexp(logits[i, :V]) − logits[i, target[i]]
 //   logits[i,v] ← dscale · (softmax(logits[i])[v] − [v == target[i]])      (dscale = 1/n for the mean loss)

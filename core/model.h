@@ -1,5 +1,5 @@
 // core/model.h: the model description shared by every program: layer kinds, per-layer dims, and the ordered
-// parameter table (name, shape, init rule, weight decay) built from a Config (SDM_SPEC §6).
+// parameter table (name, shape, init rule, weight decay) built from a Config (docs/MODEL.md#parameter-table).
 //
 // Parameters live in one flat array in table order. Within a layer, tensors that one GEMM can consume together are
 // adjacent: attention wq, wk, wv (, wg); SDM wk, wq, wv, wa, wb (, wg) then their biases in the same order; FFN w1, w3.
@@ -52,7 +52,7 @@ typedef struct {
     long long storage; // length of the flat parameter array: total plus the alignment gaps (zeros)
 } ModelDesc;
 
-// FFN hidden width of SDM_SPEC §6.4
+// FFN hidden width of docs/MODEL.md#swiglu-ffn
 static inline int model_ffn_hidden(int dim, int multiple_of, double multiplier) {
     long long hidden = 4LL * dim;
     hidden = 2 * hidden / 3;
@@ -60,7 +60,7 @@ static inline int model_ffn_hidden(int dim, int multiple_of, double multiplier) 
     return (int)(multiple_of * ((hidden + multiple_of - 1) / multiple_of));
 }
 
-// depth factor phi_l of SDM_SPEC §6.7
+// depth factor phi_l of docs/MODEL.md#initialisation
 static inline double model_depth_factor(const Config *c, int layer) {
     if (!strcmp(c->init_std_factor, "global_depth")) return sqrt(2.0 * (c->n_layers + 1));
     if (!strcmp(c->init_std_factor, "current_depth")) return sqrt(2.0 * (layer + 1));
@@ -82,7 +82,7 @@ static inline SdmSnapshot model_snapshot(const char *name) {
     return SDM_SNAP_NONE;
 }
 
-// SDM layer dims from the config (SDM_SPEC §1.1, §10.2: unset factors mean two of sqrt N).
+// SDM layer dims from the config (docs/SDM.md#hyper-parameters: unset factors mean two of sqrt N).
 static inline SdmDims model_sdm_dims(const Config *c) {
     SdmDims s;
     memset(&s, 0, sizeof s);
@@ -115,7 +115,7 @@ static inline SdmDims model_sdm_dims(const Config *c) {
     return s;
 }
 
-// Attention head configuration of SDM_SPEC §6.3 for a full (swa = 0) or sliding-window layer.
+// Attention head configuration of docs/MODEL.md#attention for a full (swa = 0) or sliding-window layer.
 static inline AttnDims model_attn_dims(const Config *c, int swa) {
     AttnDims a;
     memset(&a, 0, sizeof a);
@@ -125,7 +125,7 @@ static inline AttnDims model_attn_dims(const Config *c, int swa) {
         a.head_dim = c->head_dim ? c->head_dim : c->dim / c->n_heads;
         a.n_heads = c->n_heads;
         a.n_kv_heads = c->n_kv_heads ? c->n_kv_heads : a.n_heads;
-        a.gated = c->attn_gate || c->full_attn_gate; // SDM_SPEC §10.3
+        a.gated = c->attn_gate || c->full_attn_gate; // docs/MODEL.md#attention
     } else {
         a.n_heads = c->swa_n_heads ? c->swa_n_heads : c->n_heads;
         a.n_kv_heads = c->swa_n_kv_heads ? c->swa_n_kv_heads
@@ -256,7 +256,7 @@ static inline const ParamSpec *model_layer_param(const ModelDesc *m, int l, cons
     return model_find(m, name);
 }
 
-// SDM gate parameters at init (SDM_SPEC §1.4): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the inverse
+// SDM gate parameters at init (docs/MODEL.md#initialisation): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the inverse
 // softplus of dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4), so that softplus(a + dt_bias) starts near dt. One draw each.
 static inline double model_init_A_log(Rng *r, double A_lo, double A_hi) { return log(fmax(rng_range(r, A_lo, A_hi), 1e-4)); }
 
@@ -268,7 +268,7 @@ static inline double model_init_dt_bias(Rng *r) {
 #define MODEL_INIT_BLOCK 65536 // values drawn from one RNG stream
 
 // Initialise block `block` of tensor `index` (its values [block*MODEL_INIT_BLOCK, ...)) into out, tensor-relative
-// (SDM_SPEC §6.7, §1.4). Each block draws from its own stream, derived from the seed, the tensor's index and the
+// (docs/MODEL.md#initialisation). Each block draws from its own stream, derived from the seed, the tensor's index and the
 // block, so the values do not depend on how the work is split over threads.
 static inline void model_init_block(const ModelDesc *m, int index, unsigned long long seed, long long block, float *out) {
     const ParamSpec *p = &m->params[index];

@@ -1,4 +1,4 @@
-// core/model_ref.h: the whole hybrid model (SDM_SPEC §6) in double precision on the CPU: forward to the mean
+// core/model_ref.h: the whole hybrid model (docs/MODEL.md) in double precision on the CPU: forward to the mean
 // cross-entropy and the analytic gradient of every parameter. It is the oracle of the GPU training step.
 //
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
@@ -175,7 +175,7 @@ static inline double model_ref_backward(const ModelDesc *m, double *params, cons
     return loss;
 }
 
-// Initialise a flat double parameter array with the model's init rules (SDM_SPEC §6.7).
+// Initialise a flat double parameter array with the model's init rules (docs/MODEL.md#initialisation).
 static inline void model_ref_init(const ModelDesc *m, unsigned long long seed, double *params) {
     memset(params, 0, sizeof(double) * m->storage); // the alignment gaps
     for (int i = 0; i < m->n_params; i++) {

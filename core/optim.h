@@ -1,4 +1,4 @@
-// core/optim.h: the host side of the optimiser (SDM_SPEC §6.8): the learning-rate schedule, the AdamW coefficients of
+// core/optim.h: the host side of the optimiser (docs/MODEL.md#optimizer): the learning-rate schedule, the AdamW coefficients of
 // one step, the gradient-clipping scale, and a double-precision AdamW step that is the oracle of the GPU kernel.
 // Plain C (also compiled by nvcc); clip_scale is shared with the device code so both use one formula.
 #ifndef SDM_CORE_OPTIM_H
@@ -55,7 +55,7 @@ typedef struct {
     long long t;
 } AdamWHyper;
 
-// The per-step constants of the AdamW update of one tensor (decoupled weight decay, SDM_SPEC §6.8):
+// The per-step constants of the AdamW update of one tensor (decoupled weight decay, docs/MODEL.md#optimizer):
 //   p ← p · decay_mul;  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²;
 //   p ← p − step_size · m / (sqrt(v) · rsqrt_bc2 + eps)
 // with decay_mul = 1 − lr·wd (wd = 0 when the tensor is not decayed), step_size = lr / (1 − β1^t),
@@ -75,7 +75,7 @@ static inline AdamWCoeffs adamw_coeffs(const AdamWHyper *h, int decay) {
     return c;
 }
 
-// The oracle: one AdamW update of n elements in double, written from SDM_SPEC §6.8 (gradient g already scaled).
+// The oracle: one AdamW update of n elements in double, written from docs/MODEL.md#optimizer (gradient g already scaled).
 static inline void ref_adamw_step(double *p, double *m, double *v, const double *g, size_t n, const AdamWHyper *h,
                                   int decay) {
     double bc1 = 1.0 - pow(h->beta1, (double)h->t), bc2 = 1.0 - pow(h->beta2, (double)h->t);

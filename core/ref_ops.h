@@ -1,4 +1,4 @@
-// core/ref_ops.h: double-precision CPU reference of the dense building blocks (SDM_SPEC §6): affine maps, RMSNorm,
+// core/ref_ops.h: double-precision CPU reference of the dense building blocks (docs/MODEL.md): affine maps, RMSNorm,
 // SwiGLU FFN, softmax cross-entropy. Written for clarity: they define what the GPU kernels must compute.
 // Convention: forward functions overwrite their outputs; backward functions ACCUMULATE (+=) into every gradient.
 #ifndef SDM_CORE_REF_OPS_H

@@ -1,4 +1,4 @@
-// core/sampling.h: the next-token choice of the generator (SDM_SPEC §5.3, `sample_tokens`), on the host:
+// core/sampling.h: the next-token choice of the generator (docs/MODEL.md#generation, `sample_tokens`), on the host:
 //   temperature = 0: greedy (the first maximal logit);
 //   otherwise p = softmax(logits / temperature), then
 //     top_p set (0 < top_p):  sort descending (ties: lower token first), zero every token whose preceding cumulative

@@ -51,7 +51,7 @@ static inline int preparer_open(Preparer *pp, const char *dir, uint64_t shard_to
     return 0;
 }
 
-// One valid document (UTF-8 already checked): BOS + bytes + EOS (SDM_SPEC §10.7) into the train or the
+// One valid document (UTF-8 already checked): BOS + bytes + EOS (docs/FORMATS.md#bytes-tokenizer) into the train or the
 // validation stream. Empty documents carry nothing to learn and are left out.
 static inline int preparer_add_document(Preparer *pp, const uint8_t *text, size_t n, char *err) {
     static const int32_t bos = TOK_BOS, eos = TOK_EOS;

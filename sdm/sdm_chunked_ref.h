@@ -1,5 +1,5 @@
-// sdm/sdm_chunked_ref.h: the chunked WY (UT-transform) form of the SDM memory op in double precision (SDM_SPEC §3)
-// and its reverse recursion over chunks (§4.4-§4.4b). Same results as sdm_op_*_ref (sdm_ref.h) up to rounding, for
+// sdm/sdm_chunked_ref.h: the chunked WY (UT-transform) form of the SDM memory op in double precision (docs/SDM.md#chunked-wy-form)
+// and its reverse recursion over chunks (docs/SDM.md#backward). Same results as sdm_op_*_ref (sdm_ref.h) up to rounding, for
 // every chunk length C. It is the blueprint of the GPU kernels, so it is structured the way they are:
 //   Phase 1, per chunk and independent of the bank: per-slot decay scans from zero, Gram matrices A and S by two-
 //            pointer merges of sorted slot lists, L = I + diag(beta) A and its inverse, loop-invariant products;
@@ -9,7 +9,7 @@
 //   backward Phase B, per chunk (batched on the GPU): Gram-matrix backward and per-slot scans into dgamma.
 // Layout as sdm_ref.h: wslot, kappa, gamma [B,T,H,W]; beta [B,T,H]; v, out [B,T,H,d]; rslot, rho [B,T,H,R];
 // bank [B,H,N,d]. Each (b,h) stream is padded to a multiple of C with inert tokens (kappa = rho = beta = gamma = 0,
-// slots 0..W-1 and 0..R-1), never letting a chunk span two streams (§10.8).
+// slots 0..W-1 and 0..R-1), never letting a chunk span two streams (docs/SDM.md#padding).
 #ifndef SDM_SDM_CHUNKED_REF_H
 #define SDM_SDM_CHUNKED_REF_H
 
@@ -23,7 +23,7 @@ typedef struct {
     double *beta;                  // [C]
     double *V;                     // [C*d]
     double *rho;                   // [C*R]
-    // Phase 1 (§3.1-§3.4)
+    // Phase 1 (docs/SDM.md#phases-on-the-gpu)
     int *order;                    // [C*W] write entries sorted by (slot, t): one segment per slot, in time order
     double *lam;                   // [C*W] lambda: inclusive forward sum of the slot's decays
     double *pi;                    // [C*W] exp(mu - gamma): decay of the slot after the entry, to the chunk end
@@ -34,7 +34,7 @@ typedef struct {
     double *A, *S, *Linv;          // [C*C] key-key Gram (strict lower), query-key Gram (lower), L^-1
     double *Bm, *P;                // [C*C] Bm = -L^-1 diag(beta), P = S Bm
     double *Dc, *Oc;               // [C*d] Dc = L^-1 diag(beta) V, Oc = S Dc
-    // Phase 2 saves for the backward (§4.2)
+    // Phase 2 saves for the backward (docs/SDM.md#bank-restoration)
     double *snap;                  // [C*W*d] the chunk-start row M0[i] of every write entry
     double *Delta, *VmR0;          // [C*d] delta_t and v_t - r0_t
 } SdmChunk;
@@ -64,14 +64,14 @@ static inline void sdm_chunk_free(SdmChunk *ch) {
     free(ch->snap); free(ch->Delta); free(ch->VmR0);
 }
 
-// Die unless the k slots of a token are strictly ascending in [0, N) (the merges of §3.2 rely on it).
+// Die unless the k slots of a token are strictly ascending in [0, N) (the merges of docs/SDM.md#gram-matrices rely on it).
 static inline void sdm_check_slot_list(const int *slot, int k, int N) {
     for (int i = 0; i < k; i++)
         if (slot[i] < 0 || slot[i] >= N || (i > 0 && slot[i] <= slot[i - 1]))
             sdm_die("sdm chunked op: slot list not strictly ascending in [0, %d)", N);
 }
 
-// Copy chunk c of stream (b,h) from the token-major arrays, padding times past T with inert tokens (§10.8).
+// Copy chunk c of stream (b,h) from the token-major arrays, padding times past T with inert tokens (docs/SDM.md#padding).
 static inline void sdm_chunk_load(SdmChunk *ch, int T, int H, int N, int b, int h, int c, const int *wslot,
                                   const double *kappa, const double *gamma, const double *beta, const double *v,
                                   const int *rslot, const double *rho) {
@@ -105,7 +105,7 @@ static inline int sdm_i64_cmp(const void *pa, const void *pb) {
     return (a > b) - (a < b);
 }
 
-// Sort the write entries by (slot, t) (§3.4 Phase 1 step 2, §3.7: the segmented-scan alternative to a scratch bank).
+// Sort the write entries by (slot, t) (docs/SDM.md#decay-sums: the segmented-scan alternative to a scratch bank).
 // Key slot*n + e: within a slot, e = t*W + w orders by time (a token's slots are distinct).
 static inline void sdm_chunk_sort_entries(SdmChunk *ch) {
     int n = ch->C * ch->W;
@@ -134,7 +134,7 @@ static inline int sdm_last_write_at_or_before(const SdmChunk *ch, int slot, int 
     return (lo > 0 && ch->ks[ch->order[lo - 1]] == slot) ? lo - 1 : -1;
 }
 
-// §3.1 per-slot log-decay sums, accumulated from zero inside the chunk (§3.7), by segmented scans over `order`.
+// per-slot log-decay sums (docs/SDM.md#decay-sums), accumulated from zero inside the chunk, by segmented scans over `order`.
 static inline void sdm_chunk_decay_scans(SdmChunk *ch) {
     int n = ch->C * ch->W;
     for (int p0 = 0, p1; p0 < n; p0 = p1) {
@@ -167,7 +167,7 @@ static inline void sdm_merge_common(const int *a, int na, const int *b, int nb, 
     }
 }
 
-// One Gram entry: sum over common slots of w_row w_col exp(lam_row - lam_col) (§3.2). Row entries start at
+// One Gram entry: sum over common slots of w_row w_col exp(lam_row - lam_col) (docs/SDM.md#gram-matrices). Row entries start at
 // row_base (weights wr, log-decays lr), column entries at col_base (weights wc, log-decays lc).
 typedef struct { const double *wr, *lr, *wc, *lc; double sum; } SdmGramAcc;
 static inline void sdm_gram_add(void *ctx, int ia, int ib) {
@@ -175,7 +175,7 @@ static inline void sdm_gram_add(void *ctx, int ia, int ib) {
     g->sum += g->wr[ia] * g->wc[ib] * exp(g->lr[ia] - g->lc[ib]);
 }
 
-// §3.2 A[t,u] (u < t) over write entries and S[t,u] (u <= t) with read rows and write columns.
+// A[t,u] (u < t) over write entries and S[t,u] (u <= t) with read rows and write columns (docs/SDM.md#gram-matrices).
 static inline void sdm_chunk_gram(SdmChunk *ch) {
     int C = ch->C, W = ch->W, R = ch->R;
     for (int t = 0; t < C; t++)
@@ -200,7 +200,7 @@ static inline void sdm_matmul(int m, int k, int n, const double *A, int transA, 
         }
 }
 
-// §3.3-§3.4: L = I + diag(beta) A, L^-1 by forward substitution against I, then the loop-invariant products.
+// docs/SDM.md#per-chunk-solution: L = I + diag(beta) A, L^-1 by forward substitution against I, then the loop-invariant products.
 static inline void sdm_chunk_solve(SdmChunk *ch) {
     int C = ch->C, d = ch->d;
     for (int col = 0; col < C; col++)
@@ -311,7 +311,7 @@ static inline void sdm_op_forward_chunked_ref(int B, int T, int H, int N, int d,
     sdm_chunks_free(chunks, nc * B * H);
 }
 
-// ---- backward Phase A (§4.4 steps 1-5 and 8-10), chunks in reverse ---------------------------------------------
+// ---- backward Phase A (docs/SDM.md#reverse-recursion-over-chunks), chunks in reverse ---------------------------
 
 // What Phase A leaves for Phase B, per chunk.
 typedef struct {
@@ -374,7 +374,7 @@ static inline void sdm_chunk_backward_step(const SdmChunk *ch, double *M, double
     free(dDelta);
 }
 
-// ---- backward Phase B (§4.4 steps 5-7, §4.4b), independent per chunk ---------------------------------------------
+// ---- backward Phase B (docs/SDM.md#per-entry-gradients), independent per chunk -----------------------------------
 
 // Per-entry gradients of one chunk, chunk-local: dkap, dgam [C*W], dbeta [C], dV [C*d], drho [C*R] (overwritten).
 typedef struct { double *dkap, *dgam, *dbeta, *dV, *drho; } SdmChunkInputGrads;
@@ -400,7 +400,7 @@ static inline void sdm_chunk_entry_grads(const SdmChunk *ch, const SdmChunkGrad 
         out->dbeta[t] = ref_dot(ch->VmR0 + (size_t)t * d, dx, d);
         for (int k = 0; k < d; k++) out->dV[(size_t)t * d + k] = ch->beta[t] * dx[k];
     }
-    // direct per-entry terms (§4.4b)
+    // direct per-entry terms (docs/SDM.md#per-entry-gradients)
     for (int e = 0; e < n; e++) {
         double el = exp(ch->lam[e]);
         out->dkap[e] = ch->pi[e] * cg->omega[e] + el * cg->psi[e];

@@ -1,14 +1,14 @@
-// sdm/sdm_dims.h: the hyper-parameters of one SDM layer (SDM_SPEC §1.1), shared by the CPU
+// sdm/sdm_dims.h: the hyper-parameters of one SDM layer (docs/SDM.md#hyper-parameters), shared by the CPU
 // reference, the GPU kernels, the model description and the config parser.
 #ifndef SDM_SDM_DIMS_H
 #define SDM_SDM_DIMS_H
 
 #define SDM_MAX_FACTORS 4
 
-// weight activation over the k selected scores of one token and head (SDM_SPEC §1.6)
+// weight activation over the k selected scores of one token and head (docs/SDM.md#weight-activations)
 typedef enum { SDM_ACT_SOFTMAX = 0, SDM_ACT_L2_NORMALIZE, SDM_ACT_IDENTITY, SDM_ACT_SIGMOID } SdmAct;
 
-// storage of the backward snapshots of touched bank rows (SDM_SPEC §4.3)
+// storage of the backward snapshots of touched bank rows (docs/SDM.md#snapshots)
 typedef enum { SDM_SNAP_NONE = 0, SDM_SNAP_BF16, SDM_SNAP_FP8, SDM_SNAP_INT4 } SdmSnapshot;
 
 typedef struct {
@@ -23,7 +23,7 @@ typedef struct {
     int chunk;                        // C: chunk length of the WY form (speed knob only)
     SdmAct write_act, read_act;
     float write_scale, read_scale;    // softmax temperature multipliers
-    int key_weighted_decay;           // per-write decay g * kappa (SDM_SPEC §1.8)
+    int key_weighted_decay;           // per-write decay g * kappa (docs/SDM.md#key-weighted-decay)
     int learned_bank;                 // backprop_on_memory: learned initial bank M0 [H*N, d]
     int normalize_readings;           // per-head LayerNorm of width d on the readings
     int output_gate;                  // sigmoid gate on the readings

@@ -1,4 +1,4 @@
-// sdm/sdm_layer.cuh: the SDM layer on the GPU around the memory op (SDM_SPEC §1, §4.5, §10): the fused input
+// sdm/sdm_layer.cuh: the SDM layer on the GPU around the memory op (docs/SDM.md#layer-overview): the fused input
 // projection, gates, product-key top-k with the softmax weights, key-weighted decay, the readout (LayerNorm,
 // output gate, output projection), the bank copy from M0 and the dM0 batch sum, and the layer forward/backward.
 // Layout follows sdm/sdm_ref.h and sdm/sdm_op.h: token-major [B,T,H,...] per-token per-head arrays; a "problem"
@@ -41,7 +41,7 @@ __device__ __forceinline__ float sl_ord2f(uint32_t o) {
 }
 
 // =================================================================================================================
-// Product-key top-k (SDM_SPEC §1.5, §10.1-2), the selection of sdm_pk_topk_ref:
+// Product-key top-k (docs/SDM.md#tie-rule), the selection of sdm_pk_topk_ref:
 //   slot score = float32 sum of its factor scores, left to right ((s1 + s2) + s3) ...; ties between equal float32
 //   scores go to the larger sum of sub-key indices, then the larger slot index; each factor keeps only its best
 //   min(k, n_f) sub-keys plus every sub-key tied with the last kept one, and the k best tuples of kept sub-keys win.
@@ -370,9 +370,9 @@ static inline void topk_forward(const TopkPlan *pl, const void *z, bool fp32, in
 
 // =================================================================================================================
 // Addressing backward, one warp per problem: the softmax backward de = scale * w * (dw - <w, dw>), then the
-// routing of each selected score's gradient to its F sub-key entries (§1.5 step 7) in a fixed order (lane f adds
+// routing of each selected score's gradient to its F sub-key entries (docs/SDM.md#product-key-addressing) in a fixed order (lane f adds
 // factor f's entries for j = 0..k-1), written as the full K-wide block of dz (zeros where nothing was selected).
-// For writes (gates != 0) it also chains key-weighted decay and the gates (§1.4, §1.8, §4.5):
+// For writes (gates != 0) it also chains key-weighted decay and the gates (docs/SDM.md#layer-chain-rule):
 //   dw_j = dkappa_j + (kwd ? g dgamma_j : 0),  dg = sum_j (kwd ? kappa_j dgamma_j : dgamma_j),
 //   da = dg * (-exp(A_log) sigmoid(a + dt_bias)) -> dz[col_a + h],  dc = dbeta beta (1 - beta) -> dz[col_c + h],
 //   gate_grad[token, :] = (da [H], dc [H], dg * g [H]) in fp32, so that the sums over tokens giving d ba, d bb,
@@ -457,7 +457,7 @@ static inline void address_backward(const TopkPlan *pl, const int *slot, const f
 }
 
 // =================================================================================================================
-// Gates and values from the fused projection (§1.3-§1.4), one block per token:
+// Gates and values from the fused projection (docs/SDM.md#gates), one block per token:
 //   v[tok, :] = z[tok, col_v : col_v + D] in fp32 (the op's input), g = -exp(A_log) softplus(a + dt_bias),
 //   beta = sigmoid(c), with a = z[tok, col_a + h], c = z[tok, col_c + h].
 // =================================================================================================================
@@ -480,7 +480,7 @@ __global__ void pack_dv_kernel(const float *dv, void *dz, bool fp32, int ldz, in
 }
 
 // =================================================================================================================
-// Readout (§1.9) over rows p = token*H + h of width d: rn = LayerNorm_d(o) (shared weight/bias) or o;
+// Readout (docs/SDM.md#readout) over rows p = token*H + h of width d: rn = LayerNorm_d(o) (shared weight/bias) or o;
 // r = sigmoid(zG) * rn or rn. One warp per row (lane L owns the float4 column groups L, L+32, ...), each warp
 // walking a fixed contiguous range of rows, so the LayerNorm weight/bias gradients are per-warp partial sums
 // [n_warps, d] that a deterministic column sum adds afterwards.
@@ -657,8 +657,8 @@ static inline void readout_backward(const ReadoutArgs *ra, const float *o, const
 }
 
 // =================================================================================================================
-// The bank: every sequence starts from its own copy of M0 (§1.7), and dM0 is the sum of the copies' gradients
-// over b in order 0..B-1 (§4.5).
+// The bank: every sequence starts from its own copy of M0 (docs/SDM.md#the-bank), and dM0 is the sum of the copies' gradients
+// over b in order 0..B-1 (docs/SDM.md#layer-chain-rule).
 // =================================================================================================================
 
 __global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
@@ -1029,9 +1029,9 @@ static inline void sdm_layer_stage_ms(SdmLayer *L, float *ms) {
 }
 
 // =================================================================================================================
-// Inference (SDM_SPEC §5): each stream's bank persists between calls. A prefill runs one stream's prompt through
+// Inference (docs/SDM.md#decode-and-prefill): each stream's bank persists between calls. A prefill runs one stream's prompt through
 // the op's chunked forward without saves (training = 0) and leaves the final bank as the decode state; a decode
-// step applies the §2 recurrence to one token of every stream in place (sdm_op_decode). Both reuse the training
+// step applies docs/SDM.md#the-recurrence to one token of every stream in place (sdm_op_decode). Both reuse the training
 // forward's projections, top-k and readout on the first rows of the state's buffers.
 // =================================================================================================================
 
@@ -1066,7 +1066,7 @@ static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
     return (char *)I->banks + (size_t)b * sdm_bank_bytes(&I->L.s);
 }
 
-// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (§10.6).
+// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (docs/SDM.md#the-bank).
 static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
     const SdmDims *s = &I->L.s;
     bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), s->bank_fp32, s->learned_bank ? p->bank0 : NULL, I->L.fp32,

@@ -1,10 +1,10 @@
-// sdm/sdm_op.cuh: the GPU SDM memory op (SDM_SPEC §2-§5): chunked WY forward (training and prefill), backward, and
+// sdm/sdm_op.cuh: the GPU SDM memory op (docs/SDM.md): chunked WY forward (training and prefill), backward, and
 // the single-token decode step. The C API (shapes, sizing, entry points) is documented in sdm/sdm_op.h.
 //
 // Structure (per stream s = b*H + h, chunks of C tokens, all streams advance together):
 //   wy_kernel        Phase 1, one CTA per (stream, chunk), no bank access: slot links between the chunk's entries
 //                    (two-pointer merges of the sorted slot lists), per-slot decay scans from zero inside the chunk
-//                    (§3.7), gather/scatter weights, Gram matrices A and S, and Linv = (I + diag(beta) A)^-1.
+//                    (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S, and Linv = (I + diag(beta) A)^-1.
 //   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once):
 //                    fgather (per (stream, token), whole rows: R0, E, snapshots), fsolve (per (stream, DB columns):
 //                    Delta = Linv diag(beta) (V - R0), O = S Delta + E), fscatter (one warp per written slot: its last
@@ -14,7 +14,7 @@
 //                    dDelta, dX, dR0), bscatter (one warp per touched slot: the dense fp32 bank gradient G at the
 //                    touched rows; bank rows restored from the snapshots), then bwy_kernel (per (stream, chunk): the
 //                    C x C products, the Gram backward and the per-slot dgamma scans, one thread per slot).
-//   decode_kernel    one token per stream, the §2 recurrence in place.
+//   decode_kernel    one token per stream, the recurrence in place (docs/SDM.md#the-recurrence).
 // No floating-point atomics anywhere (integer atomicMax/atomicMin only build slot links): bitwise deterministic.
 #ifndef SDM_SDM_OP_CUH
 #define SDM_SDM_OP_CUH
@@ -770,7 +770,7 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
             }
         // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r
         //          + sum_{writes b before q} dmu_b
-        // (SDM_SPEC §4.4b also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since pi_q = e^{mu_q -
+        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since pi_q = e^{mu_q -
         // gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when gamma << 0)
         for (int q = h; q >= 0; q = prev[q]) {
             int tq = q / W;
@@ -792,7 +792,7 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
 
 // ------------------------------------------------------------------------------------------------------------------
 // Decode: one token per stream, grid (ceil(d / (32 V)), S), 32 threads; each thread owns V columns of its stream
-// and applies §2 (1)-(5) to them (columns are independent, so no synchronisation).
+// and applies steps (1)-(5) of docs/SDM.md#the-recurrence to them (columns are independent, so no synchronisation).
 template <typename Tb>
 __global__ void __launch_bounds__(32) sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank, float *out) {
     constexpr int V = BankVec<Tb>::V;

@@ -1,4 +1,4 @@
-// sdm/sdm_op.h: the C API of the GPU SDM memory op (SDM_SPEC §2-§5, §10): shapes, the supported-shape check and the
+// sdm/sdm_op.h: the C API of the GPU SDM memory op (docs/SDM.md): shapes, the supported-shape check and the
 // memory sizing. The kernels and the entry points below live in sdm/sdm_op.cuh (include that from a .cu file); this
 // header is plain C11 / C++17 so host code can size buffers without CUDA.
 //
@@ -31,8 +31,8 @@
 //       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten); g->dbank_init doubles as the dense
 //       fp32 bank-gradient accumulator. scratch: sdm_op_scratch_bytes, may be shared by all layers.
 //   void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream);
-//       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the §2
-//       recurrence applied to the bank in place, readings written to out [B,1,H,d]. Needs no workspace.
+//       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the
+//       recurrence (docs/SDM.md#the-recurrence) applied to the bank in place, readings written to out [B,1,H,d]. Needs no workspace.
 //
 // Precision: every decay, Gram matrix, solve, GEMM and accumulation is IEEE fp32 (no TF32 anywhere); a bank row is
 // rounded to the bank dtype once per chunk. bank_fp32 = 1 with snapshot none is the all-fp32 mode. The op is

@@ -1,6 +1,6 @@
 // sdm/sdm_ref.h: the double-precision CPU reference of the SDM layer, the ground truth of sdm.c.
-// Part 1, the memory op: the exact per-token recurrence of SDM_SPEC §2 and its reverse-mode backward.
-// Part 2, the rest of the layer (§1.3-§1.9): gates, product-key top-k, weight activations, readout, and the whole
+// Part 1, the memory op: the exact per-token recurrence of docs/SDM.md#the-recurrence and its reverse-mode backward.
+// Part 2, the rest of the layer (docs/SDM.md#layer-overview): gates, product-key top-k, weight activations, readout, and the whole
 // layer forward/backward with its intermediate stages exposed for stage-by-stage comparison.
 //
 // Layout (shared with the GPU): tokens [B, T], heads H; per-token per-head arrays are token-major:
@@ -26,7 +26,7 @@ static inline void sdm_axpy(double *y, double a, const double *x, int n) {
     for (int k = 0; k < n; k++) y[k] += a * x[k];
 }
 
-// One token of one (b,h) stream, steps (1)-(4) of §2: decay the W touched rows, retrieve r from the decayed rows,
+// One token of one (b,h) stream, steps (1)-(4) of docs/SDM.md#the-recurrence: decay the W touched rows, retrieve r from the decayed rows,
 // delta = beta (v - r), write kappa_i delta into each row. M: the stream's bank [N, d]; r, delta: [d] outputs.
 static inline void sdm_token_write(int d, int W, const int *slot, const double *kappa, const double *gamma,
                                    double beta, const double *v, double *M, double *r, double *delta) {
@@ -41,13 +41,13 @@ static inline void sdm_token_write(int d, int W, const int *slot, const double *
     for (int w = 0; w < W; w++) sdm_axpy(M + (size_t)slot[w] * d, kappa[w], delta, d); // (4) write
 }
 
-// Step (5) of §2: o = sum_j rho_j M[j], read after the token's write.
+// Step (5) of docs/SDM.md#the-recurrence: o = sum_j rho_j M[j], read after the token's write.
 static inline void sdm_token_read(int d, int R, const int *slot, const double *rho, const double *M, double *o) {
     for (int k = 0; k < d; k++) o[k] = 0.0;
     for (int j = 0; j < R; j++) sdm_axpy(o, rho[j], M + (size_t)slot[j] * d, d);
 }
 
-// The memory op, forward (§2). bank: in the initial bank [B,H,N,d], out the final bank. out: [B,T,H,d].
+// The memory op, forward (docs/SDM.md#the-recurrence). bank: in the initial bank [B,H,N,d], out the final bank. out: [B,T,H,d].
 static inline void sdm_op_forward_ref(int B, int T, int H, int N, int d, int W, int R,
                                       const int *wslot, const double *kappa, const double *gamma,
                                       const double *beta, const double *v, const int *rslot, const double *rho,
@@ -154,7 +154,7 @@ static inline void sdm_op_backward_ref(int B, int T, int H, int N, int d, int W,
 
 // ---- scalar functions --------------------------------------------------------------------------------------------
 
-// ---- gates (§1.4) ------------------------------------------------------------------------------------------------
+// ---- gates (docs/SDM.md#gates) -----------------------------------------------------------------------------------
 
 // g = -exp(A_log) softplus(a + dt_bias) <= 0, the head's log-decay of one token
 static inline double sdm_gate_decay(double a, double A_log, double dt_bias) {
@@ -167,13 +167,13 @@ static inline double sdm_gate_decay_backward(double a, double A_log, double dt_b
     return -dg * exp(A_log) * ref_sigmoid(a + dt_bias);
 }
 
-// ---- product-key top-k (§1.5, §10.1-2) ---------------------------------------------------------------------------
+// ---- product-key top-k (docs/SDM.md#tie-rule) --------------------------------------------------------------------
 // Selection order (a total order on slots): larger float32 score first, score formed in float32 left to right
 // ((float)s_1 + (float)s_2) + (float)s_3 ...; among equal float32 scores the larger sum of sub-key indices, then the
 // larger slot index (= the larger first-factor index, then the larger second-factor index, ...: the slot index is the
 // mixed-radix number with the first factor most significant, so comparing it compares the digits in that order).
 // Algorithm: per factor, sort its sub-keys by that order (score, then index) and keep the first min(k, n_f) plus every
-// further entry whose float32 score equals the last kept one's (§10.1); then merge factors left to right, forming
+// further entry whose float32 score equals the last kept one's (docs/SDM.md#tie-rule); then merge factors left to right, forming
 // every sum of a kept partial tuple and a kept sub-key, and keep the best k after each merge. This equals the brute-
 // force top-k over all N slots except when float32 rounding makes the sums of distinct sub-key scores equal (then a
 // dropped candidate may win the index tie-break); a GPU kernel that follows this algorithm matches it in every case.
@@ -259,7 +259,7 @@ static inline void sdm_pk_topk_ref(int F, const int *dims, int k, const double *
     free(cur);
 }
 
-// Gradient routing (§1.5 step 7): dscores[sum n_f] += the gradient of each selected score at its F sub-key entries.
+// Gradient routing (docs/SDM.md#product-key-addressing): dscores[sum n_f] += the gradient of each selected score at its F sub-key entries.
 static inline void sdm_pk_topk_backward_ref(int F, const int *dims, int k, const int *slot, const double *dscore,
                                             double *dscores) {
     int digit[SDM_MAX_FACTORS];
@@ -269,7 +269,7 @@ static inline void sdm_pk_topk_backward_ref(int F, const int *dims, int k, const
     }
 }
 
-// ---- weight activations (§1.6) -----------------------------------------------------------------------------------
+// ---- weight activations (docs/SDM.md#weight-activations) ---------------------------------------------------------
 
 #define SDM_L2_EPS 1e-12
 
@@ -338,7 +338,7 @@ static inline void sdm_layernorm_backward_ref(int d, const double *x, const doub
     for (int k = 0; k < d; k++) dx[k] = rstd * (dy[k] * w[k] - mean_g - (x[k] - mean) * rstd * mean_gx);
 }
 
-// ---- the layer (§1.3-§1.9) ---------------------------------------------------------------------------------------
+// ---- the layer (docs/SDM.md#layer-overview) ----------------------------------------------------------------------
 
 typedef struct { const double *wk, *bk, *wq, *bq, *wv, *bv, *wa, *ba, *wb, *bb, *wg, *bg,
                  *A_log, *dt_bias, *ln_w, *ln_b, *wo, *bo, *bank; } SdmRefParams;
@@ -478,27 +478,27 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
     int n = B * T, HK = H * s->key_dim;
     sdm_ref_check_dims(s);
     if (tr->B != B || tr->T != T) sdm_die("sdm_layer_forward_trace_ref: trace allocated for another B, T");
-    // §1.3 projections
+    // projections (docs/SDM.md#projections)
     ref_linear_forward(x, p->wk, p->bk, tr->zK, n, D, HK);
     ref_linear_forward(x, p->wq, p->bq, tr->zQ, n, D, HK);
     ref_linear_forward(x, p->wv, p->bv, tr->v, n, D, D);
     ref_linear_forward(x, p->wa, p->ba, tr->a, n, D, H);
     ref_linear_forward(x, p->wb, p->bb, tr->c, n, D, H);
     if (s->output_gate) ref_linear_forward(x, p->wg, p->bg, tr->zG, n, D, D);
-    // §1.4 gates
+    // gates (docs/SDM.md#gates)
     for (int i = 0; i < n * H; i++) {
         int h = i % H;
         tr->g[i] = sdm_gate_decay(tr->a[i], p->A_log[h], p->dt_bias[h]);
         tr->beta[i] = ref_sigmoid(tr->c[i]);
     }
-    // §1.5-§1.6 addressing and weights
+    // addressing and weights (docs/SDM.md#product-key-addressing, docs/SDM.md#weight-activations)
     sdm_ref_address(s, (size_t)n, W, s->write_act, s->write_scale, tr->zK, tr->wslot, tr->wscore, tr->kappa);
     sdm_ref_address(s, (size_t)n, R, s->read_act, s->read_scale, tr->zQ, tr->rslot, tr->rscore, tr->rho);
-    // §1.8 per-entry log-decays
+    // per-entry log-decays (docs/SDM.md#key-weighted-decay)
     for (int i = 0; i < n * H; i++)
         for (int w = 0; w < W; w++)
             tr->gamma[(size_t)i * W + w] = s->key_weighted_decay ? tr->g[i] * tr->kappa[(size_t)i * W + w] : tr->g[i];
-    // §1.7 the bank: every sequence starts from its own copy of M0 (or zeros), then §2
+    // the bank (docs/SDM.md#the-bank): every sequence starts from its own copy of M0 (or zeros), then the recurrence
     size_t bank_seq = (size_t)H * N * d;
     for (int b = 0; b < B; b++) {
         if (s->learned_bank) memcpy(tr->bank_init + b * bank_seq, p->bank, sizeof(double) * bank_seq);
@@ -507,7 +507,7 @@ static inline void sdm_layer_forward_trace_ref(const SdmDims *s, int B, int T, c
     memcpy(tr->bank_final, tr->bank_init, sizeof(double) * bank_seq * B);
     sdm_op_forward_ref(B, T, H, N, d, W, R, tr->wslot, tr->kappa, tr->gamma, tr->beta, tr->v, tr->rslot, tr->rho,
                        tr->bank_final, tr->o);
-    // §1.9 readout
+    // readout (docs/SDM.md#readout)
     for (int i = 0; i < n * H; i++) {
         const double *oi = tr->o + (size_t)i * d;
         double *rni = tr->rn + (size_t)i * d;
@@ -565,7 +565,7 @@ static inline void sdm_ref_grad_trace_free(SdmRefGradTrace *o) {
     free(o->dzQ); free(o->da); free(o->dc); free(o->dzG);
 }
 
-// Readout backward (§1.9, §4.5): from dy to the gradient of the op readings gt->dout [n, H, d] (and gt->dzG);
+// Readout backward (docs/SDM.md#readout): from dy to the gradient of the op readings gt->dout [n, H, d] (and gt->dzG);
 // accumulates dwo, dbo, dwg, dbg, dln_w, dln_b, and dx from the Wg branch.
 static inline void sdm_ref_readout_backward(const SdmDims *s, int n, const SdmRefParams *p, const double *x,
                                             const SdmRefTrace *tr, const double *dy, double *dx, SdmRefGrads *g,
@@ -604,18 +604,18 @@ static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, 
     int n = B * T;
     memset(dx, 0, sizeof(double) * n * D);
     sdm_ref_readout_backward(s, n, p, x, tr, dy, dx, g, gt);
-    // §4 the memory op (no gradient on the final bank)
+    // the memory op (docs/SDM.md#the-recurrence; no gradient on the final bank)
     sdm_op_backward_ref(B, T, H, N, d, W, R, tr->wslot, tr->kappa, tr->gamma, tr->beta, tr->v, tr->rslot, tr->rho,
                         tr->bank_init, gt->dout, NULL, gt->dkappa_op, gt->dgamma, gt->dbeta, gt->dv, gt->drho,
                         gt->dbank_init);
-    if (s->learned_bank) { // §4.5 dM0 = sum over the per-sequence copies
+    if (s->learned_bank) { // dM0 = sum over the per-sequence copies (docs/SDM.md#the-bank)
         size_t bank_seq = (size_t)H * N * d;
         for (int b = 0; b < B; b++) sdm_axpy(g->bank, 1.0, gt->dbank_init + b * bank_seq, (int)bank_seq);
     }
     for (int i = 0; i < n * H; i++) {
         int h = i % H;
         size_t ow = (size_t)i * W, orr = (size_t)i * R;
-        // §1.8 key-weighted decay: gamma = g kappa, else gamma = g
+        // key-weighted decay (docs/SDM.md#key-weighted-decay): gamma = g kappa, else gamma = g
         gt->dg[i] = 0.0;
         for (int w = 0; w < W; w++) {
             gt->dkappa[ow + w] = gt->dkappa_op[ow + w];
@@ -626,7 +626,7 @@ static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, 
                 gt->dg[i] += gt->dgamma[ow + w];
             }
         }
-        // §1.6 activations, §1.5 step 7 routing to the sub-key scores
+        // activations, routing to the sub-key scores (docs/SDM.md#layer-chain-rule)
         sdm_act_backward_ref(s->write_act, s->write_scale, W, tr->wscore + ow, tr->kappa + ow, gt->dkappa + ow,
                              gt->dwscore + ow);
         sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, W, tr->wslot + ow, gt->dwscore + ow,
@@ -635,12 +635,12 @@ static inline void sdm_layer_backward_trace_ref(const SdmDims *s, int B, int T, 
                              gt->drscore + orr);
         sdm_pk_topk_backward_ref(s->n_factors, s->factor_dims, R, tr->rslot + orr, gt->drscore + orr,
                                  gt->dzQ + (size_t)i * K);
-        // §1.4 gates
+        // gates (docs/SDM.md#gates)
         gt->da[i] = sdm_gate_decay_backward(tr->a[i], p->A_log[h], p->dt_bias[h], gt->dg[i], &g->A_log[h]);
         g->dt_bias[h] += gt->da[i];
         gt->dc[i] = gt->dbeta[i] * tr->beta[i] * (1.0 - tr->beta[i]);
     }
-    // §1.3 projections
+    // projections (docs/SDM.md#projections)
     ref_linear_backward(x, p->wk, gt->dzK, dx, g->wk, g->bk, n, D, H * K);
     ref_linear_backward(x, p->wq, gt->dzQ, dx, g->wq, g->bq, n, D, H * K);
     ref_linear_backward(x, p->wv, gt->dv, dx, g->wv, g->bv, n, D, D);

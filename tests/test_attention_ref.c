@@ -134,7 +134,7 @@ static void check_mask_rule(int window) {
                 for (int j = 0; j < a.n_heads; j++) {
                     size_t row = ((size_t)p * a.n_heads + j) * a.head_dim;
                     int changed = memcmp(c.o + row, o2 + row, a.head_dim * sizeof(double)) != 0;
-                    int rule = window == 0 ? s <= p : (0 <= p - s && p - s < window); // SDM_SPEC §6.3
+                    int rule = window == 0 ? s <= p : (0 <= p - s && p - s < window); // docs/MODEL.md#attention
                     wrong += changed != (j / 2 == g && rule);                          // n_h / n_kv = 2
                 }
         }

@@ -1,5 +1,5 @@
 // tests/test_config.c: the config parser, its error messages, and the parameter counts of every shipped config
-// against SDM_SPEC §7 (the figures there were derived independently from the reference code).
+// against docs/MODEL.md#shipped-configs (the figures there were derived independently from the reference code).
 #include "core/config.h"
 #include "core/model.h"
 #include "tests/test.h"
@@ -11,7 +11,7 @@ typedef struct {
     long long sdm_mixer, attn_mixer, swa_mixer, ffn, nonembedding, embedding, bank, total;
 } Expected;
 
-// SDM_SPEC §7, "Derived sizes" (0 = not applicable)
+// docs/MODEL.md#shipped-configs (0 = not applicable)
 static const Expected EXPECTED[] = {
     {"configs/debug_sdm.cfg", 3413252, 4194304, 0, 8650752, 99653648, 528384, 0, 100182032},
     {"configs/debug_hybrid.cfg", 3413252, 4194304, 786432, 8650752, 92837904, 528384, 0, 93366288},

@@ -5,7 +5,7 @@
 #include "tests/test.h"
 #include "tests/sdm_op_case.h"
 
-// Both forms are exact algebra on §2 in double; only rounding differs (observed ~1e-15).
+// Both forms are exact algebra on docs/SDM.md#the-recurrence in double; only rounding differs (observed ~1e-15).
 #define CHUNKED_TOL 1e-10
 
 typedef struct { double *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank; } OpGrads;
