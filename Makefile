@@ -26,7 +26,7 @@ ifeq ($(HAVE_NCCL),1)
   GPU_LIBS  += -L$(NCCL_HOME)/lib64 -L$(NCCL_HOME)/lib -lnccl
 endif
 
-PROGRAMS   := train_sdm infer_sdm prepare_data
+PROGRAMS   := train_sdm infer_sdm prepare_data svgplot
 CPU_TESTS  := $(patsubst tests/%.c,$(BUILD)/%,$(wildcard tests/test_*.c))
 CPU_SCRIPTS := $(wildcard tests/test_*.sh)
 GPU_TESTS  := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/gpu_test_*.cu))
@@ -42,6 +42,9 @@ infer_sdm: infer_sdm.cu
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GPU_LIBS)
 
 prepare_data: data/prepare_data.c
+	$(CC) $(CFLAGS) $< -o $@ -lm
+
+svgplot: tools/svgplot.c
 	$(CC) $(CFLAGS) $< -o $@ -lm
 
 # The embedded default dataset (associative recall, data/README.md) in data/generated (git-ignored, ~35 MB,

@@ -18,6 +18,7 @@
 #include "core/optim.h"
 #include "data/dataloader.h"
 #include "data/dataset.h"
+#include "data/synthetic.h"
 
 // ------------------------------------------------------------------------------------------------------------------
 // The training loop
@@ -137,12 +138,27 @@ static inline float mean_over_ranks(Run *r, float x) {
     return x / r->dist.world;
 }
 
-// Validation loss over eval.steps batches, and the recall accuracy of the greedy predictions on them.
+// run_dir/name opened for appending, or NULL with a warning (the evaluation is printed anyway).
+static inline FILE *open_run_file(const Run *r, const char *name) {
+    char path[CFG_STR + 32];
+    snprintf(path, sizeof path, "%s/%s", r->cfg.run_dir, name);
+    FILE *f = fopen(path, "a");
+    if (!f) fprintf(stderr, "warning: cannot append to %s\n", path);
+    return f;
+}
+
+// Validation loss over eval.steps batches; on rank 0's batches also the loss by position and the recall accuracy
+// by gap of the greedy predictions, for eval.task (auto: every task whose answers are in the data), printed and
+// appended to run_dir/eval_positions.tsv and run_dir/eval_recall.tsv (data/eval_stats.h).
 static inline void evaluate(Run *r) {
     GpuModel *g = &r->g;
-    RecallScore score;
-    memset(&score, 0, sizeof score);
+    const char *want = r->cfg.eval_task;
+    GapScore score[EVAL_NUM_TASKS];
+    for (int k = 0; k < EVAL_NUM_TASKS; k++) EVAL_TASKS[k].init(&score[k]);
+    PositionLoss pl;
+    position_loss_init(&pl, g->T);
     int *pred = (int *)sdm_malloc(sizeof(int) * g->n);
+    float *losses = (float *)sdm_malloc(sizeof(float) * g->n);  // [B, T]
     dataloader_reset(&r->val);
     int batches = (int)SDM_MIN((uint64_t)r->cfg.eval_steps, dataloader_batches_per_epoch(&r->val));
     double loss = 0;
@@ -150,21 +166,40 @@ static inline void evaluate(Run *r) {
         next_batch(r, &r->val);
         gpu_model_forward(g, r->inputs, r->targets, 0.0f);
         loss += gpu_model_loss(g);
+        cudaCheck(cudaMemcpy(losses, g->losses, sizeof(float) * g->n, cudaMemcpyDeviceToHost));
+        position_loss_add(&pl, losses, g->B);
+        if (!strcmp(want, "none")) continue;
         gpu_model_argmax(g);
         cudaCheck(cudaMemcpy(pred, g->pred, sizeof(int) * g->n, cudaMemcpyDeviceToHost));
-        for (int b = 0; b < g->B; b++)
-            recall_score_row(&score, r->batch + (size_t)b * (g->T + 1), pred + (size_t)b * g->T, g->T);
+        for (int t = 0; t < EVAL_NUM_TASKS; t++) {
+            if (strcmp(want, "auto") && strcmp(want, EVAL_TASKS[t].name)) continue;
+            for (int b = 0; b < g->B; b++)
+                EVAL_TASKS[t].score_row(&score[t], r->batch + (size_t)b * (g->T + 1), pred + (size_t)b * g->T, g->T);
+        }
     }
     float val = mean_over_ranks(r, batches ? (float)(loss / batches) : 0.0f);
-    uint64_t q, exact, digits, right;
-    recall_score_totals(&score, &q, &exact, &digits, &right);
-    say(r, "eval step %lld | val loss %.4f over %d batches | recall (rank 0) %llu queries, digit acc %.4f, exact %.4f\n",
-        r->step, val, batches, (unsigned long long)q, digits ? (double)right / digits : 0.0, q ? (double)exact / q : 0.0);
+    say(r, "eval step %lld | val loss %.4f over %d batches\n", r->step, val, batches);
     if (r->dist.rank == 0) {
-        recall_score_print(&score, stdout);
-        if (r->log) recall_score_print(&score, r->log);
+        position_loss_print(&pl, stdout);
+        if (r->log) position_loss_print(&pl, r->log);
+        FILE *pos_tsv = open_run_file(r, "eval_positions.tsv"), *gap_tsv = NULL;
+        if (pos_tsv) { position_loss_tsv(&pl, r->step, pos_tsv); fclose(pos_tsv); }
+        for (int t = 0; t < EVAL_NUM_TASKS; t++) {
+            uint64_t q, exact, tokens, right;
+            gap_score_totals(&score[t], &q, &exact, &tokens, &right);
+            if (strcmp(want, "auto") ? strcmp(want, EVAL_TASKS[t].name) != 0 : q == 0 && score[t].unanswerable == 0)
+                continue;  // not asked for, or (auto) not in the data
+            say(r, "%s (rank 0): %llu queries, token acc %.4f, exact %.4f\n", EVAL_TASKS[t].name,
+                (unsigned long long)q, tokens ? (double)right / tokens : 0.0, q ? (double)exact / q : 0.0);
+            gap_score_print(&score[t], EVAL_TASKS[t].name, stdout);
+            if (r->log) gap_score_print(&score[t], EVAL_TASKS[t].name, r->log);
+            if (!gap_tsv) gap_tsv = open_run_file(r, "eval_recall.tsv");
+            if (gap_tsv) gap_score_tsv(&score[t], r->step, EVAL_TASKS[t].name, gap_tsv);
+        }
+        if (gap_tsv) fclose(gap_tsv);
     }
     free(pred);
+    free(losses);
 }
 
 // Gather the sharded state to rank 0 and write a checkpoint there.

@@ -59,6 +59,7 @@ typedef struct {
     char tokenizer[CFG_STR], train_data[CFG_STR], val_data[CFG_STR];
     // checkpoint / eval / logging
     int dump_every, eval_every, keep_checkpoints, eval_steps, log_freq;
+    char eval_task[CFG_STR];
 } Config;
 
 typedef enum { CFG_INT, CFG_FLOAT, CFG_BOOL, CFG_STRING, CFG_CHOICE, CFG_LAYERS, CFG_NUMS } CfgType;
@@ -178,6 +179,8 @@ static const CfgField CFG_FIELDS[] = {
     {"checkpoint.eval_every", CFG_INT, CFG_OFF(eval_every), "500", 0, 1e9, NULL, "steps between evaluations"},
     {"checkpoint.keep", CFG_INT, CFG_OFF(keep_checkpoints), "2", 1, 1000, NULL, "checkpoints kept"},
     {"eval.steps", CFG_INT, CFG_OFF(eval_steps), "20", 1, 1e9, NULL, "validation batches per evaluation"},
+    {"eval.task", CFG_CHOICE, CFG_OFF(eval_task), "auto", CFG_ANY, "auto|recall|mqar|copy|none",
+     "recall scoring of validation batches (data/synthetic.h; auto: every task whose answers are found)"},
     {"logging.freq", CFG_INT, CFG_OFF(log_freq), "10", 1, 1e9, NULL, "steps between log lines"},
 };
 #undef CFG_ANY

@@ -1,17 +1,18 @@
 // prepare_data: text or JSONL files -> bytes-tokenized train/validation shards (data/README.md), or the
-// embedded recall dataset with --recall. Exits non-zero with a file:line (or file and offset) message on bad input.
+// generated recall tasks with --task recall|mqar|copy (data/recall.h, data/synthetic.h). Exits non-zero with a
+// file:line (or file and offset) message on bad input.
 #define _POSIX_C_SOURCE 200809L  // clock_gettime
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "data/dataset.h"
 #include "data/prepare.h"
+#include "data/synthetic.h"
 
 static void usage(void) {
     fputs("usage: prepare_data [options] -o DIR INPUT...     text or JSONL files (- reads standard input)\n"
-          "       prepare_data --recall [recall options] -o DIR   the embedded associative-recall dataset\n"
+          "       prepare_data --task recall|mqar|copy [task options] -o DIR   a generated recall task\n"
           "options:\n"
           "  --format auto|text|jsonl  input format (auto: .jsonl/.json/.ndjson are JSONL, anything else text)\n"
           "  --unit file|para|line     documents of a text input: the whole file (default), blank-line separated\n"
@@ -21,10 +22,12 @@ static void usage(void) {
           "  --shard-tokens N          tokens per shard (default 100000000)\n"
           "  --skip-bad                report and skip invalid UTF-8 and malformed JSONL lines (default: refuse)\n"
           "  --quiet                   no progress line\n"
-          "recall options (defaults give data/generated, the dataset training uses when no data is named):\n"
-          "  --seed S --train-tokens N --val-tokens N --min-gap G --max-gap G --min-facts F --max-facts F\n"
-          "  --queries-per-fact Q\n"
-          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (recall: DIR/recall_train_*, recall_val_*)\n",
+          "task options (data/README.md; --recall is --task recall):\n"
+          "  all:    --seed S --train-tokens N --val-tokens N --min-gap G --max-gap G\n"
+          "  recall: --min-facts F --max-facts F --queries-per-fact Q   (defaults: the embedded default dataset)\n"
+          "  mqar:   --seq-len T --pairs P        copy: --seq-len T --copy-len L\n"
+          "          (documents of exactly T tokens = data.seq_len; --max-gap 0: as far as the row allows)\n"
+          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (tasks: DIR/TASK_train_*, TASK_val_*)\n",
           stderr);
     exit(2);
 }
@@ -80,27 +83,36 @@ static PrepUnit input_unit(const char *path, const char *format, PrepUnit text_u
     return text_unit;
 }
 
-static void run_recall(const char *dir, const RecallConfig *c) {
+static void run_task(const char *dir, const char *task, const RecallConfig *rc, SynConfig *sc) {
     char err[DATA_ERR_LEN];
     double t0 = now_seconds();
-    if (recall_dataset_write(dir, c, err)) sdm_die("%s", err);
-    fprintf(stderr, "prepare_data: recall dataset in %s (%.1f s)\n", dir, now_seconds() - t0);
+    uint64_t dropped = 0;
+    if (!strcmp(task, "recall")) {
+        if (recall_dataset_write(dir, rc, err)) sdm_die("%s", err);
+    } else {
+        if (strcmp(task, "mqar") && strcmp(task, "copy")) sdm_die("--task: expected recall, mqar or copy, got \"%s\"", task);
+        sc->task = !strcmp(task, "mqar") ? SYN_MQAR : SYN_COPY;
+        if (syn_dataset_write(dir, sc, &dropped, err)) sdm_die("%s", err);
+    }
+    fprintf(stderr, "prepare_data: %s dataset in %s (%.1f s)\n", task, dir, now_seconds() - t0);
+    if (dropped) fprintf(stderr, "prepare_data: %llu facts left unqueried (no room at a drawn gap)\n", (unsigned long long)dropped);
 }
 
 int main(int argc, char **argv) {
     const char *dir = NULL, *format = "auto";
     PrepUnit text_unit = PREP_TEXT_FILE;
-    int val_every = 100, skip_bad = 0, quiet = 0, recall = 0, num_inputs = 0;
+    int val_every = 100, skip_bad = 0, quiet = 0, num_inputs = 0;
     unsigned long long shard_tokens = 100000000ull;
-    const char *field = "text";
+    const char *field = "text", *task = NULL;
     const char **inputs = (const char **)sdm_calloc((size_t)argc, sizeof(char *));
     RecallConfig rc = recall_default_config();
+    SynConfig sc = syn_default_config(SYN_MQAR);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int has_value = i + 1 < argc;
         if (!strcmp(a, "--skip-bad")) skip_bad = 1;
         else if (!strcmp(a, "--quiet")) quiet = 1;
-        else if (!strcmp(a, "--recall")) recall = 1;
+        else if (!strcmp(a, "--recall")) task = "recall";
         else if (a[0] != '-' || !strcmp(a, "-")) inputs[num_inputs++] = a;
         else if (!has_value) usage();
         else if (!strcmp(a, "-o")) dir = argv[++i];
@@ -108,11 +120,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--field")) field = argv[++i];
         else if (!strcmp(a, "--val-every")) val_every = parse_int(a, argv[++i]);
         else if (!strcmp(a, "--shard-tokens")) shard_tokens = parse_count(a, argv[++i]);
-        else if (!strcmp(a, "--seed")) rc.seed = parse_count(a, argv[++i]);
-        else if (!strcmp(a, "--train-tokens")) rc.train_tokens = parse_count(a, argv[++i]);
-        else if (!strcmp(a, "--val-tokens")) rc.val_tokens = parse_count(a, argv[++i]);
-        else if (!strcmp(a, "--min-gap")) rc.min_gap = parse_int(a, argv[++i]);
-        else if (!strcmp(a, "--max-gap")) rc.max_gap = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--task")) task = argv[++i];
+        else if (!strcmp(a, "--seed")) rc.seed = sc.seed = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--train-tokens")) rc.train_tokens = sc.train_tokens = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--val-tokens")) rc.val_tokens = sc.val_tokens = parse_count(a, argv[++i]);
+        else if (!strcmp(a, "--min-gap")) rc.min_gap = sc.min_gap = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--max-gap")) rc.max_gap = sc.max_gap = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--seq-len")) sc.seq_len = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--pairs")) sc.pairs = parse_int(a, argv[++i]);
+        else if (!strcmp(a, "--copy-len")) sc.copy_len = parse_int(a, argv[++i]);
         else if (!strcmp(a, "--min-facts")) rc.min_facts = parse_int(a, argv[++i]);
         else if (!strcmp(a, "--max-facts")) rc.max_facts = parse_int(a, argv[++i]);
         else if (!strcmp(a, "--queries-per-fact")) rc.queries_per_fact = parse_int(a, argv[++i]);
@@ -127,9 +143,9 @@ int main(int argc, char **argv) {
     if (!dir) usage();
     if (strcmp(format, "auto") && strcmp(format, "text") && strcmp(format, "jsonl"))
         sdm_die("--format: expected auto, text or jsonl, got \"%s\"", format);
-    if (recall) {
-        if (num_inputs > 0) sdm_die("--recall takes no input files");
-        run_recall(dir, &rc);
+    if (task) {
+        if (num_inputs > 0) sdm_die("--task %s takes no input files", task);
+        run_task(dir, task, &rc, &sc);
         return 0;
     }
     if (num_inputs == 0) sdm_die("no input files (see prepare_data with no arguments for usage)");

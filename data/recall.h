@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "core/rng.h"
+#include "data/eval_stats.h"
 #include "data/filler.h"
 #include "data/jsonl.h"
 #include "data/shard.h"
@@ -103,11 +104,13 @@ static inline void recall_make_facts(Rng *r, const RecallConfig *c, RecallFact *
     }
 }
 
-static inline long recall_draw_gap(Rng *r, const RecallConfig *c) {
-    double lo = log((double)c->min_gap), hi = log((double)c->max_gap);
-    long g = (long)floor(exp(rng_range(r, lo, hi)));
-    return SDM_MAX((long)c->min_gap, SDM_MIN(g, (long)c->max_gap));
+// An integer log-uniform in [lo, hi].
+static inline long recall_log_uniform(Rng *r, long lo, long hi) {
+    long g = (long)floor(exp(rng_range(r, log((double)lo), log((double)hi))));
+    return SDM_MAX(lo, SDM_MIN(g, hi));
 }
+
+static inline long recall_draw_gap(Rng *r, const RecallConfig *c) { return recall_log_uniform(r, c->min_gap, c->max_gap); }
 
 static inline void recall_append(ByteBuf *out, const char *s) { bytebuf_append(out, s, strlen(s)); }
 
@@ -194,23 +197,12 @@ static inline int recall_write_split(const RecallConfig *c, uint64_t stream, uin
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Scorer. Gap buckets are powers of two: [0,256), [256,512), ..., [8192, inf).
+// Scorer, into a GapScore (data/eval_stats.h) with buckets [0,256), [256,512), ..., [8192, inf).
 
+#define RECALL_GAP_FIRST 256
 #define RECALL_BUCKETS 7
 
-typedef struct {
-    uint64_t queries[RECALL_BUCKETS], exact[RECALL_BUCKETS];        // answers, answers with every digit right
-    uint64_t digits[RECALL_BUCKETS], digits_right[RECALL_BUCKETS];  // answer digits, digits predicted right
-    uint64_t unanswerable;  // queries whose fact is not in the row (before it, or in another document)
-} RecallScore;
-
-static inline int recall_bucket(long gap) {
-    int b = 0;
-    for (long edge = 256; b < RECALL_BUCKETS - 1 && gap >= edge; edge *= 2) b++;
-    return b;
-}
-
-static inline long recall_bucket_low(int b) { return b == 0 ? 0 : 256L << (b - 1); }
+static inline void recall_score_init(GapScore *s) { gap_score_init(s, RECALL_GAP_FIRST, RECALL_BUCKETS); }
 
 // tokens[pos..] equals the bytes of s?
 static inline int recall_match(const int32_t *tokens, long n, long pos, const char *s, size_t len) {
@@ -237,7 +229,7 @@ static inline long recall_find_fact(const int32_t *tokens, long before, const ch
 }
 
 // tokens [T+1] one row; pred [T]: pred[t] is the model's prediction of tokens[t+1]. Accumulates into s.
-static inline void recall_score_row(RecallScore *s, const int32_t *tokens, const int32_t *pred, long T) {
+static inline void recall_score_row(GapScore *s, const int32_t *tokens, const int32_t *pred, long T) {
     const size_t plen = strlen(RECALL_QUERY_PREFIX), mlen = strlen(RECALL_QUERY_MID);
     const long n = T + 1;
     for (long q = 0; q + (long)plen <= n; q++) {
@@ -261,42 +253,11 @@ static inline void recall_score_row(RecallScore *s, const int32_t *tokens, const
         memcpy(fact + f, " is ", 4); f += 4;
         long v = recall_find_fact(tokens, q, fact, f);
         if (v < 0) { s->unanswerable++; continue; }
-        int b = recall_bucket(ans - v), all = 1;
-        for (long i = ans; i < ans + nd; i++) {
-            int ok = i >= 1 && pred[i - 1] == tokens[i];
-            s->digits_right[b] += (uint64_t)ok;
-            all &= ok;
-        }
-        s->digits[b] += (uint64_t)nd;
-        s->queries[b]++;
-        s->exact[b] += (uint64_t)all;
+        long right = 0;
+        for (long i = ans; i < ans + nd; i++) right += pred[i - 1] == tokens[i];  // ans >= 1: after the query
+        gap_score_add(s, ans - v, nd, right);
         q = ans + nd - 1;
     }
-}
-
-static inline void recall_score_totals(const RecallScore *s, uint64_t *queries, uint64_t *exact, uint64_t *digits,
-                                       uint64_t *digits_right) {
-    *queries = *exact = *digits = *digits_right = 0;
-    for (int b = 0; b < RECALL_BUCKETS; b++) {
-        *queries += s->queries[b];
-        *exact += s->exact[b];
-        *digits += s->digits[b];
-        *digits_right += s->digits_right[b];
-    }
-}
-
-// One line per non-empty bucket: "gap [256,512): 120 queries, digit acc 0.9500, exact 0.8833".
-static inline void recall_score_print(const RecallScore *s, FILE *out) {
-    for (int b = 0; b < RECALL_BUCKETS; b++) {
-        if (!s->queries[b]) continue;
-        char hi[24];
-        if (b == RECALL_BUCKETS - 1) snprintf(hi, sizeof hi, "inf");
-        else snprintf(hi, sizeof hi, "%ld", recall_bucket_low(b + 1));
-        fprintf(out, "recall gap [%ld,%s): %llu queries, digit acc %.4f, exact %.4f\n", recall_bucket_low(b), hi,
-                (unsigned long long)s->queries[b], (double)s->digits_right[b] / (double)s->digits[b],
-                (double)s->exact[b] / (double)s->queries[b]);
-    }
-    fprintf(out, "recall: %llu queries without their fact in the row were not scored\n", (unsigned long long)s->unanswerable);
 }
 
 #endif

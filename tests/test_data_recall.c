@@ -117,7 +117,7 @@ static void test_filler(void) {
 // then `mode` edits the predicted answer digits: 0 true, 1 answers of another query, 2 always wrong.
 typedef struct { long row, pos; } AnswerAt;
 
-static RecallScore score_stream(int mode) {
+static GapScore score_stream(int mode) {
     const long T = 4096;
     RecallConfig c = small_config(21);
     Rng r = rng_make(c.seed), pick = rng_make(77);
@@ -153,8 +153,8 @@ static RecallScore score_stream(int mode) {
         }
         free(ans);
     }
-    RecallScore s;
-    memset(&s, 0, sizeof s);
+    GapScore s;
+    recall_score_init(&s);
     for (long k = 0; k < rows; k++) recall_score_row(&s, stream + k * T, pred + k * T, T);
     free(stream);
     free(pred);
@@ -164,25 +164,25 @@ static RecallScore score_stream(int mode) {
 
 static void test_scorer(void) {
     uint64_t q, exact, digits, right;
-    RecallScore truth = score_stream(0);
-    recall_score_totals(&truth, &q, &exact, &digits, &right);
-    recall_score_print(&truth, stdout);
+    GapScore truth = score_stream(0);
+    gap_score_totals(&truth, &q, &exact, &digits, &right);
+    gap_score_print(&truth, "recall", stdout);
     int buckets = 0;
     for (int b = 0; b < RECALL_BUCKETS; b++) buckets += truth.queries[b] > 0;
     CHECK(q > 500 && exact == q && right == digits && digits == q * RECALL_VALUE_DIGITS, "true answers: %llu/%llu exact, %llu/%llu digits",
           (unsigned long long)exact, (unsigned long long)q, (unsigned long long)right, (unsigned long long)digits);
     CHECK(buckets >= 4 && truth.queries[0] == 0, "queries in %d gap buckets (none expected below min_gap 256)", buckets);
     CHECK(truth.unanswerable > 0, "rows cut the stream, so some facts must fall in an earlier row");
-    RecallScore shuffled = score_stream(1);
+    GapScore shuffled = score_stream(1);
     uint64_t q2, exact2, digits2, right2;
-    recall_score_totals(&shuffled, &q2, &exact2, &digits2, &right2);
+    gap_score_totals(&shuffled, &q2, &exact2, &digits2, &right2);
     double acc = (double)right2 / (double)digits2;
     printf("shuffled answers: digit accuracy %.4f, exact %.4f\n", acc, (double)exact2 / (double)q2);
     CHECK(q2 == q && acc > 0.06 && acc < 0.16 && (double)exact2 / (double)q2 < 0.02,
           "shuffled answers: digit accuracy %.4f, exact %llu of %llu (chance: 0.1 and ~0)", acc, (unsigned long long)exact2, (unsigned long long)q2);
-    RecallScore wrong = score_stream(2);
+    GapScore wrong = score_stream(2);
     uint64_t q3, exact3, digits3, right3;
-    recall_score_totals(&wrong, &q3, &exact3, &digits3, &right3);
+    gap_score_totals(&wrong, &q3, &exact3, &digits3, &right3);
     CHECK(q3 == q && right3 == 0 && exact3 == 0, "wrong answers scored %llu digits right", (unsigned long long)right3);
 }
 
@@ -192,18 +192,18 @@ static void test_scorer_document_boundary(void) {
     int32_t row[256];
     long n = (long)tok_encode_document((const uint8_t *)a, strlen(a), row);
     n += (long)tok_encode_document((const uint8_t *)b, strlen(b), row + n);
-    RecallScore s;
-    memset(&s, 0, sizeof s);
+    GapScore s;
+    recall_score_init(&s);
     recall_score_row(&s, row, row + 1, n - 1);
     uint64_t q, exact, digits, right;
-    recall_score_totals(&s, &q, &exact, &digits, &right);
+    gap_score_totals(&s, &q, &exact, &digits, &right);
     CHECK(q == 0 && s.unanswerable == 1, "a fact of another document was used: %llu scored, %llu unanswerable",
           (unsigned long long)q, (unsigned long long)s.unanswerable);
     n = (long)tok_encode_document((const uint8_t *)a, strlen(a), row) - 1;  // the same text as one document
     n += (long)tok_encode_bytes((const uint8_t *)b, strlen(b), row + n);
-    memset(&s, 0, sizeof s);
+    recall_score_init(&s);
     recall_score_row(&s, row, row + 1, n - 1);
-    recall_score_totals(&s, &q, &exact, &digits, &right);
+    gap_score_totals(&s, &q, &exact, &digits, &right);
     CHECK(q == 1 && exact == 1 && s.queries[0] == 1, "one document: %llu scored", (unsigned long long)q);
 }
 
@@ -217,12 +217,12 @@ static void test_default_dataset(void) {
     const int B = 4, T = 4096;
     CHECK(dataloader_open(&val, pattern, B, T, 0, 1, 0, 0, err) == 0, "open %s: %s", pattern, err);
     int32_t *batch = (int32_t *)sdm_malloc((size_t)B * (T + 1) * sizeof(int32_t));
-    RecallScore s;
-    memset(&s, 0, sizeof s);
+    GapScore s;
+    recall_score_init(&s);
     for (int k = 0; k < 8 && dataloader_next_batch(&val, batch, err) == 0; k++)
         for (int b = 0; b < B; b++) recall_score_row(&s, batch + (size_t)b * (T + 1), batch + (size_t)b * (T + 1) + 1, T);
     uint64_t q, exact, digits, right;
-    recall_score_totals(&s, &q, &exact, &digits, &right);
+    gap_score_totals(&s, &q, &exact, &digits, &right);
     CHECK(q > 50 && exact == q, "validation batches: %llu of %llu true answers exact", (unsigned long long)exact, (unsigned long long)q);
     dataloader_close(&val);
     // A matching stamp means no regeneration (a deleted shard stays deleted); a different one regenerates.
