@@ -1,6 +1,6 @@
 # sdm.c build. `make` builds the programs, `make test` runs every CPU test and compiles every CUDA source,
 # `make test-gpu` runs the GPU tests, `make bench` runs the benchmarks.
-# Overrides: GPU_ARCH (default sm_90), CUDA_HOME, NCCL_HOME.
+# Overrides: GPU_ARCH (default sm_90), CUDA_HOME, NCCL_HOME, NCCL (1: require it, 0: leave it out).
 
 CUDA_HOME ?= /usr/local/cuda
 NCCL_HOME ?= $(CUDA_HOME)
@@ -10,20 +10,35 @@ CC       ?= gcc
 NVCC     := $(CUDA_HOME)/bin/nvcc
 BUILD    := build
 
-CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -O2 -Wall -Wextra -I. -MMD -MP
+CFLAGS    := -std=c11 -D_POSIX_C_SOURCE=200809L -O2 -Wall -Wextra -I.
 SANITIZE  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
-NVCCFLAGS := -O3 -std=c++17 -arch=$(GPU_ARCH) -I. -MMD -MP -Xcompiler -Wall,-Wextra \
-             -I$(NCCL_HOME)/include --expt-relaxed-constexpr -lineinfo
+NVCCFLAGS := -O3 -std=c++17 -arch=$(GPU_ARCH) -I. -Xcompiler -Wall,-Wextra \
+             --expt-relaxed-constexpr -lineinfo
 GPU_LIBS  := -lcublas -lcublasLt -lm
+DEPS       = -MMD -MP -MF $(BUILD)/$(notdir $@).d # dependency files go to build/, never the repository root
 
-# NCCL is found by compiling and linking a probe; without it the programs build single-GPU only.
-NCCL_LIBDIR := $(firstword $(wildcard $(NCCL_HOME)/lib64/libnccl.so $(NCCL_HOME)/lib/libnccl.so))
-HAVE_NCCL := $(shell printf '\#include <nccl.h>\nint main(void){int v;return ncclGetVersion(&v);}\n' | \
-    $(CC) -x c - -o /dev/null -I$(CUDA_HOME)/include -I$(NCCL_HOME)/include \
-    -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib64 -L$(NCCL_HOME)/lib -lnccl -lcudart 2>/dev/null && echo 1)
-ifeq ($(HAVE_NCCL),1)
-  NVCCFLAGS += -DSDM_HAVE_NCCL=1
-  GPU_LIBS  += -L$(NCCL_HOME)/lib64 -L$(NCCL_HOME)/lib -lnccl
+# NCCL: NCCL=1 requires it, NCCL=0 leaves it out, unset uses it when core/nccl_probe.c compiles and links against
+# nccl.h and libnccl under NCCL_HOME (or CUDA_HOME, or the compiler's default paths). One line says which.
+NCCL_FLAGS := -I$(NCCL_HOME)/include -I$(CUDA_HOME)/include
+NCCL_LINK  := -L$(NCCL_HOME)/lib64 -L$(NCCL_HOME)/lib -L$(CUDA_HOME)/lib64 -lnccl
+ifneq ($(NCCL),0)
+  NCCL_VERSION := $(shell $(CC) $(NCCL_FLAGS) core/nccl_probe.c -o /dev/null $(NCCL_LINK) 2>/dev/null && \
+      $(CC) -E -DSDM_NCCL_VERSION $(NCCL_FLAGS) core/nccl_probe.c 2>/dev/null | \
+      sed -n 's/^sdm_nccl_version \([0-9]*\) \([0-9]*\) \([0-9]*\).*/\1.\2.\3/p')
+endif
+ifneq ($(NCCL_VERSION),)
+  NVCCFLAGS += -DSDM_HAVE_NCCL=1 -I$(NCCL_HOME)/include
+  GPU_LIBS  += $(NCCL_LINK)
+  NCCL_MODE := NCCL $(NCCL_VERSION): multi-GPU
+else ifeq ($(NCCL),1)
+  $(error NCCL=1 but nccl.h and libnccl were not found under NCCL_HOME=$(NCCL_HOME) or CUDA_HOME=$(CUDA_HOME); set NCCL_HOME, or build with NCCL=0)
+else ifeq ($(NCCL),0)
+  NCCL_MODE := NCCL=0: single-GPU build
+else
+  NCCL_MODE := NCCL not found: single-GPU build
+endif
+ifeq ($(MAKELEVEL),0)
+  $(info $(NCCL_MODE))
 endif
 
 PROGRAMS   := train_sdm infer_sdm prepare_data svgplot
@@ -35,14 +50,14 @@ BENCHES    := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/bench_*.cu))
 .PHONY: all test test-cpu test-gpu bench compile-cuda clean
 all: $(PROGRAMS)
 
-train_sdm: train_sdm.cu
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GPU_LIBS)
+train_sdm: train_sdm.cu | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $(DEPS) $< -o $@ $(GPU_LIBS)
 
-infer_sdm: infer_sdm.cu
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GPU_LIBS)
+infer_sdm: infer_sdm.cu | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $(DEPS) $< -o $@ $(GPU_LIBS)
 
-prepare_data: data/prepare_data.c
-	$(CC) $(CFLAGS) $< -o $@ -lm
+prepare_data: data/prepare_data.c | $(BUILD)
+	$(CC) $(CFLAGS) $(DEPS) $< -o $@ -lm
 
 svgplot: tools/svgplot.c
 	$(CC) $(CFLAGS) $< -o $@ -lm
@@ -55,11 +70,10 @@ data/generated/recall_dataset.txt: prepare_data
 	./prepare_data --recall -o data/generated
 
 $(BUILD)/test_%: tests/test_%.c | $(BUILD)
-	$(CC) $(CFLAGS) $(SANITIZE) $< -o $@ -lm
+	$(CC) $(CFLAGS) $(DEPS) $(SANITIZE) -pthread $< -o $@ -lm
 
-$(BUILD)/gpu_test_% $(BUILD)/bench_%: tests/%.cu
 $(BUILD)/%: tests/%.cu | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GPU_LIBS)
+	$(NVCC) $(NVCCFLAGS) $(DEPS) $< -o $@ $(GPU_LIBS)
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -82,4 +96,4 @@ bench: $(BENCHES)
 clean:
 	rm -rf $(BUILD) $(PROGRAMS)
 
--include $(wildcard $(BUILD)/*.d) $(wildcard *.d)
+-include $(wildcard $(BUILD)/*.d)

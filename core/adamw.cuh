@@ -67,10 +67,8 @@ __global__ void adamw_kernel(float *p, T *work, const float *g, float *m, float 
     float gs = grad_scale ? *grad_scale : 1.0f;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float gi = g[i] * gs;
-        float mi = c.beta1 * m[i] + (1.0f - c.beta1) * gi;
-        float vi = c.beta2 * v[i] + (1.0f - c.beta2) * gi * gi;
-        float pi = p[i] * c.decay_mul - c.step_size * mi / (sqrtf(vi) * c.rsqrt_bc2 + c.eps);
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_element(&pi, &mi, &vi, g[i] * gs, c);
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;

@@ -1,16 +1,25 @@
 // core/dist.cuh: data parallelism over GPUs and nodes with NCCL, ZeRO-1 style.
 //
-// Every rank holds the full bf16/fp32 working weights and computes full fp32 gradients on its slice of the batch.
-// Gradients are reduce-scattered (sum, then scaled by 1/world) so that rank r owns the contiguous shard
-// [r*shard, (r+1)*shard) of the flat parameter array (padded to world*shard); AdamW updates that shard of the fp32
-// master weights and of m, v; an all-gather brings the updated weights back to every rank. NCCL's ring reductions
-// are deterministic for a fixed number of ranks, so runs are bitwise repeatable at a given world size.
-// Built without NCCL (SDM_HAVE_NCCL undefined) only world = 1 is accepted.
+// Every rank holds the full bf16/fp32 working weights and computes full fp32 gradients on its slice of the batch,
+// already scaled by 1/world through the loss scale. Gradients are reduce-scattered (summed) so that rank r owns the
+// shard of core/shard.h (the flat parameter array padded to world * shard); AdamW updates that shard of the fp32
+// master weights and of m, v; an all-gather brings the updated weights back to every rank. core/loopback.h has the
+// same collectives for threads of one process, so tests/test_zero1.c checks this arithmetic on the CPU.
+//
+// Reproducibility: NCCL's reductions are deterministic for a fixed world size and topology, so runs are bitwise
+// repeatable at a given world size. Across world sizes they are not bitwise equal: with 2 ranks a + b is the
+// sequential sum, but for > 2 ranks the ring adds the ranks' gradients in an order that depends on the chunk, so each
+// summed gradient differs from the sequential sum of tests/test_zero1.c by at most (world-1)·2^-24·Σ|g_r| (the
+// standard bound of a sum of world terms in fp32), which AdamW turns into weight differences of the same relative
+// order. In bf16 mode the working copy is the bf16 rounding of the fp32 master, so it may differ by one bf16 ulp
+// (2^-8 relative) where the masters differ at all.
+// Built without NCCL (SDM_HAVE_NCCL undefined) only world = 1 is accepted, and every collective is a no-op.
 #ifndef SDM_CORE_DIST_CUH
 #define SDM_CORE_DIST_CUH
 
 #include "core/bootstrap.h"
 #include "core/cuda_common.cuh"
+#include "core/shard.h"
 
 #ifdef SDM_HAVE_NCCL
 #include <nccl.h>
@@ -23,13 +32,14 @@
 
 typedef struct {
     int rank, world, local_rank;
-    long long n, shard;  // parameters, and the per-rank shard (world * shard >= n)
+    long long n, shard; // parameters, and the per-rank shard: shard_size(n, world)
 #ifdef SDM_HAVE_NCCL
     ncclComm_t comm;
 #endif
 } Dist;
 
-// Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator.
+// Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator. The init file
+// (if any) is removed by boot_exchange_id once every rank has read it.
 static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params) {
     char err[BOOT_ERR];
     if (!boot_check(boot, err)) sdm_die("%s", err);
@@ -38,29 +48,32 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     d->world = boot->world;
     d->local_rank = boot->local_rank;
     d->n = n_params;
-    d->shard = (n_params + d->world - 1) / d->world;
+    d->shard = shard_size(n_params, d->world);
     int devices = 0;
     cudaCheck(cudaGetDeviceCount(&devices));
     if (d->local_rank >= devices) sdm_die("local rank %d but only %d GPUs are visible", d->local_rank, devices);
     cudaCheck(cudaSetDevice(d->local_rank));
 #ifdef SDM_HAVE_NCCL
     ncclUniqueId id;
-    if (d->rank == 0) ncclCheck(ncclGetUniqueId(&id));
+    if (d->rank == 0 && d->world > 1) ncclCheck(ncclGetUniqueId(&id));
     if (!boot_exchange_id(boot, (unsigned char *)&id, err)) sdm_die("%s", err);
-    ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
+    if (d->world > 1) ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
 #else
-    if (d->world > 1) sdm_die("built without NCCL: only single-process runs (world size %d requested)", d->world);
+    if (d->world > 1)
+        sdm_die("built without NCCL: only single-process runs (world size %d requested); rebuild where NCCL is "
+                "installed (make prints 'NCCL <version>: multi-GPU', or set NCCL_HOME)", d->world);
 #endif
 }
 
 static inline void dist_destroy(Dist *d) {
 #ifdef SDM_HAVE_NCCL
-    ncclCheck(ncclCommDestroy(d->comm));
+    if (d->world > 1) ncclCheck(ncclCommDestroy(d->comm));
 #endif
     (void)d;
 }
 
-// grads: fp32 [world * shard] (the padding is zero). Afterwards grads[rank*shard ...] holds the sum over ranks.
+// grads: fp32 [world * shard] (the padding is zero). Afterwards grads[rank*shard ...] holds the sum over ranks
+// (NCCL's in-place form: the received chunk is the rank's own chunk of the send buffer).
 static inline void dist_reduce_scatter_grads(Dist *d, float *grads, cudaStream_t stream) {
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1)
@@ -70,8 +83,8 @@ static inline void dist_reduce_scatter_grads(Dist *d, float *grads, cudaStream_t
     (void)d, (void)grads, (void)stream;
 }
 
-// params: [world * shard]; each rank contributes its shard, all receive every shard. elem: ncclFloat/ncclBfloat16
-// equivalents are chosen by the element size (4 or 2 bytes).
+// params: [world * shard] elements of elem_bytes (4: fp32, 2: bf16); each rank contributes its shard, all receive
+// every shard.
 static inline void dist_all_gather(Dist *d, void *params, size_t elem_bytes, cudaStream_t stream) {
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) {
@@ -89,6 +102,26 @@ static inline void dist_all_reduce_sum(Dist *d, float *x, size_t n, cudaStream_t
     if (d->world > 1) ncclCheck(ncclAllReduce(x, x, n, ncclFloat, ncclSum, d->comm, stream));
 #endif
     (void)d, (void)x, (void)n, (void)stream;
+}
+
+// buf[bytes] (device) of rank `root` to every rank, e.g. the checkpoint rank 0 picked on resume.
+static inline void dist_broadcast(Dist *d, void *buf, size_t bytes, int root, cudaStream_t stream) {
+#ifdef SDM_HAVE_NCCL
+    if (d->world > 1) ncclCheck(ncclBroadcast(buf, buf, bytes, ncclUint8, root, d->comm, stream));
+#endif
+    (void)d, (void)buf, (void)bytes, (void)root, (void)stream;
+}
+
+// dist_broadcast of a host buffer (small things: a step number, a loader state), through a temporary device copy;
+// returns when buf holds root's bytes.
+static inline void dist_broadcast_host(Dist *d, void *buf, size_t bytes, int root) {
+    if (d->world == 1 || bytes == 0) return;
+    void *dev = NULL;
+    cudaCheck(cudaMalloc(&dev, bytes));
+    cudaCheck(cudaMemcpy(dev, buf, bytes, cudaMemcpyHostToDevice));
+    dist_broadcast(d, dev, bytes, root, 0);
+    cudaCheck(cudaMemcpy(buf, dev, bytes, cudaMemcpyDeviceToHost)); // legacy default stream: waits for the broadcast
+    cudaCheck(cudaFree(dev));
 }
 
 #endif

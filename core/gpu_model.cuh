@@ -12,6 +12,7 @@
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
 #include "core/model.h"
+#include "core/shard.h"
 #include "sdm/sdm_layer.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ typedef struct {
     int B, T, n, L, D, F, V, Vp; // n = B*T tokens; Vp: logits row stride (V rounded up to 8)
     cudaDataType_t ctype;        // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
-    long long padded;            // flat parameter storage padded to a multiple of the world size
+    long long padded;            // flat parameter storage padded to world shards (core/shard.h)
     // parameters, gradients, optimizer state: flat arrays in the model's table order
     float *master, *grads, *adam_m, *adam_v; // fp32 [padded]
     void *work;                              // compute dtype [padded]: the weights the layers read
@@ -170,7 +171,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->Vp = (m->vocab + 7) / 8 * 8;
     g->ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
     g->es = dtype_size(g->ctype);
-    g->padded = (m->storage + world - 1) / world * world;
+    g->padded = shard_padded(m->storage, world);
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
 
     g->master = (float *)gpu_alloc(P * 4);

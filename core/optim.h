@@ -75,6 +75,14 @@ static inline AdamWCoeffs adamw_coeffs(const AdamWHyper *h, int decay) {
     return c;
 }
 
+// The AdamW update of one element with these coefficients (g already scaled): the formula of the GPU kernel
+// (core/adamw.cuh), also run on the CPU by tests/test_zero1.c.
+static inline SDM_HOST_DEVICE void adamw_element(float *p, float *m, float *v, float g, AdamWCoeffs c) {
+    *m = c.beta1 * *m + (1.0f - c.beta1) * g;
+    *v = c.beta2 * *v + (1.0f - c.beta2) * g * g;
+    *p = *p * c.decay_mul - c.step_size * *m / (sqrtf(*v) * c.rsqrt_bc2 + c.eps);
+}
+
 // The oracle: one AdamW update of n elements in double, written from docs/MODEL.md#optimizer (gradient g already scaled).
 static inline void ref_adamw_step(double *p, double *m, double *v, const double *g, size_t n, const AdamWHyper *h,
                                   int decay) {
