@@ -12,6 +12,7 @@
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
 #include "core/model.h"
+#include "sdm/sdm_infer.cuh"
 #include "sdm/sdm_layer.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+// sdm/sdm_bank.cuh: the SDM layer's banks on the GPU (SDM_SPEC §1.7, §4.5): B sequences' banks [B, H, N, d] in the
+// bank dtype (bf16 or fp32) initialised from the learned M0 [H, N, d] (or zeros), the M0 gradient as the sum over
+// b in order of the per-sequence fp32 bank gradients, and the size of one sequence's bank.
+#ifndef SDM_SDM_BANK_CUH
+#define SDM_SDM_BANK_CUH
+
+#include "core/cuda_common.cuh"
+#include "sdm/sdm_dims.h"
+
+// =================================================================================================================
+// The bank: every sequence starts from its own copy of M0 (§1.7), and dM0 is the sum of the copies' gradients
+// over b in order 0..B-1 (§4.5).
+// =================================================================================================================
+
+__global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq; i += (size_t)gridDim.x * blockDim.x) {
+        float x = load_act(m0, i, m0_fp32);
+        for (int b = 0; b < B; b++) store_act(bank, (size_t)b * per_seq + i, x, bank_fp32);
+    }
+}
+
+// bank[b, :] = m0 for every b, in 16-byte units (n16 per sequence)
+__global__ void bank_replicate_kernel(uint4 *bank, const uint4 *m0, size_t n16, int B) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 x = m0[i];
+        for (int b = 0; b < B; b++) bank[(size_t)b * n16 + i] = x;
+    }
+}
+
+// dm0[i] += sum_b dbank[b, i]; per_seq % 4 == 0 (d is a multiple of 8)
+__global__ void bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_seq, int B) {
+    size_t n4 = per_seq / 4;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 s = ((const float4 *)dbank)[i];
+        for (int b = 1; b < B; b++) {
+            float4 t = ((const float4 *)(dbank + (size_t)b * per_seq))[i];
+            s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
+        }
+        float4 acc = ((float4 *)dm0)[i];
+        acc.x += s.x; acc.y += s.y; acc.z += s.z; acc.w += s.w;
+        ((float4 *)dm0)[i] = acc;
+    }
+}
+
+// bank [B, per_seq] (bank dtype) = M0 [per_seq] (m0 dtype) for every b, or zeros when m0 is NULL.
+static inline void bank_init(void *bank, int bank_fp32, const void *m0, int m0_fp32, size_t per_seq, int B,
+                             cudaStream_t s) {
+    if (!m0) {
+        cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * (bank_fp32 ? 4 : 2), s));
+        return;
+    }
+    if (bank_fp32 == m0_fp32 && (uintptr_t)m0 % 16 == 0) { // same dtype: read M0 once, write B copies, 16 B at a time
+        size_t n16 = per_seq * (bank_fp32 ? 4 : 2) / 16;
+        bank_replicate_kernel<<<2112, 256, 0, s>>>((uint4 *)bank, (const uint4 *)m0, n16, B);
+        cudaCheckLast();
+        return;
+    }
+    bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_fp32 != 0, m0, m0_fp32 != 0, per_seq, B);
+    cudaCheckLast();
+}
+
+// Bytes of one sequence's bank [H, N, d] in the bank dtype.
+static inline size_t sdm_bank_bytes(const SdmDims *s) {
+    return (size_t)s->heads * s->slots * s->head_dim * (s->bank_fp32 ? 4 : 2);
+}
+
+#endif
