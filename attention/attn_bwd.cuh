@@ -279,19 +279,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
 template <int D, int NW, int BM, int MINB, bool SKIP> static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BN = 16 * NW;
     size_t smem = (size_t)(2 * BN + 4 * BM) * (D + ATTN_PAD) * sizeof(bf16) + 4 * BM * sizeof(float);
-    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB, SKIP>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p,
-                "attention backward dk dv");
+    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB, SKIP>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p);
 }
 
 template <int D, int NW, int BN, int MINB, bool SKIP> static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * NW;
     size_t smem = (size_t)(2 * BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
-                "attention backward dq");
+    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p);
 }
 
 template <typename T, int D> static inline void attn_delta(const AttnArgs &p, int B, cudaStream_t st) {
-    attn_launch_rows(attn_delta_kernel<T, D>, B * p.T * p.nh, st, p, "attention backward delta");
+    attn_launch_rows(attn_delta_kernel<T, D>, B * p.T * p.nh, st, p);
 }
 
 // Workspace of the backward: delta [B,n_h,T] fp32.
@@ -299,11 +297,11 @@ static inline size_t attn_backward_workspace_bytes(const AttnDims *a, int B, int
     return (size_t)B * a->n_heads * T * sizeof(float);
 }
 
-template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, AttnDtype dt, cudaStream_t st) {
-    if (dt == ATTN_FP32) {
+template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {
+    if (dt == DT_FP32) {
         attn_delta<float, D>(p, B, st);
-        attn_launch_rows(attn_bwd_dq_rows_kernel<D>, B * p.T * p.nh, st, p, "attention backward dq (fp32)");
-        attn_launch_rows(attn_bwd_dkdv_rows_kernel<D>, B * p.T * p.nkv, st, p, "attention backward dk dv (fp32)");
+        attn_launch_rows(attn_bwd_dq_rows_kernel<D>, B * p.T * p.nh, st, p);
+        attn_launch_rows(attn_bwd_dkdv_rows_kernel<D>, B * p.T * p.nkv, st, p);
         return;
     }
     attn_delta<bf16, D>(p, B, st);
@@ -312,7 +310,7 @@ template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, At
 }
 
 // Given the forward's out and lse and the gradient dout, overwrite dq, dk, dv (same element type as q, k, v).
-static inline void attn_backward(const AttnDims *a, int B, int T, AttnDtype dt, const void *q, const void *k,
+static inline void attn_backward(const AttnDims *a, int B, int T, Dtype dt, const void *q, const void *k,
                                  const void *v, const void *out, const float *lse, const void *dout, void *dq, void *dk,
                                  void *dv, void *workspace, cudaStream_t st) {
     attn_check_dims(a);

@@ -1,4 +1,4 @@
-// attention/attn_common.cuh: what the attention kernels share (SDM_SPEC §6.3): the element types, small device
+// attention/attn_common.cuh: what the attention kernels share (SDM_SPEC §6.3): the bf16 alias, small device
 // helpers (the mask's first visible key), AttnArgs (the core kernels' arguments: q, out [B,T,n_h,d_h]; k, v
 // [B,T,n_kv,d_h]; lse, delta [B,n_h,T] fp32), the row-per-warp building blocks of the fp32 core and of decode (one
 // query row per warp, online softmax over a source of key/value rows), and the host helpers every entry point uses
@@ -15,13 +15,9 @@
 #include "attention/attention_ref.h" // attn_rope_inv_freq: the host computes the RoPE frequencies exactly as the CPU reference
 #include "attention/attn_dims.h"
 #include "core/common.h"
+#include "core/cuda_common.cuh" // Dtype, cudaCheck, core_warp_sum
 
-typedef enum { ATTN_BF16 = 0, ATTN_FP32 = 1 } AttnDtype;
 typedef __nv_bfloat16 bf16;
-
-static inline void attn_cuda_check(cudaError_t e, const char *what) {
-    if (e != cudaSuccess) sdm_die("attention: %s: %s", what, cudaGetErrorString(e));
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Small device helpers
@@ -29,18 +25,7 @@ static inline void attn_cuda_check(cudaError_t e, const char *what) {
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
 
-__device__ __forceinline__ float attn_f(float x) { return x; }
-__device__ __forceinline__ float attn_f(bf16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T attn_cast(float x);
-template <> __device__ __forceinline__ float attn_cast<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16 attn_cast<bf16>(float x) { return __float2bfloat16(x); }
-
 __device__ __forceinline__ int attn_first_key_dev(int p, int window) { return window == 0 ? 0 : max(0, p - window + 1); }
-
-__device__ __forceinline__ float attn_warp_sum(float x) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Shared arguments of the core kernels
@@ -67,13 +52,13 @@ template <typename T> struct AttnKvRows {
 };
 
 template <typename T, int D> __device__ __forceinline__ void attn_load_row(float (&x)[D / 32], const T *row) {
-    for (int i = 0; i < D / 32; i++) x[i] = attn_f(row[i * 32 + (threadIdx.x & 31)]);
+    for (int i = 0; i < D / 32; i++) x[i] = dtype_to_float(row[i * 32 + (threadIdx.x & 31)]);
 }
 
 template <typename T, int D> __device__ __forceinline__ float attn_row_dot(const float (&x)[D / 32], const T *row) {
     float s = 0.0f;
-    for (int i = 0; i < D / 32; i++) s += x[i] * attn_f(row[i * 32 + (threadIdx.x & 31)]);
-    return attn_warp_sum(s);
+    for (int i = 0; i < D / 32; i++) s += x[i] * dtype_to_float(row[i * 32 + (threadIdx.x & 31)]);
+    return core_warp_sum(s);
 }
 
 // Online softmax of one query over positions s_lo..s_hi in increasing order. Leaves o unnormalised; lse (natural
@@ -89,7 +74,7 @@ __device__ void attn_warp_attend(const float (&q)[D / 32], const AttnKvRows<T> &
         float m_new = fmaxf(m, sc), alpha = exp2f(m - m_new), p = exp2f(sc - m_new);
         const T *vr = kv.vrow(s);
         l = l * alpha + p;
-        for (int i = 0; i < D / 32; i++) o[i] = o[i] * alpha + p * attn_f(vr[i * 32 + (threadIdx.x & 31)]);
+        for (int i = 0; i < D / 32; i++) o[i] = o[i] * alpha + p * dtype_to_float(vr[i * 32 + (threadIdx.x & 31)]);
         m = m_new;
     }
     lse = (m + log2f(l)) * ATTN_LN2;
@@ -119,18 +104,17 @@ static inline AttnArgs attn_args(const AttnDims *a, int T) {
 
 // Launch a kernel with `smem` bytes of dynamic shared memory, raising the kernel's limit first.
 template <typename K>
-static inline void attn_launch(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t st, const AttnArgs &p,
-                               const char *what) {
-    attn_cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), what);
+static inline void attn_launch(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t st, const AttnArgs &p) {
+    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<grid, threads, smem, st>>>(p);
-    attn_cuda_check(cudaGetLastError(), what);
+    cudaCheckLast();
 }
 
 // Launch a row-per-warp kernel over `rows` warps.
 template <typename K>
-static inline void attn_launch_rows(K kernel, int rows, cudaStream_t st, const AttnArgs &p, const char *what) {
+static inline void attn_launch_rows(K kernel, int rows, cudaStream_t st, const AttnArgs &p) {
     kernel<<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(p, rows);
-    attn_cuda_check(cudaGetLastError(), what);
+    cudaCheckLast();
 }
 
 #endif

@@ -154,18 +154,17 @@ template <int D, int NW, int BN, int MT, int MINB, bool SKIP>
 static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * MT * NW;
     size_t smem = (size_t)(BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p,
-                "attention forward");
+    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p);
 }
 
-template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, AttnDtype dt, cudaStream_t st) {
-    if (dt == ATTN_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p, "attention forward (fp32)");
+template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {
+    if (dt == DT_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p);
     else if (p.window > 0 && p.window <= 256) attn_fwd_mma<D, ATTN_FWD_SWA_CFG>(p, B, st);
     else attn_fwd_mma<D, ATTN_FWD_CFG>(p, B, st);
 }
 
 // out = attention(q, k, v) after RoPE; lse [B,n_h,T] is written when non-NULL (training), skipped for inference.
-static inline void attn_forward(const AttnDims *a, int B, int T, AttnDtype dt, const void *q, const void *k,
+static inline void attn_forward(const AttnDims *a, int B, int T, Dtype dt, const void *q, const void *k,
                                 const void *v, void *out, float *lse, cudaStream_t st) {
     attn_check_dims(a);
     if (B == 0 || T == 0) return;

@@ -21,12 +21,12 @@
 // out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
 template <typename T> __global__ void cast_kernel(T *out, const float *in, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = act_from_float<T>(in[i]);
+        out[i] = dtype_from_float<T>(in[i]);
 }
 
-static inline void cast_to_work(void *out, const float *in, long long n, cudaDataType_t dtype, cudaStream_t s) {
+static inline void cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    ACT_DISPATCH(dtype, "cast_to_work", cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
+    DTYPE_DISPATCH(dtype, "cast_to_work", cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
     cudaCheckLast();
 }
 
@@ -37,7 +37,7 @@ template <typename T> __global__ void argmax_kernel(int *pred, const T *logits, 
     float best = -INFINITY;
     int arg = 0;
     for (int v = lane; v < V; v += 32) {
-        float x = act_to_float(logits[(size_t)row * ld + v]);
+        float x = dtype_to_float(logits[(size_t)row * ld + v]);
         if (x > best) { best = x; arg = v; }
     }
     for (int off = 16; off; off /= 2) {
@@ -54,7 +54,7 @@ template <typename T> __global__ void argmax_kernel(int *pred, const T *logits, 
 typedef struct {
     const ModelDesc *m;
     int B, T, n, L, D, F, V, Vp; // n = B*T tokens; Vp: logits row stride (V rounded up to 8)
-    cudaDataType_t ctype;        // compute dtype: bf16, or fp32 in the exact mode
+    Dtype ctype;                 // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
     long long padded;            // flat parameter storage padded to a multiple of the world size
     // parameters, gradients, optimizer state: flat arrays in the model's table order
@@ -153,7 +153,7 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
                 "multiples of %d)", l, first, second, MODEL_ALIGN);
 }
 
-static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, int fp32, int world) {
+static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world) {
     for (int l = 0; l < m->n_layers; l++) {
         gm_require_adjacent(m, l, "ffn.w1", "ffn.w3");
         const char *sdm_in[] = {"sdm.wk", "sdm.wq", "sdm.wv", "sdm.wa", "sdm.wb", "sdm.wg"};
@@ -169,7 +169,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->F = m->ffn_hidden;
     g->V = m->vocab;
     g->Vp = (m->vocab + 7) / 8 * 8;
-    g->ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    g->ctype = ctype;
     g->es = dtype_size(g->ctype);
     g->padded = (m->storage + world - 1) / world * world;
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
@@ -213,7 +213,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
     for (int l = 0; l < g->L; l++) {
-        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, fp32, 0);
+        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0);
         else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype);
     }
 }
@@ -307,7 +307,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
 static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     int n = g->n, D = g->D, F = g->F;
     // LM head and final norm
-    matmul_backward_weight(gm_grad(g, -1, gm_head_name(g)), CUDA_R_32F, g->logits, g->Vp, g->xfinal, g->ctype, n,
+    matmul_backward_weight(gm_grad(g, -1, gm_head_name(g)), DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n,
                            g->V, D, 1, 0);
     matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, gm_weight(g, -1, gm_head_name(g)), g->ctype, n, g->V,
                           D, 0, 0);
@@ -316,11 +316,11 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     for (int l = g->L - 1; l >= 0; l--) {
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
-        matmul_backward_weight(gm_grad(g, l, "ffn.w2"), CUDA_R_32F, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D,
+        matmul_backward_weight(gm_grad(g, l, "ffn.w2"), DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D,
                                F, 1, 0);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, gm_weight(g, l, "ffn.w2"), g->ctype, n, D, F, 0, 0);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
-        matmul_backward_weight(gm_grad(g, l, "ffn.w1"), CUDA_R_32F, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n,
+        matmul_backward_weight(gm_grad(g, l, "ffn.w1"), DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n,
                                2 * F, D, 1, 0);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, gm_weight(g, l, "ffn.w1"), g->ctype, n, 2 * F, D, 0, 0);
         rmsnorm_backward(g->dh, gm_grad(g, l, "ffn_norm"), g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D),
@@ -336,7 +336,7 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
 static inline void gpu_model_argmax(GpuModel *g) {
-    ACT_DISPATCH(g->ctype, "argmax",
+    DTYPE_DISPATCH(g->ctype, "argmax",
                  argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
     cudaCheckLast();
 }
@@ -380,7 +380,7 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->attn = (AttnInferState *)sdm_calloc(g->L, sizeof(AttnInferState));
     for (int l = 0; l < g->L; l++) {
         if (g->m->kind[l] == LAYER_SDM) {
-            I->sdm[l] = sdm_infer_create(&g->m->sdm, streams, max_tokens, g->ctype == CUDA_R_32F);
+            I->sdm[l] = sdm_infer_create(&g->m->sdm, streams, max_tokens, g->ctype);
         } else {
             I->attn[l] = attn_infer_create(&g->m->attn[l], streams, max_tokens, g->ctype);
             if (g->m->attn[l].window == 0) I->full_attention = 1;
@@ -455,7 +455,7 @@ static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_o
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, next_norm, g->ctype, n, D, eps, 0);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
-    matmul_forward(I->logits, CUDA_R_32F, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
+    matmul_forward(I->logits, DT_FP32, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
                    D, 0);
     cudaCheck(cudaMemcpy(I->logits_host, I->logits, (size_t)n_out * g->Vp * 4, cudaMemcpyDeviceToHost));
     return I->logits_host;

@@ -7,7 +7,7 @@
 #ifndef SDM_CORE_LOSS_CUH
 #define SDM_CORE_LOSS_CUH
 
-#include "core/act.cuh"
+#include "core/cuda_common.cuh"
 
 // Online softmax state: running max m and Σ exp(z − m). Merging is commutative, so the xor butterfly leaves the same
 // bits in every lane.
@@ -47,7 +47,7 @@ __global__ void cross_entropy_kernel(T *logits, int ld, const int *targets, floa
     T *z = logits + (size_t)blockIdx.x * ld;
     SoftmaxAcc acc = {-INFINITY, 0.0f};
     for (int v = threadIdx.x; v < V; v += blockDim.x) { // one exp per element: rescale only when the max grows
-        float x = act_to_float(z[v]);
+        float x = dtype_to_float(z[v]);
         if (x > acc.m) {
             acc.s = acc.s * expf(acc.m - x) + 1.0f;
             acc.m = x;
@@ -60,13 +60,13 @@ __global__ void cross_entropy_kernel(T *logits, int ld, const int *targets, floa
     int target = targets[blockIdx.x];
     bool valid = target >= 0 && target < V;
     // every thread reads z[target] before any thread overwrites the row
-    float zt = valid ? act_to_float(z[target]) : NAN;
+    float zt = valid ? dtype_to_float(z[target]) : NAN;
     __syncthreads();
     if (threadIdx.x == 0) losses[blockIdx.x] = lse - zt;
     if (dscale == 0.0f) return;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float p = expf(act_to_float(z[v]) - lse);
-        z[v] = act_from_float<T>(dscale * (p - (v == target ? 1.0f : 0.0f)));
+        float p = expf(dtype_to_float(z[v]) - lse);
+        z[v] = dtype_from_float<T>(dscale * (p - (v == target ? 1.0f : 0.0f)));
     }
 }
 
@@ -76,9 +76,9 @@ static inline int cross_entropy_threads(int V) { return V <= 1024 ? 128 : (V <= 
 // losses[n] (fp32) and, unless dscale == 0, the gradient dscale·(softmax − onehot) written over logits [n, V]
 // (row stride ld >= V, columns past V untouched). targets: device ints in [0, V).
 static inline void cross_entropy_forward_backward(void *logits, int ld, const int *targets, float *losses,
-                                                  cudaDataType_t dtype, int n, int V, float dscale, cudaStream_t s) {
+                                                  Dtype dtype, int n, int V, float dscale, cudaStream_t s) {
     if (ld < V) sdm_die("cross_entropy: row stride %d < V = %d", ld, V);
-    ACT_DISPATCH(dtype, "cross_entropy_forward_backward",
+    DTYPE_DISPATCH(dtype, "cross_entropy_forward_backward",
                  cross_entropy_kernel<T><<<n, cross_entropy_threads(V), 0, s>>>((T *)logits, ld, targets, losses, V,
                                                                                 dscale));
     cudaCheckLast();
@@ -91,7 +91,7 @@ __global__ void loss_mean_kernel(float *mean, const float *losses, int n) {
     __shared__ float scratch[32];
     float acc = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) acc += losses[i];
-    acc = block_sum(acc, scratch);
+    acc = core_block_sum(acc, scratch);
     if (threadIdx.x == 0) *mean = acc / (float)n;
 }
 

@@ -14,8 +14,8 @@
 
 __global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq; i += (size_t)gridDim.x * blockDim.x) {
-        float x = load_act(m0, i, m0_fp32);
-        for (int b = 0; b < B; b++) store_act(bank, (size_t)b * per_seq + i, x, bank_fp32);
+        float x = dtype_load(m0, i, m0_fp32);
+        for (int b = 0; b < B; b++) dtype_store(bank, (size_t)b * per_seq + i, x, bank_fp32);
     }
 }
 
@@ -43,21 +43,24 @@ __global__ void bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_
 }
 
 // bank [B, per_seq] (bank dtype) = M0 [per_seq] (m0 dtype) for every b, or zeros when m0 is NULL.
-static inline void bank_init(void *bank, int bank_fp32, const void *m0, int m0_fp32, size_t per_seq, int B,
+static inline void bank_init(void *bank, Dtype bank_dt, const void *m0, Dtype m0_dt, size_t per_seq, int B,
                              cudaStream_t s) {
     if (!m0) {
-        cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * (bank_fp32 ? 4 : 2), s));
+        cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * dtype_size(bank_dt), s));
         return;
     }
-    if (bank_fp32 == m0_fp32 && (uintptr_t)m0 % 16 == 0) { // same dtype: read M0 once, write B copies, 16 B at a time
-        size_t n16 = per_seq * (bank_fp32 ? 4 : 2) / 16;
+    if (bank_dt == m0_dt && (uintptr_t)m0 % 16 == 0) { // same dtype: read M0 once, write B copies, 16 B at a time
+        size_t n16 = per_seq * dtype_size(bank_dt) / 16;
         bank_replicate_kernel<<<2112, 256, 0, s>>>((uint4 *)bank, (const uint4 *)m0, n16, B);
         cudaCheckLast();
         return;
     }
-    bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_fp32 != 0, m0, m0_fp32 != 0, per_seq, B);
+    bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_dt == DT_FP32, m0, m0_dt == DT_FP32, per_seq, B);
     cudaCheckLast();
 }
+
+// The bank dtype of a layer (SdmDims.bank_fp32).
+static inline Dtype sdm_bank_dtype(const SdmDims *s) { return s->bank_fp32 ? DT_FP32 : DT_BF16; }
 
 // Bytes of one sequence's bank [H, N, d] in the bank dtype.
 static inline size_t sdm_bank_bytes(const SdmDims *s) {

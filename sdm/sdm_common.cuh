@@ -12,10 +12,6 @@
 __device__ __forceinline__ float sl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sl_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
 
-__device__ __forceinline__ float sl_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SL_FULL_MASK, v, o);
-    return v;
-}
 __device__ __forceinline__ float sl_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SL_FULL_MASK, v, o));
     return v;

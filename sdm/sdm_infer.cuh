@@ -21,12 +21,12 @@ typedef struct {
 } SdmInferState;
 
 // State for `streams` streams and prompts of up to max_tokens tokens; call sdm_infer_reset before use.
-static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, int fp32) {
+static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, Dtype ctype) {
     SdmInferState I;
     memset(&I, 0, sizeof I);
     I.streams = streams;
     I.rows = SDM_MAX(max_tokens, streams);
-    I.L = layer_setup(s, 1, I.rows, fp32, 0);
+    I.L = layer_setup(s, 1, I.rows, ctype, 0);
     layer_alloc_forward(&I.L);
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
     I.L.saved = layer_alloc(&I.L, I.saved_bytes);
@@ -47,7 +47,7 @@ static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
 // Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (§10.6).
 static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
     const SdmDims *s = &I->L.s;
-    bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), s->bank_fp32, s->learned_bank ? p->bank0 : NULL, I->L.fp32,
+    bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
               (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
 }
 

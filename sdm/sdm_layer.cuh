@@ -27,10 +27,10 @@
 __global__ void unpack_kernel(const void *z, bool fp32, int ldz, int col_v, int col_a, int col_c, int D, int H,
                               const void *A_log, const void *dt_bias, float *v, float *g, float *beta) {
     size_t tok = blockIdx.x, row = tok * ldz;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) v[tok * D + i] = load_act(z, row + col_v + i, fp32);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) v[tok * D + i] = dtype_load(z, row + col_v + i, fp32);
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
-        float a = load_act(z, row + col_a + h, fp32), c = load_act(z, row + col_c + h, fp32);
-        g[tok * H + h] = -expf(load_act(A_log, h, fp32)) * sl_softplus(a + load_act(dt_bias, h, fp32));
+        float a = dtype_load(z, row + col_a + h, fp32), c = dtype_load(z, row + col_c + h, fp32);
+        g[tok * H + h] = -expf(dtype_load(A_log, h, fp32)) * sl_softplus(a + dtype_load(dt_bias, h, fp32));
         beta[tok * H + h] = sl_sigmoid(c);
     }
 }
@@ -38,7 +38,7 @@ __global__ void unpack_kernel(const void *z, bool fp32, int ldz, int col_v, int 
 // dz[tok, col_v : col_v + D] = dv[tok, :] (the op's value gradient into the fused projection's gradient)
 __global__ void pack_dv_kernel(const float *dv, void *dz, bool fp32, int ldz, int col_v, int D) {
     size_t tok = blockIdx.x;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) store_act(dz, tok * ldz + col_v + i, dv[tok * D + i], fp32);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dtype_store(dz, tok * ldz + col_v + i, dv[tok * D + i], fp32);
 }
 
 // =================================================================================================================
@@ -71,8 +71,8 @@ enum { EV_F0, EV_F_PROJ, EV_F_TOPK, EV_F_BANK, EV_F_OP, EV_F_READOUT, EV_F_OUT,
 
 typedef struct {
     SdmDims s;
-    int B, T, fp32;      // fp32 = 1: all-fp32 mode (compute dtype fp32); else bf16
-    cudaDataType_t ctype;
+    int B, T;
+    Dtype ctype;         // compute dtype: DT_FP32 in the all-fp32 mode, else DT_BF16
     SdmOpShape op;
     TopkPlan tw, tr;     // write / read top-k
     int n_in, ldz;       // fused projection width and its row stride (multiple of 8)
@@ -116,14 +116,14 @@ static inline const char *sdm_layer_check(const SdmDims *s) {
 }
 
 // Shape, column layout and top-k plans of a layer for B sequences of T tokens (no device buffers yet).
-static inline SdmLayer layer_setup(const SdmDims *s, int B, int T, int fp32, int training) {
+static inline SdmLayer layer_setup(const SdmDims *s, int B, int T, Dtype ctype, int training) {
     const char *why = sdm_layer_check(s);
     if (why) sdm_die("SDM layer: %s", why);
     SdmLayer L;
     memset(&L, 0, sizeof(L));
     L.s = *s;
-    L.B = B; L.T = T; L.fp32 = fp32;
-    L.ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    L.B = B; L.T = T;
+    L.ctype = ctype;
     int D = s->dim, H = s->heads, HK = H * s->key_dim;
     L.op.B = B; L.op.T = T; L.op.H = H; L.op.N = s->slots; L.op.d = s->head_dim; L.op.W = s->writes;
     L.op.R = s->reads; L.op.C = s->chunk; L.op.bank_fp32 = s->bank_fp32; L.op.snapshot = s->snapshot;
@@ -142,7 +142,7 @@ static inline SdmLayer layer_setup(const SdmDims *s, int B, int T, int fp32, int
 static inline void layer_alloc_forward(SdmLayer *L) {
     const SdmDims *s = &L->s;
     size_t BT = (size_t)L->B * L->T, P = BT * s->heads, D = s->dim, W = s->writes, R = s->reads;
-    size_t cs = L->fp32 ? 4 : 2;
+    size_t cs = dtype_size(L->ctype);
     L->b_packed = layer_alloc(L, (size_t)L->n_in * cs);
     L->z = layer_alloc(L, BT * L->ldz * cs);
     L->v = (float *)layer_alloc(L, BT * D * 4);
@@ -161,8 +161,8 @@ static inline void layer_alloc_forward(SdmLayer *L) {
     L->r = layer_alloc(L, BT * D * cs);
 }
 
-static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, int fp32, int timing) {
-    SdmLayer L = layer_setup(s, B, T, fp32, 1);
+static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, int timing) {
+    SdmLayer L = layer_setup(s, B, T, ctype, 1);
     layer_alloc_forward(&L);
     int W = s->writes, R = s->reads, d = s->head_dim;
     size_t BT = (size_t)B * T, P = BT * s->heads, D = s->dim;
@@ -222,7 +222,7 @@ static inline ReadoutArgs layer_readout_args(const SdmLayer *L, const SdmLayerPa
     ra.P = L->B * L->T * L->s.heads;
     ra.d = L->s.head_dim; ra.H = L->s.heads; ra.ldz = L->ldz; ra.col_g = L->col_g;
     ra.ln = L->s.normalize_readings; ra.gate = L->s.output_gate; ra.eps = L->s.norm_eps;
-    ra.ln_w = p->ln_w; ra.ln_b = p->ln_b; ra.z = L->z; ra.fp32 = L->fp32 != 0;
+    ra.ln_w = p->ln_w; ra.ln_b = p->ln_b; ra.z = L->z; ra.fp32 = L->ctype == DT_FP32;
     ra.n_warps = readout_warps(ra.P);
     ra.rows_per_warp = ceil_div(ra.P, ra.n_warps);
     return ra;
@@ -233,12 +233,12 @@ static inline ReadoutArgs layer_readout_args(const SdmLayer *L, const SdmLayerPa
 static inline void layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
     const SdmDims *s = &L->s;
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
-    bool f32 = L->fp32 != 0;
+    bool f32 = L->ctype == DT_FP32;
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         layer_bias_block(L, i, &col, &width);
         if (width)
-            cudaCheck(cudaMemcpyAsync((void *)elem_ptr(L->b_packed, col, L->ctype), p->b_in[i],
+            cudaCheck(cudaMemcpyAsync((void *)dtype_elem_ptr(L->b_packed, col, L->ctype), p->b_in[i],
                                       (size_t)width * dtype_size(L->ctype), cudaMemcpyDeviceToDevice, st));
     }
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
@@ -246,9 +246,9 @@ static inline void layer_address(SdmLayer *L, const SdmLayerParams *p, const voi
     unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
     cudaCheckLast();
-    topk_forward(&L->tw, L->z, f32, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
+    topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
                  L->kappa, NULL, L->gamma, st);
-    topk_forward(&L->tr, L->z, f32, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
+    topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
                  st);
     layer_mark(L, EV_F_TOPK, st);
 }
@@ -268,7 +268,7 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
     const SdmDims *s = &L->s;
     layer_mark(L, EV_F0, st);
     layer_address(L, p, x, st);
-    bank_init(L->bank, s->bank_fp32, s->learned_bank ? p->bank0 : NULL, L->fp32,
+    bank_init(L->bank, sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, L->ctype,
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);
     layer_mark(L, EV_F_BANK, st);
     SdmOpInputs in = layer_op_inputs(L);
@@ -284,13 +284,13 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
                                       void *dx, const SdmLayerGrads *g, cudaStream_t st) {
     const SdmDims *s = &L->s;
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim, d = s->head_dim;
-    bool f32 = L->fp32 != 0;
+    bool f32 = L->ctype == DT_FP32;
     void *dz = L->z; // in place: each gradient entry overwrites the forward value only its own thread still reads
     layer_mark(L, EV_B0, st);
     // output projection
-    matmul_backward_weight(g->w_out, CUDA_R_32F, dy, D, L->r, L->ctype, BT, D, D, 1, st);
+    matmul_backward_weight(g->w_out, DT_FP32, dy, D, L->r, L->ctype, BT, D, D, 1, st);
     matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, st);
-    matmul_backward_input(L->dr, CUDA_R_32F, dy, D, p->w_out, L->ctype, BT, D, D, 0, st);
+    matmul_backward_input(L->dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, st);
     layer_mark(L, EV_B_OUT, st);
     // readout: gate and LayerNorm; dr becomes the gradient of the op readings in place
     ReadoutArgs ra = layer_readout_args(L, p);
@@ -308,9 +308,9 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
     ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = s->key_weighted_decay;
     ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
-    address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, s->write_scale, P, H, dz, f32, L->ldz, L->col_zk, 1, &ga,
+    address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, s->write_scale, P, H, dz, L->ctype, L->ldz, L->col_zk, 1, &ga,
                      st);
-    address_backward(&L->tr, L->rslot, L->rho, L->drho, s->read_scale, P, H, dz, f32, L->ldz, L->col_zq, 0, NULL,
+    address_backward(&L->tr, L->rslot, L->rho, L->drho, s->read_scale, P, H, dz, L->ctype, L->ldz, L->col_zq, 0, NULL,
                      st);
     pack_dv_kernel<<<BT, 256, 0, st>>>(L->dv, dz, f32, L->ldz, L->col_v, D);
     cudaCheckLast();
@@ -321,19 +321,19 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
         bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B);
         cudaCheckLast();
     }
-    colsum(g->dt_bias, L->gate_grad, CUDA_R_32F, 3 * H, BT, H, 1, st);
-    colsum(g->A_log, L->gate_grad + 2 * H, CUDA_R_32F, 3 * H, BT, H, 1, st);
+    colsum(g->dt_bias, L->gate_grad, DT_FP32, 3 * H, BT, H, 1, st);
+    colsum(g->A_log, L->gate_grad + 2 * H, DT_FP32, 3 * H, BT, H, 1, st);
     layer_mark(L, EV_B_SUMS, st);
     // input projection
-    matmul_backward_weight(g->w_in, CUDA_R_32F, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
+    matmul_backward_weight(g->w_in, DT_FP32, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
     // input biases: ba and bb from the fp32 gate gradients, the others from dz
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         layer_bias_block(L, i, &col, &width);
         if (i == SDM_B_A || i == SDM_B_B)
-            colsum(g->b_in[i], L->gate_grad + (i == SDM_B_A ? 0 : H), CUDA_R_32F, 3 * H, BT, H, 1, st);
+            colsum(g->b_in[i], L->gate_grad + (i == SDM_B_A ? 0 : H), DT_FP32, 3 * H, BT, H, 1, st);
         else if (width)
-            matmul_backward_bias(g->b_in[i], elem_ptr(dz, col, L->ctype), L->ctype, L->ldz, BT, width, 1, st);
+            matmul_backward_bias(g->b_in[i], dtype_elem_ptr(dz, col, L->ctype), L->ctype, L->ldz, BT, width, 1, st);
     }
     matmul_backward_input(dx, L->ctype, dz, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, st);
     layer_mark(L, EV_B_IN, st);

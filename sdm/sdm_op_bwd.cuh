@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
                 p0 += dot4(dl, g);
                 p1 += dot4(g, m);
             }
-            p0 = warp_sum(p0);
-            p1 = warp_sum(p1);
+            p0 = core_warp_sum(p0);
+            p1 = core_warp_sum(p1);
             if (lane == 0) { a.omega[ew + k] = p0; a.eta[ew + k] = a.w_elam_tot[ew + k] * p1; }
         }
         __syncthreads();
@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
                 if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), snap_load4(a.snap, ew + k, col));
                 if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), load4_any(brow, col, bank_fp32));
             }
-            p0 = warp_sum(p0);
-            p1 = warp_sum(p1);
+            p0 = core_warp_sum(p0);
+            p1 = core_warp_sum(p1);
             if (lane == 0) {
                 if (k < W) a.psi[ew + k] = -bt * p0;
                 if (k < R) a.phi[er + k] = p1;
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
         float x = 0.f;
         for (int k = lane; k < a.d; k += 32) x = fmaf(a.u[(tok0 + t) * a.d + k], DX[(size_t)t * a.d + k], x);
         for (int u = lane; u < t; u += 32) x = fmaf(a.A[cc + t * C + u], dL[t * C + u], x);
-        x = warp_sum(x);
+        x = core_warp_sum(x);
         if (lane == 0) dbeta[tok_off(a, s, c * C + t, 1)] = x;
     }
     // per-entry direct terms (in place: omega -> dkappa, eta stays (dgamma direct), psi -> dlam; phi -> drho)

@@ -57,13 +57,13 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < NV; i++) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
-            mean = sl_warp_sum(sum) / ra.d;
+            mean = core_warp_sum(sum) / ra.d;
             float q = 0.0f;
 #pragma unroll
             for (int i = 0; i < NV; i++)
                 if (lane + 32 * i < d4)
                     for (int j = 0; j < 4; j++) q += (f4get(x[i], j) - mean) * (f4get(x[i], j) - mean);
-            rstd = 1.0f / sqrtf(sl_warp_sum(q) / ra.d + ra.eps);
+            rstd = 1.0f / sqrtf(core_warp_sum(q) / ra.d + ra.eps);
             if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
         }
         size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
@@ -74,9 +74,9 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
             for (int j = 0; j < 4; j++) {
                 int c = 4 * c4 + j;
                 float y = f4get(x[i], j);
-                if (ra.ln) y = (y - mean) * rstd * load_act(ra.ln_w, c, ra.fp32) + load_act(ra.ln_b, c, ra.fp32);
-                if (ra.gate) y *= sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
-                store_act(r, (size_t)p * ra.d + c, y, ra.fp32);
+                if (ra.ln) y = (y - mean) * rstd * dtype_load(ra.ln_w, c, ra.fp32) + dtype_load(ra.ln_b, c, ra.fp32);
+                if (ra.gate) y *= sl_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
+                dtype_store(r, (size_t)p * ra.d + c, y, ra.fp32);
             }
         }
     }
@@ -114,11 +114,11 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kern
                 xh[i][j] = ra.ln ? (x - mean) * rstd : x;
                 gw[i][j] = 0.0f;
                 if (c4 >= d4) continue;
-                float w = ra.ln ? load_act(ra.ln_w, c, ra.fp32) : 1.0f;
+                float w = ra.ln ? dtype_load(ra.ln_w, c, ra.fp32) : 1.0f;
                 if (ra.gate) {
-                    float rn = ra.ln ? xh[i][j] * w + load_act(ra.ln_b, c, ra.fp32) : x;
-                    float sg = sl_sigmoid(load_act(ra.z, zrow + c, ra.fp32));
-                    store_act(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
+                    float rn = ra.ln ? xh[i][j] * w + dtype_load(ra.ln_b, c, ra.fp32) : x;
+                    float sg = sl_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
+                    dtype_store(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
                     g *= sg;
                 }
                 if (ra.ln) {
@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kern
         }
         float mean_g = 0.0f, mean_gx = 0.0f;
         if (ra.ln) {
-            mean_g = sl_warp_sum(sg_sum) / ra.d;
-            mean_gx = sl_warp_sum(sgx_sum) / ra.d;
+            mean_g = core_warp_sum(sg_sum) / ra.d;
+            mean_gx = core_warp_sum(sgx_sum) / ra.d;
         }
 #pragma unroll
         for (int i = 0; i < NV; i++) {
@@ -181,8 +181,8 @@ static inline void readout_backward(const ReadoutArgs *ra, const float *o, const
                                     cudaStream_t st) {
     RO_DISPATCH(readout_backward_kernel, *ra, st, o, ln_mean, ln_rstd, dr, dr, dz, partials);
     if (ra->ln) {
-        colsum(dln_w, partials, CUDA_R_32F, ra->d, ra->n_warps, ra->d, 1, st);
-        colsum(dln_b, partials + (size_t)ra->n_warps * ra->d, CUDA_R_32F, ra->d, ra->n_warps, ra->d, 1, st);
+        colsum(dln_w, partials, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
+        colsum(dln_b, partials + (size_t)ra->n_warps * ra->d, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
     }
 }
 

@@ -215,7 +215,7 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     for (int f = 0, off = 0, soff = 0; f < pl.F; off += pl.dims[f], soff += pl.sort_len[f], f++) {
         int n = pl.dims[f];
         for (int i = lane; i < n; i += 32)
-            raw[i] = ((unsigned long long)sl_f2ord(load_act(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
+            raw[i] = ((unsigned long long)sl_f2ord(dtype_load(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
         __syncwarp();
         // the high words of the little-endian keys are the scores
         uint32_t t = warp_kth_largest((const uint32_t *)raw + 1, 2, n, min(k, n), hist, lane);
@@ -311,7 +311,7 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     mx = sl_warp_max(mx);
     float sum = 0.0f;
     for (int j = lane; j < k; j += 32) sum += expf(scale * (sl_ord2f((uint32_t)(sel[j] >> 32)) - mx));
-    sum = sl_warp_sum(sum);
+    sum = core_warp_sum(sum);
     int *sel_slot = (int *)rval; // the table scores are no longer needed
     for (int j = lane; j < k; j += 32) sel_slot[j] = (int)((uint32_t)sel[j] % (uint32_t)pl.N);
     __syncwarp();
@@ -329,13 +329,13 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     }
 }
 
-static inline void topk_forward(const TopkPlan *pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
+static inline void topk_forward(const TopkPlan *pl, const void *z, Dtype zt, int ldz, int col0, int H, int P,
                                 float scale, const float *g, int kwd, int *slot, float *weight, float *score,
                                 float *gamma, cudaStream_t s) {
     size_t smem = pl->smem_per_warp * pl->warps;
     if (smem > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, fp32, ldz, col0, H, P, scale, g,
+    topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g,
                                                                              kwd, slot, weight, score, gamma);
     cudaCheckLast();
 }
@@ -381,7 +381,7 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
         de[j] = dwj;
         wdw += w[base + j] * dwj;
     }
-    wdw = sl_warp_sum(wdw);
+    wdw = core_warp_sum(wdw);
     for (int j = lane; j < k; j += 32) de[j] = scale * w[base + j] * (de[j] - wdw);
     for (int i = lane; i < K; i += 32) acc[i] = 0.0f;
     __syncwarp();
@@ -394,17 +394,17 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
     __syncwarp();
     size_t zrow = (size_t)(p / H) * ldz;
     int h = p % H;
-    for (int i = lane; i < K; i += 32) store_act(dz, zrow + col0 + (size_t)h * K + i, acc[i], fp32);
+    for (int i = lane; i < K; i += 32) dtype_store(dz, zrow + col0 + (size_t)h * K + i, acc[i], fp32);
     if (gates) {
-        dg = sl_warp_sum(dg);
+        dg = core_warp_sum(dg);
         if (lane == 0) {
             size_t tok = (size_t)(p / H);
-            float a = load_act(ga.z, tok * ldz + ga.col_a + h, fp32);
-            float A = expf(load_act(ga.A_log, h, fp32)), dtb = load_act(ga.dt_bias, h, fp32);
+            float a = dtype_load(ga.z, tok * ldz + ga.col_a + h, fp32);
+            float A = expf(dtype_load(ga.A_log, h, fp32)), dtb = dtype_load(ga.dt_bias, h, fp32);
             float da = dg * (-A * sl_sigmoid(a + dtb));
             float b = ga.beta[p], dc = ga.dbeta[p] * b * (1.0f - b);
-            store_act(dz, zrow + ga.col_a + h, da, fp32);
-            store_act(dz, zrow + ga.col_c + h, dc, fp32);
+            dtype_store(dz, zrow + ga.col_a + h, da, fp32);
+            dtype_store(dz, zrow + ga.col_c + h, dc, fp32);
             float *gg = ga.gate_grad + tok * 3 * H;
             gg[h] = da;
             gg[H + h] = dc;
@@ -414,7 +414,7 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
 }
 
 static inline void address_backward(const TopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
-                                    int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
+                                    int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
                                     const WriteGateArgs *ga, cudaStream_t s) {
     const int warps = 4;
     size_t smem = sizeof(float) * (size_t)(pl->key_dim + pl->k) * warps;
@@ -423,7 +423,7 @@ static inline void address_backward(const TopkPlan *pl, const int *slot, const f
                                        (int)smem));
     WriteGateArgs none;
     memset(&none, 0, sizeof(none));
-    address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, fp32, ldz,
+    address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz,
                                                                         col0, gates, gates ? *ga : none);
     cudaCheckLast();
 }
