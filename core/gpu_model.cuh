@@ -19,19 +19,19 @@
 // Small kernels
 
 // out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
-template <typename T> __global__ void cast_kernel(T *out, const float *in, long long n) {
+template <typename T> __global__ void core_cast_kernel(T *out, const float *in, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = dtype_from_float<T>(in[i]);
 }
 
-static inline void cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
+static inline void gm_cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    DTYPE_DISPATCH(dtype, "cast_to_work", cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
+    DTYPE_DISPATCH(dtype, "gm_cast_to_work", core_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
     cudaCheckLast();
 }
 
 // pred[i] = argmax_v logits[i, v] (first maximum), one warp per row: the greedy next-token predictions.
-template <typename T> __global__ void argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
+template <typename T> __global__ void core_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n) return;
     float best = -INFINITY;
@@ -236,11 +236,11 @@ static inline void gpu_model_destroy(GpuModel *g) {
 // Master weights from host fp32 [m->storage], and the working copy from them.
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
     cudaCheck(cudaMemcpy(g->master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
-    cast_to_work(g->work, g->master, g->padded, g->ctype, 0);
+    gm_cast_to_work(g->work, g->master, g->padded, g->ctype, 0);
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).
-static inline void mixer_forward(GpuModel *g, int l, const void *x, void *y) {
+static inline void gm_mixer_forward(GpuModel *g, int l, const void *x, void *y) {
     if (g->m->kind[l] == LAYER_SDM) {
         SdmLayerParams p = gm_sdm_params(g, l);
         sdm_layer_forward(&g->sdm[l], &p, x, y, 0);
@@ -251,7 +251,7 @@ static inline void mixer_forward(GpuModel *g, int l, const void *x, void *y) {
 }
 
 // dx (overwritten) and the mixer's parameter gradients (+=) from dy.
-static inline void mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
+static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
     if (g->m->kind[l] == LAYER_SDM) {
         SdmLayerParams p = gm_sdm_params(g, l);
         SdmLayerGrads d = gm_sdm_grads(g, l);
@@ -267,7 +267,7 @@ static inline const char *gm_head_name(const GpuModel *g) { return g->m->tied ? 
 
 // SwiGLU FFN of layer l on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
-static inline void ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
+static inline void gm_ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
     int D = g->D, F = g->F;
     matmul_forward(ab, g->ctype, 2 * F, x, gm_weight(g, l, "ffn.w1"), NULL, g->ctype, n, 2 * F, D, 0);
     swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
@@ -287,10 +287,10 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     for (int l = 0; l < g->L; l++) {
         void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D);
         void *xffn = gm_at(g, g->xffn, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F), *hf = gm_at(g, g->ffn_h, l, F);
-        mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
+        gm_mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, gm_weight(g, l, "ffn_norm"),
                                  g->ctype, n, D, eps, 0);
-        ffn_forward(g, l, xffn, ab, hf, g->branch, n);
+        gm_ffn_forward(g, l, xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -326,7 +326,7 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
         rmsnorm_backward(g->dh, gm_grad(g, l, "ffn_norm"), g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D),
                          gm_weight(g, l, "ffn_norm"), g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
-        mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
+        gm_mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
         rmsnorm_backward(g->dh, gm_grad(g, l, "mixer_norm"), g->norm_scratch, g->branch, gm_at(g, g->h, l, D),
                          gm_weight(g, l, "mixer_norm"), g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
     }
@@ -337,7 +337,7 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
 static inline void gpu_model_argmax(GpuModel *g) {
     DTYPE_DISPATCH(g->ctype, "argmax",
-                 argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
+                 core_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
     cudaCheckLast();
 }
 
@@ -450,7 +450,7 @@ static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_o
         gpu_infer_mixer(I, l, b, n);
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_weight(g, l, "ffn_norm"), g->ctype, n, D,
                                  eps, 0);
-        ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
+        gm_ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
         const void *next_norm = l == g->L - 1 ? gm_weight(g, -1, "norm") : gm_weight(g, l + 1, "mixer_norm");
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, next_norm, g->ctype, n, D, eps, 0);
     }

@@ -230,11 +230,11 @@ static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, c
 template <typename T>
 __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, const T *x, const T *w, const float *rstd,
                                         int n, int D, int rows_per_block, int accumulate) {
-    extern __shared__ float dw_acc[]; // [D]
+    extern __shared__ float rmsnorm_dw_acc[]; // [D]
     __shared__ float dot[RMS_WARPS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int r0 = blockIdx.x * rows_per_block, r1 = min(n, r0 + rows_per_block);
-    for (int k = threadIdx.x; k < D; k += blockDim.x) dw_acc[k] = 0.0f;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) rmsnorm_dw_acc[k] = 0.0f;
     for (int t0 = r0; t0 < r1; t0 += RMS_WARPS) {
         int rows = min(RMS_WARPS, r1 - t0);
         if (warp < rows) {
@@ -247,7 +247,7 @@ __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, cons
         }
         __syncthreads();
         for (int k = threadIdx.x; k < D; k += blockDim.x) {
-            float wk = dtype_to_float(w[k]), acc = dw_acc[k];
+            float wk = dtype_to_float(w[k]), acc = rmsnorm_dw_acc[k];
             for (int j = 0; j < rows; j++) {
                 size_t i = (size_t)(t0 + j) * D + k;
                 float r = rstd[t0 + j], g = dtype_to_float(dy[i]), xv = dtype_to_float(x[i]);
@@ -255,15 +255,15 @@ __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, cons
                 dx[i] = dtype_from_float<T>(accumulate ? dtype_to_float(dx[i]) + d : d);
                 acc += g * xv * r;
             }
-            dw_acc[k] = acc;
+            rmsnorm_dw_acc[k] = acc;
         }
         __syncthreads(); // dot is rewritten by the next tile
     }
-    for (int k = threadIdx.x; k < D; k += blockDim.x) partial[(size_t)blockIdx.x * D + k] = dw_acc[k];
+    for (int k = threadIdx.x; k < D; k += blockDim.x) partial[(size_t)blockIdx.x * D + k] = rmsnorm_dw_acc[k];
 }
 
 // dw[k] += Σ_b partial[b, k], blocks in order.
-__global__ void column_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
+__global__ void rmsnorm_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= D) return;
     float acc = 0.0f;
@@ -299,7 +299,7 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
                      (T *)dx, scratch, (const T *)dy, (const T *)x, (const T *)w, rstd, n, D, rows_per_block,
                      accumulate));
     cudaCheckLast();
-    column_partials_finish_kernel<<<ceil_div(D, 256), 256, 0, s>>>(dw, scratch, blocks, D);
+    rmsnorm_partials_finish_kernel<<<ceil_div(D, 256), 256, 0, s>>>(dw, scratch, blocks, D);
     cudaCheckLast();
 }
 
@@ -307,7 +307,7 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 // SwiGLU pointwise part (SDM_SPEC §6.4): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
 // row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // h[r, c] = silu(a[r, c]) * b[r, c]; a, b have row stride ld, h has row stride F.
 template <typename T>
@@ -316,7 +316,7 @@ __global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int 
     if (idx >= (size_t)n * F) return;
     size_t r = idx / F, c = idx % F, i = r * ld + c;
     float av = dtype_to_float(a[i]);
-    h[idx] = dtype_from_float<T>(av * sigmoidf_(av) * dtype_to_float(b[i]));
+    h[idx] = dtype_from_float<T>(av * core_sigmoidf(av) * dtype_to_float(b[i]));
 }
 
 // da = dh · b · silu'(a), db = dh · silu(a), with silu'(a) = s (1 + a (1 − s)), s = sigmoid(a). Each thread reads
@@ -327,7 +327,7 @@ __global__ void swiglu_backward_kernel(T *da, T *db, int ld_out, const T *dh, co
     size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)n * F) return;
     size_t r = idx / F, c = idx % F, i = r * ld + c, o = r * ld_out + c;
-    float av = dtype_to_float(a[i]), bv = dtype_to_float(b[i]), g = dtype_to_float(dh[idx]), sg = sigmoidf_(av);
+    float av = dtype_to_float(a[i]), bv = dtype_to_float(b[i]), g = dtype_to_float(dh[idx]), sg = core_sigmoidf(av);
     da[o] = dtype_from_float<T>(g * bv * sg * (1.0f + av * (1.0f - sg)));
     db[o] = dtype_from_float<T>(g * av * sg);
 }

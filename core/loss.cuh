@@ -11,30 +11,30 @@
 
 // Online softmax state: running max m and Σ exp(z − m). Merging is commutative, so the xor butterfly leaves the same
 // bits in every lane.
-struct SoftmaxAcc {
+struct LossSoftmaxAcc {
     float m, s;
 };
 
-__device__ __forceinline__ SoftmaxAcc softmax_merge(SoftmaxAcc a, SoftmaxAcc b) {
+__device__ __forceinline__ LossSoftmaxAcc loss_softmax_merge(LossSoftmaxAcc a, LossSoftmaxAcc b) {
     float m = fmaxf(a.m, b.m);
     if (m == -INFINITY) return a; // both empty
-    SoftmaxAcc r = {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+    LossSoftmaxAcc r = {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
     return r;
 }
 
-__device__ __forceinline__ SoftmaxAcc block_softmax_merge(SoftmaxAcc v, float2 *scratch) {
+__device__ __forceinline__ LossSoftmaxAcc loss_block_softmax_merge(LossSoftmaxAcc v, float2 *scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     for (int off = 16; off > 0; off >>= 1) {
-        SoftmaxAcc o = {__shfl_xor_sync(0xffffffffu, v.m, off), __shfl_xor_sync(0xffffffffu, v.s, off)};
-        v = softmax_merge(v, o);
+        LossSoftmaxAcc o = {__shfl_xor_sync(0xffffffffu, v.m, off), __shfl_xor_sync(0xffffffffu, v.s, off)};
+        v = loss_softmax_merge(v, o);
     }
     if (lane == 0) scratch[warp] = make_float2(v.m, v.s);
     __syncthreads();
-    SoftmaxAcc t = {-INFINITY, 0.0f};
-    if (lane < n_warps) t = SoftmaxAcc{scratch[lane].x, scratch[lane].y};
+    LossSoftmaxAcc t = {-INFINITY, 0.0f};
+    if (lane < n_warps) t = LossSoftmaxAcc{scratch[lane].x, scratch[lane].y};
     for (int off = 16; off > 0; off >>= 1) {
-        SoftmaxAcc o = {__shfl_xor_sync(0xffffffffu, t.m, off), __shfl_xor_sync(0xffffffffu, t.s, off)};
-        t = softmax_merge(t, o);
+        LossSoftmaxAcc o = {__shfl_xor_sync(0xffffffffu, t.m, off), __shfl_xor_sync(0xffffffffu, t.s, off)};
+        t = loss_softmax_merge(t, o);
     }
     return t;
 }
@@ -45,7 +45,7 @@ template <typename T>
 __global__ void cross_entropy_kernel(T *logits, int ld, const int *targets, float *losses, int V, float dscale) {
     __shared__ float2 scratch[32];
     T *z = logits + (size_t)blockIdx.x * ld;
-    SoftmaxAcc acc = {-INFINITY, 0.0f};
+    LossSoftmaxAcc acc = {-INFINITY, 0.0f};
     for (int v = threadIdx.x; v < V; v += blockDim.x) { // one exp per element: rescale only when the max grows
         float x = dtype_to_float(z[v]);
         if (x > acc.m) {
@@ -55,7 +55,7 @@ __global__ void cross_entropy_kernel(T *logits, int ld, const int *targets, floa
             acc.s += expf(x - acc.m);
         }
     }
-    acc = block_softmax_merge(acc, scratch);
+    acc = loss_block_softmax_merge(acc, scratch);
     float lse = acc.m + logf(acc.s);
     int target = targets[blockIdx.x];
     bool valid = target >= 0 && target < V;

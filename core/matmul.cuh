@@ -123,30 +123,30 @@ static inline void matmul_backward_weight(void *dw, Dtype dw_type, const void *d
                   dtype_elem_ptr(dy, n0, in_type), lddy, 1, in_type, K, N - n0, M, beta, NULL, s);
 }
 
-#define COLSUM_COLS 32
-#define COLSUM_ROWS 8
+#define MATMUL_COLSUM_COLS 32
+#define MATMUL_COLSUM_ROWS 8
 
 // Pass 1: block (bx, split) sums columns [bx*32, bx*32+32) over its row range into partials[split, col].
 // Each thread walks a fixed row subsequence, then the 8 row-lanes are added in a fixed order: deterministic.
-__global__ void colsum_partial_kernel(float *partials, const void *dy, bool fp32, int ld, int M, int N,
+__global__ void matmul_colsum_partial_kernel(float *partials, const void *dy, bool fp32, int ld, int M, int N,
                                       int rows_per_split) {
-    __shared__ float acc[COLSUM_ROWS][COLSUM_COLS];
-    int col = blockIdx.x * COLSUM_COLS + threadIdx.x;
+    __shared__ float acc[MATMUL_COLSUM_ROWS][MATMUL_COLSUM_COLS];
+    int col = blockIdx.x * MATMUL_COLSUM_COLS + threadIdx.x;
     int r0 = blockIdx.y * rows_per_split, r1 = min(M, r0 + rows_per_split);
     float s = 0.0f;
     if (col < N)
-        for (int r = r0 + threadIdx.y; r < r1; r += COLSUM_ROWS) s += dtype_load(dy, (size_t)r * ld + col, fp32);
+        for (int r = r0 + threadIdx.y; r < r1; r += MATMUL_COLSUM_ROWS) s += dtype_load(dy, (size_t)r * ld + col, fp32);
     acc[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < N) {
         float t = 0.0f;
-        for (int i = 0; i < COLSUM_ROWS; i++) t += acc[i][threadIdx.x];
+        for (int i = 0; i < MATMUL_COLSUM_ROWS; i++) t += acc[i][threadIdx.x];
         partials[(size_t)blockIdx.y * N + col] = t;
     }
 }
 
 // Pass 2: out[col] (=, or +=) the splits' partials summed in split order.
-__global__ void colsum_finish_kernel(float *out, const float *partials, int splits, int N, int accumulate) {
+__global__ void matmul_colsum_finish_kernel(float *out, const float *partials, int splits, int N, int accumulate) {
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= N) return;
     float t = 0.0f;
@@ -156,10 +156,10 @@ __global__ void colsum_finish_kernel(float *out, const float *partials, int spli
 
 // out[N] (=, or +=) Σ_{r<M} dy[r, :N] (row stride ld), fp32 result; dy is bf16 or fp32 (dy_type).
 // The split count depends only on (M, N), so a given shape always sums in the same order.
-static inline void colsum(float *out, const void *dy, Dtype dy_type, int ld, int M, int N, int accumulate,
+static inline void matmul_colsum(float *out, const void *dy, Dtype dy_type, int ld, int M, int N, int accumulate,
                           cudaStream_t s) {
     matmul_init();
-    int col_blocks = ceil_div(N, COLSUM_COLS);
+    int col_blocks = ceil_div(N, MATMUL_COLSUM_COLS);
     int splits = SDM_MAX(1, SDM_MIN(ceil_div(264, col_blocks), ceil_div(M, 256)));
     int rows_per_split = ceil_div(M, splits);
     splits = ceil_div(M, rows_per_split);
@@ -169,17 +169,17 @@ static inline void colsum(float *out, const void *dy, Dtype dy_type, int ld, int
         cudaCheck(cudaMalloc(&g_matmul.col_partials, need * sizeof(float)));
         g_matmul.n_partials = need;
     }
-    colsum_partial_kernel<<<dim3(col_blocks, splits), dim3(COLSUM_COLS, COLSUM_ROWS), 0, s>>>(
+    matmul_colsum_partial_kernel<<<dim3(col_blocks, splits), dim3(MATMUL_COLSUM_COLS, MATMUL_COLSUM_ROWS), 0, s>>>(
         g_matmul.col_partials, dy, dy_type == DT_FP32, ld, M, N, rows_per_split);
     cudaCheckLast();
-    colsum_finish_kernel<<<ceil_div(N, 256), 256, 0, s>>>(out, g_matmul.col_partials, splits, N, accumulate);
+    matmul_colsum_finish_kernel<<<ceil_div(N, 256), 256, 0, s>>>(out, g_matmul.col_partials, splits, N, accumulate);
     cudaCheckLast();
 }
 
 // dbias[N] (=, or +=) Σ_rows dY[M,N] (row stride lddy).
 static inline void matmul_backward_bias(float *dbias, const void *dy, Dtype dy_type, int lddy, int M, int N,
                                         int accumulate, cudaStream_t s) {
-    colsum(dbias, dy, dy_type, lddy, M, N, accumulate, s);
+    matmul_colsum(dbias, dy, dy_type, lddy, M, N, accumulate, s);
 }
 
 #endif

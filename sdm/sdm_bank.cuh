@@ -12,7 +12,7 @@
 // over b in order 0..B-1 (§4.5).
 // =================================================================================================================
 
-__global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
+__global__ void sdm_bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq; i += (size_t)gridDim.x * blockDim.x) {
         float x = dtype_load(m0, i, m0_fp32);
         for (int b = 0; b < B; b++) dtype_store(bank, (size_t)b * per_seq + i, x, bank_fp32);
@@ -20,7 +20,7 @@ __global__ void bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, boo
 }
 
 // bank[b, :] = m0 for every b, in 16-byte units (n16 per sequence)
-__global__ void bank_replicate_kernel(uint4 *bank, const uint4 *m0, size_t n16, int B) {
+__global__ void sdm_bank_replicate_kernel(uint4 *bank, const uint4 *m0, size_t n16, int B) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
         uint4 x = m0[i];
         for (int b = 0; b < B; b++) bank[(size_t)b * n16 + i] = x;
@@ -28,7 +28,7 @@ __global__ void bank_replicate_kernel(uint4 *bank, const uint4 *m0, size_t n16, 
 }
 
 // dm0[i] += sum_b dbank[b, i]; per_seq % 4 == 0 (d is a multiple of 8)
-__global__ void bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_seq, int B) {
+__global__ void sdm_bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_seq, int B) {
     size_t n4 = per_seq / 4;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
         float4 s = ((const float4 *)dbank)[i];
@@ -43,7 +43,7 @@ __global__ void bank_grad_sum_kernel(float *dm0, const float *dbank, size_t per_
 }
 
 // bank [B, per_seq] (bank dtype) = M0 [per_seq] (m0 dtype) for every b, or zeros when m0 is NULL.
-static inline void bank_init(void *bank, Dtype bank_dt, const void *m0, Dtype m0_dt, size_t per_seq, int B,
+static inline void sdm_bank_init(void *bank, Dtype bank_dt, const void *m0, Dtype m0_dt, size_t per_seq, int B,
                              cudaStream_t s) {
     if (!m0) {
         cudaCheck(cudaMemsetAsync(bank, 0, (size_t)B * per_seq * dtype_size(bank_dt), s));
@@ -51,11 +51,11 @@ static inline void bank_init(void *bank, Dtype bank_dt, const void *m0, Dtype m0
     }
     if (bank_dt == m0_dt && (uintptr_t)m0 % 16 == 0) { // same dtype: read M0 once, write B copies, 16 B at a time
         size_t n16 = per_seq * dtype_size(bank_dt) / 16;
-        bank_replicate_kernel<<<2112, 256, 0, s>>>((uint4 *)bank, (const uint4 *)m0, n16, B);
+        sdm_bank_replicate_kernel<<<2112, 256, 0, s>>>((uint4 *)bank, (const uint4 *)m0, n16, B);
         cudaCheckLast();
         return;
     }
-    bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_dt == DT_FP32, m0, m0_dt == DT_FP32, per_seq, B);
+    sdm_bank_copy_kernel<<<1056, 256, 0, s>>>(bank, bank_dt == DT_FP32, m0, m0_dt == DT_FP32, per_seq, B);
     cudaCheckLast();
 }
 

@@ -26,11 +26,11 @@ static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int 
     memset(&I, 0, sizeof I);
     I.streams = streams;
     I.rows = SDM_MAX(max_tokens, streams);
-    I.L = layer_setup(s, 1, I.rows, ctype, 0);
-    layer_alloc_forward(&I.L);
+    I.L = sdm_layer_setup(s, 1, I.rows, ctype, 0);
+    sdm_layer_alloc_forward(&I.L);
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
-    I.L.saved = layer_alloc(&I.L, I.saved_bytes);
-    I.banks = layer_alloc(&I.L, (size_t)streams * sdm_bank_bytes(s));
+    I.L.saved = sdm_layer_alloc(&I.L, I.saved_bytes);
+    I.banks = sdm_layer_alloc(&I.L, (size_t)streams * sdm_bank_bytes(s));
     return I;
 }
 
@@ -47,7 +47,7 @@ static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
 // Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (§10.6).
 static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
     const SdmDims *s = &I->L.s;
-    bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
+    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
               (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
 }
 
@@ -64,20 +64,20 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
                                      cudaStream_t st) {
     sdm_infer_shape(I, 1, T);
     if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes) sdm_die("SDM inference: prefill scratch too small for T = %d", T);
-    layer_address(&I->L, p, x, st);
-    SdmOpInputs in = layer_op_inputs(&I->L);
+    sdm_layer_address(&I->L, p, x, st);
+    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);
-    layer_output(&I->L, p, y, st);
+    sdm_layer_output(&I->L, p, y, st);
 }
 
 // Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D].
 static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y,
                                     cudaStream_t st) {
     sdm_infer_shape(I, I->streams, 1);
-    layer_address(&I->L, p, x, st);
-    SdmOpInputs in = layer_op_inputs(&I->L);
+    sdm_layer_address(&I->L, p, x, st);
+    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
-    layer_output(&I->L, p, y, st);
+    sdm_layer_output(&I->L, p, y, st);
 }
 
 #endif

@@ -20,7 +20,7 @@
 #define SDM_SDM_OP_CUH
 
 #include "sdm/sdm_op.h"
-#include "sdm/sdm_op_common.cuh" // device helpers, snapshots, OpArgs, host helpers
+#include "sdm/sdm_op_common.cuh" // device helpers, snapshots, SdmOpArgs, host helpers
 #include "sdm/sdm_op_wy.cuh"     // phase 1: per-chunk WY quantities
 #include "sdm/sdm_op_fwd.cuh"    // sdm_op_forward
 #include "sdm/sdm_op_bwd.cuh"    // sdm_op_backward

@@ -20,12 +20,12 @@
 // (whose bank rows are restored): phi = <dO_t, M0[j]>, psi = -beta_t <dX_t, M0[i]>. cg or cd may be -1.
 // One warp per entry (entries k = warp, warp + 8, ...), whole rows; each warp keeps its partial wsum in smem and
 // the partials are summed in warp order. Grid (C, S), SDM_TOK_THREADS threads, dynamic smem (2 + warps) d floats.
-__global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, const void *bank, int bank_fp32,
+__global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(SdmOpArgs a, const void *bank, int bank_fp32,
                                                                     const float *G, const float *dout, int cg, int cd) {
-    extern __shared__ float tok_smem[];
+    extern __shared__ float sdm_tok_smem[];
     const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, d = a.d, warps = SDM_TOK_THREADS / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float *rowA = tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
+    float *rowA = sdm_tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
     const size_t rowN = (size_t)s * a.N;
     if (cg >= 0) {
         size_t tok = (size_t)s * a.Tp + (size_t)cg * a.C + t, ew = tok * W;
@@ -42,11 +42,11 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             float w = a.w_scat[ew + k], p0 = 0.f, p1 = 0.f;
             const float *gr = G + (rowN + slot) * d;
             for (int col = lane * 4; col < d; col += 128) {
-                float4 g = *(const float4 *)(gr + col), m = snap_load4(a.snap, ew + k, col);
+                float4 g = *(const float4 *)(gr + col), m = sdm_snap_load4(a.snap, ew + k, col);
                 float4 dl = *(const float4 *)(rowA + col);
-                *(float4 *)(wp + col) = axpy4(w, g, *(const float4 *)(wp + col));
-                p0 += dot4(dl, g);
-                p1 += dot4(g, m);
+                *(float4 *)(wp + col) = sdm_axpy4(w, g, *(const float4 *)(wp + col));
+                p0 += sdm_dot4(dl, g);
+                p1 += sdm_dot4(g, m);
             }
             p0 = core_warp_sum(p0);
             p1 = core_warp_sum(p1);
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
         size_t tok = (size_t)s * a.Tp + tp, ew = tok * W, er = tok * R;
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             rowA[i] = a.dx[tok * d + i];
-            rowB[i] = tp < a.T ? dout[tok_off(a, s, tp, d) + i] : 0.f;
+            rowB[i] = tp < a.T ? dout[sdm_tok_off(a, s, tp, d) + i] : 0.f;
         }
         __syncthreads();
         float bt = a.beta[tok];
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(OpArgs a, co
             float p0 = 0.f, p1 = 0.f;
             const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * d * (bank_fp32 ? 4 : 2) : NULL;
             for (int col = lane * 4; col < d; col += 128) {
-                if (ws >= 0) p0 += dot4(*(const float4 *)(rowA + col), snap_load4(a.snap, ew + k, col));
-                if (rs >= 0) p1 += dot4(*(const float4 *)(rowB + col), load4_any(brow, col, bank_fp32));
+                if (ws >= 0) p0 += sdm_dot4(*(const float4 *)(rowA + col), sdm_snap_load4(a.snap, ew + k, col));
+                if (rs >= 0) p1 += sdm_dot4(*(const float4 *)(rowB + col), sdm_load4_any(brow, col, bank_fp32));
             }
             p0 = core_warp_sum(p0);
             p1 = core_warp_sum(p1);
@@ -91,14 +91,14 @@ static inline size_t sdm_token_smem(int d) { return (size_t)(2 + SDM_TOK_THREADS
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
 // dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem: dO, dDelta tiles [C][DB].
-__global__ void __launch_bounds__(256) sdm_bsolve_kernel(OpArgs a, const float *dout, float *dv, int c) {
-    extern __shared__ float smem_tiles[];
+__global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const float *dout, float *dv, int c) {
+    extern __shared__ float sdm_smem_tiles[];
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
-    float *Os = smem_tiles, *DDs = Os + C * DB;
+    float *Os = sdm_smem_tiles, *DDs = Os + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
-        float4 o = tp < a.T ? *(const float4 *)(dout + tok_off(a, s, tp, a.d) + col0 + lc) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 o = tp < a.T ? *(const float4 *)(dout + sdm_tok_off(a, s, tp, a.d) + col0 + lc) : make_float4(0.f, 0.f, 0.f, 0.f);
         *(float4 *)(Os + t * DB + lc) = o;
     }
     __syncthreads();
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(OpArgs a, const float *
         float4 acc = *(const float4 *)(a.wsum + ((size_t)s * C + t) * a.d + col0 + lc);
         for (int u = t; u < C; u++) {
             float sv = Sc[u * C + t];
-            if (sv != 0.f) acc = axpy4(sv, *(const float4 *)(Os + u * DB + lc), acc);
+            if (sv != 0.f) acc = sdm_axpy4(sv, *(const float4 *)(Os + u * DB + lc), acc);
         }
         *(float4 *)(DDs + t * DB + lc) = acc;
     }
@@ -116,19 +116,19 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(OpArgs a, const float *
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int u = t; u < C; u++) acc = axpy4(Li[u * C + t], *(const float4 *)(DDs + u * DB + lc), acc);
+        for (int u = t; u < C; u++) acc = sdm_axpy4(Li[u * C + t], *(const float4 *)(DDs + u * DB + lc), acc);
         *(float4 *)(a.dx + (tok0 + t) * a.d + col0 + lc) = acc;
         float bt = a.beta[tok0 + t];
         *(float4 *)(a.cx + ((size_t)s * C + t) * a.d + col0 + lc) = make_float4(-bt * acc.x, -bt * acc.y, -bt * acc.z, -bt * acc.w);
-        if (tp < a.T) *(float4 *)(dv + tok_off(a, s, tp, a.d) + col0 + lc) = make_float4(bt * acc.x, bt * acc.y, bt * acc.z, bt * acc.w);
+        if (tp < a.T) *(float4 *)(dv + sdm_tok_off(a, s, tp, a.d) + col0 + lc) = make_float4(bt * acc.x, bt * acc.y, bt * acc.z, bt * acc.w);
     }
 }
 
 // acc += sum over the read entries of one slot (walking back from r) of rho e^lam' dO_t, 4 columns at col
-__device__ __forceinline__ float4 read_chain_sum(const OpArgs &a, const float *dout, int s, int c, size_t er, int r,
+__device__ __forceinline__ float4 sdm_read_chain_sum(const SdmOpArgs &a, const float *dout, int s, int c, size_t er, int r,
                                                  int col, float4 acc) {
     for (int q = r; q >= 0; q = a.r_prevr[er + q]) // read entries exist only for tokens inside the sequence
-        acc = axpy4(a.r_gath[er + q], *(const float4 *)(dout + tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
+        acc = sdm_axpy4(a.r_gath[er + q], *(const float4 *)(dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
     return acc;
 }
 
@@ -137,7 +137,7 @@ __device__ __forceinline__ float4 read_chain_sum(const OpArgs &a, const float *d
 //   read entry r, last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
 //   write entry e, first of its slot: M[i] = snapshot (the chunk-start row)
 // Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads.
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a, void *bank, int bank_fp32, float *G,
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, float *G,
                                                                        const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int CW = a.C * a.W;
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
         if (slot < 0) return;
         if (a.w_prev[ew + i] < 0) { // restore
             void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-            for (int col = lane * 4; col < a.d; col += 128) store4_any(row, col, snap_load4(a.snap, ew + i, col), bank_fp32);
+            for (int col = lane * 4; col < a.d; col += 128) sdm_store4_any(row, col, sdm_snap_load4(a.snap, ew + i, col), bank_fp32);
         }
         if (a.w_next[ew + i] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
@@ -158,9 +158,9 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
         for (int col = lane * 4; col < a.d; col += 128) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
             for (int q = i; q >= 0; q = a.w_prev[ew + q])
-                acc = axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
-            if (lr >= 0) racc = read_chain_sum(a, dout, s, c, er, lr, col, racc);
-            float4 x = axpy4(el, *(const float4 *)(g + col), acc);
+                acc = sdm_axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
+            if (lr >= 0) racc = sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
+            float4 x = sdm_axpy4(el, *(const float4 *)(g + col), acc);
             *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
         }
     } else {
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
         if (slot < 0 || a.r_nextr[er + r] >= 0 || a.r_lastw[er + r] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
         for (int col = lane * 4; col < a.d; col += 128) {
-            float4 racc = read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
+            float4 racc = sdm_read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
             float4 x = *(const float4 *)(g + col);
             *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
         }
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(OpArgs a,
 // stride d (X rows may be token-major: xrow(t) gives the row pointer or NULL for padding). 64x64 output tiles,
 // 32-column smem slices, 4x4 outputs per thread.
 template <typename RowX>
-__device__ void chunk_gram(int C, int d, RowX xrow, const float *Y, float scale, bool strict, float *out, float *sm) {
+__device__ void sdm_chunk_gram(int C, int d, RowX xrow, const float *Y, float scale, bool strict, float *out, float *sm) {
     float *xs = sm, *ys = sm + 64 * 33;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     for (int t0 = 0; t0 < C; t0 += 64)
@@ -210,7 +210,7 @@ __device__ void chunk_gram(int C, int d, RowX xrow, const float *Y, float scale,
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dout, float *dkappa, float *dgamma,
+__global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *dout, float *dkappa, float *dgamma,
                                                       float *dbeta, float *drho) {
     __shared__ float sm[2 * 64 * 33];
     const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R;
@@ -220,9 +220,9 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
     const float *Dl = a.delta + tok0 * a.d, *DX = a.dx + tok0 * a.d;
     float *dS = a.dS + cc, *dL = a.dL + cc;
     // dS = dO Delta^T (u <= t), dL = -dX Delta^T (u < t)
-    chunk_gram(C, a.d, [&](int t) { return t < nvalid ? dout + tok_off(a, s, c * C + t, a.d) : (const float *)NULL; },
+    sdm_chunk_gram(C, a.d, [&](int t) { return t < nvalid ? dout + sdm_tok_off(a, s, c * C + t, a.d) : (const float *)NULL; },
                Dl, 1.f, false, dS, sm);
-    chunk_gram(C, a.d, [&](int t) { return DX + (size_t)t * a.d; }, Dl, -1.f, true, dL, sm);
+    sdm_chunk_gram(C, a.d, [&](int t) { return DX + (size_t)t * a.d; }, Dl, -1.f, true, dL, sm);
     // dbeta_t = <V - R0, dX>_t + sum_{u<t} A[t,u] dL[t,u], one warp per token
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int t = warp; t < nvalid; t += blockDim.x / 32) {
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
         for (int k = lane; k < a.d; k += 32) x = fmaf(a.u[(tok0 + t) * a.d + k], DX[(size_t)t * a.d + k], x);
         for (int u = lane; u < t; u += 32) x = fmaf(a.A[cc + t * C + u], dL[t * C + u], x);
         x = core_warp_sum(x);
-        if (lane == 0) dbeta[tok_off(a, s, c * C + t, 1)] = x;
+        if (lane == 0) dbeta[sdm_tok_off(a, s, c * C + t, 1)] = x;
     }
     // per-entry direct terms (in place: omega -> dkappa, eta stays (dgamma direct), psi -> dlam; phi -> drho)
     for (int e = threadIdx.x; e < C * W; e += blockDim.x) {
@@ -290,34 +290,34 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(OpArgs a, const float *dou
     }
     __syncthreads();
     for (int e = threadIdx.x; e < nvalid * W; e += blockDim.x) {
-        size_t o = tok_off(a, s, c * C + e / W, W) + e % W;
+        size_t o = sdm_tok_off(a, s, c * C + e / W, W) + e % W;
         dkappa[o] = dk[e];
         dgamma[o] = dg[e];
     }
-    for (int e = threadIdx.x; e < nvalid * R; e += blockDim.x) drho[tok_off(a, s, c * C + e / R, R) + e % R] = dr[e];
+    for (int e = threadIdx.x; e < nvalid * R; e += blockDim.x) drho[sdm_tok_off(a, s, c * C + e / R, R) + e % R] = dr[e];
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).
-static inline void sdm_op_launch_token(const OpArgs &a, const void *bank, int bank_fp32, const float *G,
+static inline void sdm_op_launch_token(const SdmOpArgs &a, const void *bank, int bank_fp32, const float *G,
                                        const float *dout, int cg, int cd, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
     cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     sdm_token_kernel<<<dim3(a.C, a.S), SDM_TOK_THREADS, smem, stream>>>(a, bank, bank_fp32, G, dout, cg, cd);
     cudaCheckLast();
 }
-static inline void sdm_op_launch_bsolve(const OpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
+static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
     size_t smem = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_bsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c);
     cudaCheckLast();
 }
-static inline void sdm_op_launch_bscatter(const OpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
+static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
                                           int c, cudaStream_t stream) {
     sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
                                                                                                   dout, c);
     cudaCheckLast();
 }
-static inline void sdm_op_launch_bwy(const OpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
+static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
     sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
     cudaCheckLast();
 }
@@ -328,7 +328,7 @@ static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *ba
     sdm_op_require(s);
     (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
-    OpArgs a = sdm_op_args(s, saved, scratch);
+    SdmOpArgs a = sdm_op_args(s, saved, scratch);
     size_t bank_elems = (size_t)a.S * a.N * a.d;
     if (dbank_final)
         cudaCheck(cudaMemcpyAsync(g->dbank_init, dbank_final, bank_elems * 4, cudaMemcpyDeviceToDevice, stream));

@@ -1,6 +1,6 @@
 // sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (SDM_SPEC §2-§5): 16-byte bank vectors
 // (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores of a bf16 or fp32 row, the snapshot storage of the
-// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per DB columns), OpArgs (every pointer into
+// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per DB columns), SdmOpArgs (every pointer into
 // `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h, by value), the token-major offset of
 // (stream, token) in a [B,T,H,width] array, and the host helpers every entry point uses (shape check, smem sizes).
 // Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R], per-chunk C x C arrays
@@ -20,8 +20,8 @@
 // Small device helpers
 
 // VEC consecutive bank elements = 16 bytes
-template <typename Tb> struct BankVec;
-template <> struct BankVec<float> {
+template <typename Tb> struct SdmBankVec;
+template <> struct SdmBankVec<float> {
     static constexpr int V = 4;
     __device__ static void unpack(uint4 r, float *x) {
         x[0] = __uint_as_float(r.x); x[1] = __uint_as_float(r.y); x[2] = __uint_as_float(r.z); x[3] = __uint_as_float(r.w);
@@ -32,7 +32,7 @@ template <> struct BankVec<float> {
     }
     __device__ static void store(float *p, const float *x) { *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]); }
 };
-template <> struct BankVec<__nv_bfloat16> {
+template <> struct SdmBankVec<__nv_bfloat16> {
     static constexpr int V = 8;
     __device__ static void unpack(uint4 r, float *x) {
         const __nv_bfloat162 *h = (const __nv_bfloat162 *)&r;
@@ -52,13 +52,13 @@ template <> struct BankVec<__nv_bfloat16> {
 };
 
 // 4 consecutive elements of a bf16 or fp32 row
-__device__ __forceinline__ float4 load4_any(const void *row, int col, bool fp32) {
+__device__ __forceinline__ float4 sdm_load4_any(const void *row, int col, bool fp32) {
     if (fp32) return *(const float4 *)((const float *)row + col);
     uint2 a = *(const uint2 *)((const __nv_bfloat16 *)row + col);
     float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&a.x), hi = __bfloat1622float2(*(const __nv_bfloat162 *)&a.y);
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
-__device__ __forceinline__ void store4_any(void *row, int col, float4 x, bool fp32) {
+__device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32) {
     if (fp32) { *(float4 *)((float *)row + col) = x; return; }
     __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
     uint2 a;
@@ -66,13 +66,13 @@ __device__ __forceinline__ void store4_any(void *row, int col, float4 x, bool fp
     a.y = *(uint32_t *)&hi;
     *(uint2 *)((__nv_bfloat16 *)row + col) = a;
 }
-__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
-__device__ __forceinline__ float4 axpy4(float a, float4 x, float4 y) {
+__device__ __forceinline__ float sdm_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+__device__ __forceinline__ float4 sdm_axpy4(float a, float4 x, float4 y) {
     return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
 }
 
 // Where the snapshot rows live: payload [S][Tp][W] rows of row_bytes, fp8/int4 scales [S][Tp][W][d/DB].
-struct SnapView {
+struct SdmSnapView {
     char *data;
     float *scale;
     int mode, bank_fp32, d, DB;
@@ -82,14 +82,14 @@ struct SnapView {
 // Store VEC values of snapshot row e at columns [col, col+V); `lanes` consecutive lanes of the warp hold the DB
 // columns of one row (they share one fp8/int4 scale). Every lane of the warp must call it (shuffles).
 template <int V>
-__device__ void snap_store(const SnapView &sv, size_t e, int col, const float *x, bool active, int lanes) {
+__device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const float *x, bool active, int lanes) {
     char *row = sv.data + e * sv.row_bytes;
     if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
         if (!active) return;
         if (sv.mode == SDM_SNAP_NONE && sv.bank_fp32) {
             for (int i = 0; i < V; i += 4) *(float4 *)((float *)row + col + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
         } else {
-            for (int i = 0; i < V; i += 4) store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
+            for (int i = 0; i < V; i += 4) sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
         }
         return;
     }
@@ -113,10 +113,10 @@ __device__ void snap_store(const SnapView &sv, size_t e, int col, const float *x
 }
 
 // 4 values of snapshot row e at columns [col, col+4), dequantised
-__device__ __forceinline__ float4 snap_load4(const SnapView &sv, size_t e, int col) {
+__device__ __forceinline__ float4 sdm_snap_load4(const SdmSnapView &sv, size_t e, int col) {
     const char *row = sv.data + e * sv.row_bytes;
-    if (sv.mode == SDM_SNAP_NONE) return load4_any(row, col, sv.bank_fp32);
-    if (sv.mode == SDM_SNAP_BF16) return load4_any(row, col, false);
+    if (sv.mode == SDM_SNAP_NONE) return sdm_load4_any(row, col, sv.bank_fp32);
+    if (sv.mode == SDM_SNAP_BF16) return sdm_load4_any(row, col, false);
     float s = sv.scale[e * (sv.d / sv.DB) + col / sv.DB];
     float v[4];
     if (sv.mode == SDM_SNAP_FP8) {
@@ -135,21 +135,21 @@ __device__ __forceinline__ float4 snap_load4(const SnapView &sv, size_t e, int c
 }
 
 // Everything the kernels need about the layout, by value.
-struct OpArgs {
+struct SdmOpArgs {
     int B, T, H, N, d, W, R, C, nc, Tp, DB, S, training;
     // phase-1 arrays (saved)
     int *w_slot, *w_prev, *w_next, *w_lastread;
     float *w_kappa, *w_lam, *w_gath, *w_scat, *w_pi, *w_elam_tot;
     int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_lastw;
     float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *cx, *ce, *cdelta, *delta, *u;
-    SnapView snap;
+    SdmSnapView snap;
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
 };
 
-static inline OpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
+static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
     SdmOpLayout L = sdm_op_layout(s);
-    OpArgs a;
+    SdmOpArgs a;
     memset(&a, 0, sizeof(a));
     a.B = s->B; a.T = s->T; a.H = s->H; a.N = s->N; a.d = s->d; a.W = s->W; a.R = s->R;
     a.C = L.C; a.nc = L.nc; a.Tp = L.Tp; a.DB = L.DB; a.S = L.S; a.training = s->training;
@@ -180,7 +180,7 @@ static inline OpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch
 }
 
 // Token-major offset of (stream s, token t) in a [B,T,H,width] array.
-__device__ __forceinline__ size_t tok_off(const OpArgs &a, int s, int t, int width) {
+__device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, int width) {
     int b = s / a.H, h = s % a.H;
     return (((size_t)b * a.T + t) * a.H + h) * (size_t)width;
 }
@@ -198,8 +198,8 @@ static inline void sdm_op_require(const SdmOpShape *s) {
                      s->N, s->d, s->W, s->R, s->C, msg);
 }
 
-static inline size_t sdm_op_tile_smem(const OpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
-static inline size_t sdm_op_row_smem(const OpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
-static inline dim3 sdm_op_entry_grid(const OpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
+static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
+static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
+static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
 
 #endif

@@ -12,7 +12,7 @@
 // and applies §2 (1)-(5) to them (columns are independent, so no synchronisation).
 template <typename Tb>
 __global__ void __launch_bounds__(32) sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank, float *out) {
-    constexpr int V = BankVec<Tb>::V;
+    constexpr int V = SdmBankVec<Tb>::V;
     const int s = blockIdx.y, col = (blockIdx.x * 32 + threadIdx.x) * V;
     if (col >= sh.d) return;
     Tb *M = bank + (size_t)s * sh.N * sh.d;
@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(32) sdm_decode_kernel(SdmOpShape sh, SdmOpInpu
     float r[V], x[V];
     for (int i = 0; i < V; i++) r[i] = 0.f;
     for (int k = 0; k < sh.W; k++) { // (1)-(2): retrieval from the decayed rows
-        BankVec<Tb>::load(M + (size_t)in.wslot[ow + k] * sh.d + col, x);
+        SdmBankVec<Tb>::load(M + (size_t)in.wslot[ow + k] * sh.d + col, x);
         float g = in.kappa[ow + k] * expf(in.gamma[ow + k]);
         for (int i = 0; i < V; i++) r[i] = fmaf(g, x[i], r[i]);
     }
@@ -29,18 +29,18 @@ __global__ void __launch_bounds__(32) sdm_decode_kernel(SdmOpShape sh, SdmOpInpu
     for (int i = 0; i < V; i++) r[i] = bt * (vv[i] - r[i]); // (3) r now holds delta
     for (int k = 0; k < sh.W; k++) { // (4) write
         Tb *row = M + (size_t)in.wslot[ow + k] * sh.d + col;
-        BankVec<Tb>::load(row, x);
+        SdmBankVec<Tb>::load(row, x);
         float a = expf(in.gamma[ow + k]), kp = in.kappa[ow + k];
         for (int i = 0; i < V; i++) x[i] = fmaf(a, x[i], kp * r[i]);
-        BankVec<Tb>::store(row, x);
+        SdmBankVec<Tb>::store(row, x);
     }
     for (int i = 0; i < V; i++) r[i] = 0.f;
     for (int k = 0; k < sh.R; k++) { // (5) read after the write
-        BankVec<Tb>::load(M + (size_t)in.rslot[orr + k] * sh.d + col, x);
+        SdmBankVec<Tb>::load(M + (size_t)in.rslot[orr + k] * sh.d + col, x);
         float g = in.rho[orr + k];
         for (int i = 0; i < V; i++) r[i] = fmaf(g, x[i], r[i]);
     }
-    for (int i = 0; i < V; i += 4) BankVec<float>::store(out + (size_t)s * sh.d + col + i, r + i);
+    for (int i = 0; i < V; i += 4) SdmBankVec<float>::store(out + (size_t)s * sh.d + col + i, r + i);
 }
 
 static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream) {

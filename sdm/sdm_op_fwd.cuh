@@ -20,7 +20,7 @@
 // short column slices of one-CTA-per-column-block designs (measured: see the notes in tests/bench_sdm_op.cu).
 
 // Pointer to row t of chunk c's Delta: the saved [S][Tp][d] array when training, else the per-chunk buffer.
-__device__ __forceinline__ float *delta_row(const OpArgs &a, int s, int c, int t) {
+__device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c, int t) {
     return a.training ? a.delta + ((size_t)s * a.Tp + (size_t)c * a.C + t) * a.d
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
@@ -31,9 +31,9 @@ __device__ __forceinline__ float *delta_row(const OpArgs &a, int s, int c, int t
 // the calling warp's partial row); `snap` stores each row's snapshot. The sums live in registers for SDM_GQ vectors
 // per lane (wider rows take several passes over the entries, each over other columns), two entries' loads in flight.
 template <typename Tb>
-__device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, const int *slots, const float *gath,
+__device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots, const float *gath,
                                                   size_t e0, int n, float *part, bool snap) {
-    constexpr int V = BankVec<Tb>::V;
+    constexpr int V = SdmBankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
     for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
         float acc[SDM_GQ][V];
@@ -63,10 +63,10 @@ __device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, 
                     bool on = col < a.d;
                     float x[V];
                     if (on) {
-                        BankVec<Tb>::unpack(raw[j][u], x);
+                        SdmBankVec<Tb>::unpack(raw[j][u], x);
                         for (int i = 0; i < V; i++) acc[u][i] = fmaf(g[j], x[i], acc[u][i]);
                     }
-                    if (snap) snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
+                    if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
                 }
         }
 #pragma unroll
@@ -79,7 +79,7 @@ __device__ __forceinline__ void gather_whole_rows(const OpArgs &a, const Tb *M, 
 }
 
 // Sums the warps' partial rows in warp order into part[0..d) (the block's total).
-__device__ __forceinline__ void sum_partials(float *part, int d) {
+__device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float x = part[i];
@@ -91,30 +91,30 @@ __device__ __forceinline__ void sum_partials(float *part, int d) {
 
 // Grid (C, S), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats.
 template <typename Tb>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(OpArgs a, const float *v, const Tb *bank, int c) {
-    extern __shared__ float part[]; // [warps][d]
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
+    extern __shared__ float sdm_fgather_part[]; // [warps][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
-    gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
-    sum_partials(part, d);
+    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, sdm_fgather_part + warp * d, a.training != 0);
+    sdm_sum_partials(sdm_fgather_part, d);
     float bt = a.beta[tok];
     for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
-        float u = (tp < a.T ? v[tok_off(a, s, tp, d) + i] : 0.f) - part[i];
+        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - sdm_fgather_part[i];
         if (a.training) a.u[tok * d + i] = u;
         a.cx[crow + i] = bt * u;
     }
-    __syncthreads(); // part is rewritten by the next gathers
-    gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
-    sum_partials(part, d);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
+    __syncthreads(); // sdm_fgather_part is rewritten by the next gathers
+    sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, sdm_fgather_part + warp * d, false);
+    sdm_sum_partials(sdm_fgather_part, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = sdm_fgather_part[i];
 }
 
 // Grid (d/DB, S), 256 threads, dynamic smem: X and Delta tiles [C][DB].
-__global__ void __launch_bounds__(256) sdm_fsolve_kernel(OpArgs a, float *out, int c) {
-    extern __shared__ float smem_tiles[];
+__global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c) {
+    extern __shared__ float sdm_smem_tiles[];
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
-    float *Xs = smem_tiles, *Ds = Xs + C * DB;
+    float *Xs = sdm_smem_tiles, *Ds = Xs + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
@@ -125,9 +125,9 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(OpArgs a, float *out, i
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int u = 0; u <= t; u++) acc = axpy4(Li[t * C + u], *(const float4 *)(Xs + u * DB + lc), acc);
+        for (int u = 0; u <= t; u++) acc = sdm_axpy4(Li[t * C + u], *(const float4 *)(Xs + u * DB + lc), acc);
         *(float4 *)(Ds + t * DB + lc) = acc;
-        *(float4 *)(delta_row(a, s, c, t) + col0 + lc) = acc;
+        *(float4 *)(sdm_delta_row(a, s, c, t) + col0 + lc) = acc;
     }
     __syncthreads();
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
@@ -136,17 +136,17 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(OpArgs a, float *out, i
         float4 acc = *(const float4 *)(a.ce + crow0 + (size_t)t * a.d + col0 + lc);
         for (int u = 0; u <= t; u++) {
             float sv = Sc[t * C + u];
-            if (sv != 0.f) acc = axpy4(sv, *(const float4 *)(Ds + u * DB + lc), acc);
+            if (sv != 0.f) acc = sdm_axpy4(sv, *(const float4 *)(Ds + u * DB + lc), acc);
         }
-        *(float4 *)(out + tok_off(a, s, tp, a.d) + col0 + lc) = acc;
+        *(float4 *)(out + sdm_tok_off(a, s, tp, a.d) + col0 + lc) = acc;
     }
 }
 
 // Grid (ceil(C W / warps), S), SDM_ROW_THREADS threads: warp e of the chunk's write entries; when e is the last
 // entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking back) pi kappa delta_t.
 template <typename Tb>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(OpArgs a, Tb *bank, int c) {
-    constexpr int V = BankVec<Tb>::V;
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
+    constexpr int V = SdmBankVec<Tb>::V;
     const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (e >= a.C * a.W) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
@@ -156,24 +156,24 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(OpArgs a,
     float el = a.w_elam_tot[ew + e];
     for (int col = lane * V; col < a.d; col += 32 * V) {
         float x[V];
-        BankVec<Tb>::load(row + col, x);
+        SdmBankVec<Tb>::load(row + col, x);
         for (int i = 0; i < V; i++) x[i] *= el;
         for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
             float w = a.w_scat[ew + q];
-            const float *dr = delta_row(a, s, c, q / a.W) + col;
+            const float *dr = sdm_delta_row(a, s, c, q / a.W) + col;
             for (int i = 0; i < V; i += 4) {
                 float4 dv = *(const float4 *)(dr + i);
                 x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
                 x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
             }
         }
-        BankVec<Tb>::store(row + col, x);
+        SdmBankVec<Tb>::store(row + col, x);
     }
 }
 
 // One chunk of the forward for every stream: gather, solve, scatter.
 template <typename Tb>
-static void sdm_op_forward_chunk(const OpArgs &a, const float *v, void *bank, float *out, int c, cudaStream_t stream) {
+static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c, cudaStream_t stream) {
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
@@ -188,7 +188,7 @@ static void sdm_op_forward_chunk(const OpArgs &a, const float *v, void *bank, fl
 static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, void *saved,
                            cudaStream_t stream) {
     sdm_op_require(s);
-    OpArgs a = sdm_op_args(s, saved, NULL);
+    SdmOpArgs a = sdm_op_args(s, saved, NULL);
     sdm_op_phase1(a, in, stream);
     for (int c = 0; c < a.nc; c++) {
         if (s->bank_fp32) sdm_op_forward_chunk<float>(a, in->v, bank, out, c, stream);

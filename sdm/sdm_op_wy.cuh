@@ -14,7 +14,7 @@
 // Phase 1: the WY quantities of one chunk. Grid (nc, S), 256 threads, dynamic smem: the chunk's slot lists.
 
 // Calls f(i, j) for every pair of equal entries of the sorted lists x[0..nx) and y[0..ny) (distinct within a list).
-template <typename F> __device__ __forceinline__ void merge_equal(const int *x, int nx, const int *y, int ny, F f) {
+template <typename F> __device__ __forceinline__ void sdm_merge_equal(const int *x, int nx, const int *y, int ny, F f) {
     int i = 0, j = 0;
     while (i < nx && j < ny) {
         int a = x[i], b = y[j];
@@ -24,14 +24,14 @@ template <typename F> __device__ __forceinline__ void merge_equal(const int *x, 
     }
 }
 
-__global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot, const float *kappa,
+__global__ void __launch_bounds__(256) sdm_wy_kernel(SdmOpArgs a, const int *wslot, const float *kappa,
                                                      const float *gamma, const float *beta, const int *rslot,
                                                      const float *rho) {
-    extern __shared__ int smem_slots[];
+    extern __shared__ int sdm_smem_slots[];
     const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R;
     const int nvalid = min(C, a.T - c * C); // tokens of this chunk inside the sequence; the rest are inert padding
     const int sW = W | 1, sR = R | 1; // odd row strides: lanes walking different tokens' lists hit different banks
-    int *ks = smem_slots, *qs = smem_slots + C * sW;
+    int *ks = sdm_smem_slots, *qs = sdm_smem_slots + C * sW;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
     int *prev = a.w_prev + ew, *next = a.w_next + ew, *lastread = a.w_lastread + ew;
     int *prevw = a.r_prevw + er, *prevr = a.r_prevr + er, *nextr = a.r_nextr + er, *lastw = a.r_lastw + er;
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     for (int e = threadIdx.x; e < C * W; e += blockDim.x) {
         int t = e / W;
         bool v = t < nvalid;
-        size_t g = tok_off(a, s, c * C + t, W) + e % W;
+        size_t g = sdm_tok_off(a, s, c * C + t, W) + e % W;
         ks[t * sW + e % W] = v ? wslot[g] : -1;
         kap[e] = v ? kappa[g] : 0.f;
         gam[e] = v ? gamma[g] : 0.f;
@@ -51,29 +51,29 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     for (int e = threadIdx.x; e < C * R; e += blockDim.x) {
         int t = e / R;
         bool v = t < nvalid;
-        size_t g = tok_off(a, s, c * C + t, R) + e % R;
+        size_t g = sdm_tok_off(a, s, c * C + t, R) + e % R;
         qs[t * sR + e % R] = v ? rslot[g] : -1;
         a.r_rho[er + e] = v ? rho[g] : 0.f;
         a.r_slot[er + e] = qs[t * sR + e % R];
         prevw[e] = -1; prevr[e] = -1; nextr[e] = INT_MAX; lastw[e] = -1;
     }
     for (int t = threadIdx.x; t < C; t += blockDim.x)
-        a.beta[(size_t)s * a.Tp + c * C + t] = t < nvalid ? beta[tok_off(a, s, c * C + t, 1)] : 0.f;
+        a.beta[(size_t)s * a.Tp + c * C + t] = t < nvalid ? beta[sdm_tok_off(a, s, c * C + t, 1)] : 0.f;
     __syncthreads();
     // links: the previous/next write of the same slot, the writes a read sees, the last write and read of a slot
     for (int p = threadIdx.x; p < nvalid * nvalid; p += blockDim.x) {
         int t = p / nvalid, u = p % nvalid;
         if (u < t) {
-            merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
+            sdm_merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
                 atomicMax(prev + t * W + i, u * W + j);
                 atomicMin(next + u * W + j, t * W + i);
             });
-            merge_equal(qs + t * sR, R, qs + u * sR, R, [&](int i, int j) {
+            sdm_merge_equal(qs + t * sR, R, qs + u * sR, R, [&](int i, int j) {
                 atomicMax(prevr + t * R + i, u * R + j);
                 atomicMin(nextr + u * R + j, t * R + i);
             });
         }
-        merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
+        sdm_merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
             if (u <= t) atomicMax(prevw + t * R + i, u * W + j);
             atomicMax(lastread + u * W + j, t * R + i);
             atomicMax(lastw + t * R + i, u * W + j);
@@ -124,10 +124,10 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
         float av = 0.f, sv = 0.f;
         if (t < nvalid && u <= t) {
             if (u < t)
-                merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
+                sdm_merge_equal(ks + t * sW, W, ks + u * sW, W, [&](int i, int j) {
                     av += kap[t * W + i] * kap[u * W + j] * expf(lam[t * W + i] - lam[u * W + j]);
                 });
-            merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
+            sdm_merge_equal(qs + t * sR, R, ks + u * sW, W, [&](int i, int j) {
                 sv += rr[t * R + i] * kap[u * W + j] * expf(rlam[t * R + i] - lam[u * W + j]);
             });
         }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     // Linv = (I + diag(beta) A)^-1 by forward substitution, thread j owns column j; the lower triangle is kept packed
     // in shared memory (X(t, j) at t (t + 1) / 2 + j), over the slot lists that are no longer needed
     const float *Ac = a.A + cc, *bt = a.beta + (size_t)s * a.Tp + c * C;
-    float *X = (float *)smem_slots;
+    float *X = (float *)sdm_smem_slots;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         X[j * (j + 1) / 2 + j] = 1.f;
         for (int t = j + 1; t < C; t++) {
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(OpArgs a, const int *wslot,
     }
 }
 
-static inline void sdm_op_phase1(const OpArgs &a, const SdmOpInputs *in, cudaStream_t stream) {
+static inline void sdm_op_phase1(const SdmOpArgs &a, const SdmOpInputs *in, cudaStream_t stream) {
     size_t smem = (size_t)SDM_MAX(a.C * ((a.W | 1) + (a.R | 1)), a.C * (a.C + 1) / 2) * sizeof(int);
     cudaCheck(cudaFuncSetAttribute(sdm_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     sdm_wy_kernel<<<dim3(a.nc, a.S), 256, smem, stream>>>(a, in->wslot, in->kappa, in->gamma, in->beta, in->rslot,

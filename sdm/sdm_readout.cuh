@@ -16,9 +16,9 @@
 // [n_warps, d] that a deterministic column sum adds afterwards.
 // =================================================================================================================
 
-#define RO_WARPS_PER_BLOCK 4
-#define RO_MAX_WARPS 4096
-#define RO_MAX_D 2048
+#define SDM_RO_WARPS_PER_BLOCK 4
+#define SDM_RO_MAX_WARPS 4096
+#define SDM_RO_MAX_D 2048
 
 typedef struct {
     int P, d, H, ldz, col_g;
@@ -28,20 +28,20 @@ typedef struct {
     const void *z;           // forward projections (zG)
     bool fp32;
     int n_warps, rows_per_warp;
-} ReadoutArgs;
+} SdmReadoutArgs;
 
-static inline int readout_warps(int P) { return SDM_MIN(P, RO_MAX_WARPS); }
+static inline int sdm_readout_warps(int P) { return SDM_MIN(P, SDM_RO_MAX_WARPS); }
 
-__device__ __forceinline__ float4 ld4(const float *p) { return *(const float4 *)p; }
-__device__ __forceinline__ float f4get(const float4 &v, int j) {
+__device__ __forceinline__ float4 sdm_ld4(const float *p) { return *(const float4 *)p; }
+__device__ __forceinline__ float sdm_f4get(const float4 &v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
 template <int NV>
-__global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kernel(ReadoutArgs ra, const float *o,
+__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o,
                                                                                  void *r, float *ln_mean,
                                                                                  float *ln_rstd) {
-    int warp = blockIdx.x * RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
     for (int p = p0; p < p1; p++) {
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
 #pragma unroll
         for (int i = 0; i < NV; i++) {
             int c4 = lane + 32 * i;
-            x[i] = c4 < d4 ? ld4(orow + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+            x[i] = c4 < d4 ? sdm_ld4(orow + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         float mean = 0.0f, rstd = 1.0f;
         if (ra.ln) {
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
 #pragma unroll
             for (int i = 0; i < NV; i++)
                 if (lane + 32 * i < d4)
-                    for (int j = 0; j < 4; j++) q += (f4get(x[i], j) - mean) * (f4get(x[i], j) - mean);
+                    for (int j = 0; j < 4; j++) q += (sdm_f4get(x[i], j) - mean) * (sdm_f4get(x[i], j) - mean);
             rstd = 1.0f / sqrtf(core_warp_sum(q) / ra.d + ra.eps);
             if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
         }
@@ -73,9 +73,9 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
             if (c4 >= d4) continue;
             for (int j = 0; j < 4; j++) {
                 int c = 4 * c4 + j;
-                float y = f4get(x[i], j);
+                float y = sdm_f4get(x[i], j);
                 if (ra.ln) y = (y - mean) * rstd * dtype_load(ra.ln_w, c, ra.fp32) + dtype_load(ra.ln_b, c, ra.fp32);
-                if (ra.gate) y *= sl_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
+                if (ra.gate) y *= sdm_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
                 dtype_store(r, (size_t)p * ra.d + c, y, ra.fp32);
             }
         }
@@ -86,12 +86,12 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_forward_kerne
 // read and then written by the same lane), dzG into dz (gate; dz may alias the forward z the same way), and the
 // per-warp LayerNorm partials: partials[warp][d] = sum drn * xhat, partials[n_warps + warp][d] = sum drn.
 template <int NV>
-__global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kernel(ReadoutArgs ra, const float *o,
+__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_backward_kernel(SdmReadoutArgs ra, const float *o,
                                                                                   const float *ln_mean,
                                                                                   const float *ln_rstd, const float *dr,
                                                                                   float *dout, void *dz,
                                                                                   float *partials) {
-    int warp = blockIdx.x * RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
     float4 acc_w[NV], acc_b[NV];
@@ -106,18 +106,18 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kern
         for (int i = 0; i < NV; i++) {
             int c4 = lane + 32 * i;
             float4 xv = make_float4(0.f, 0.f, 0.f, 0.f), gv = xv;
-            if (c4 < d4) { xv = ld4(o + (size_t)p * ra.d + 4 * c4); gv = ld4(dr + (size_t)p * ra.d + 4 * c4); }
+            if (c4 < d4) { xv = sdm_ld4(o + (size_t)p * ra.d + 4 * c4); gv = sdm_ld4(dr + (size_t)p * ra.d + 4 * c4); }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 int c = 4 * c4 + j;
-                float x = f4get(xv, j), g = f4get(gv, j);
+                float x = sdm_f4get(xv, j), g = sdm_f4get(gv, j);
                 xh[i][j] = ra.ln ? (x - mean) * rstd : x;
                 gw[i][j] = 0.0f;
                 if (c4 >= d4) continue;
                 float w = ra.ln ? dtype_load(ra.ln_w, c, ra.fp32) : 1.0f;
                 if (ra.gate) {
                     float rn = ra.ln ? xh[i][j] * w + dtype_load(ra.ln_b, c, ra.fp32) : x;
-                    float sg = sl_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
+                    float sg = sdm_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
                     dtype_store(dz, zrow + c, g * rn * sg * (1.0f - sg), ra.fp32);
                     g *= sg;
                 }
@@ -159,9 +159,9 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kern
 }
 
 // Launch the instantiation whose NV float4 groups per lane cover d (d <= 2048, d % 4 == 0).
-#define RO_DISPATCH(kernel, ra, st, ...)                                                                         \
+#define SDM_RO_DISPATCH(kernel, ra, st, ...)                                                                         \
     do {                                                                                                         \
-        int blocks_ = ceil_div((ra).n_warps, RO_WARPS_PER_BLOCK), thr_ = 32 * RO_WARPS_PER_BLOCK;                \
+        int blocks_ = ceil_div((ra).n_warps, SDM_RO_WARPS_PER_BLOCK), thr_ = 32 * SDM_RO_WARPS_PER_BLOCK;                \
         if ((ra).d <= 128) kernel<1><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                 \
         else if ((ra).d <= 256) kernel<2><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
         else if ((ra).d <= 512) kernel<4><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
@@ -170,19 +170,19 @@ __global__ void __launch_bounds__(32 * RO_WARPS_PER_BLOCK) readout_backward_kern
         cudaCheckLast();                                                                                         \
     } while (0)
 
-static inline void readout_forward(const ReadoutArgs *ra, const float *o, void *r, float *ln_mean, float *ln_rstd,
+static inline void sdm_readout_forward(const SdmReadoutArgs *ra, const float *o, void *r, float *ln_mean, float *ln_rstd,
                                    cudaStream_t st) {
-    RO_DISPATCH(readout_forward_kernel, *ra, st, o, r, ln_mean, ln_rstd);
+    SDM_RO_DISPATCH(sdm_readout_forward_kernel, *ra, st, o, r, ln_mean, ln_rstd);
 }
 
 // ...and, with the LayerNorm, d ln_w and d ln_b (accumulated) as column sums of the per-warp partials.
-static inline void readout_backward(const ReadoutArgs *ra, const float *o, const float *ln_mean, const float *ln_rstd,
+static inline void sdm_readout_backward(const SdmReadoutArgs *ra, const float *o, const float *ln_mean, const float *ln_rstd,
                                     float *dr, void *dz, float *partials, float *dln_w, float *dln_b,
                                     cudaStream_t st) {
-    RO_DISPATCH(readout_backward_kernel, *ra, st, o, ln_mean, ln_rstd, dr, dr, dz, partials);
+    SDM_RO_DISPATCH(sdm_readout_backward_kernel, *ra, st, o, ln_mean, ln_rstd, dr, dr, dz, partials);
     if (ra->ln) {
-        colsum(dln_w, partials, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
-        colsum(dln_b, partials + (size_t)ra->n_warps * ra->d, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
+        matmul_colsum(dln_w, partials, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
+        matmul_colsum(dln_b, partials + (size_t)ra->n_warps * ra->d, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);
     }
 }
 

@@ -28,7 +28,7 @@
 // two different partial sums tie after the next addition.
 // =================================================================================================================
 
-#define TOPK_WARPS_MAX 4
+#define SDM_TOPK_WARPS_MAX 4
 
 typedef struct {
     int F, dims[SDM_MAX_FACTORS], N, key_dim; // factor widths (first factor most significant), N = prod, K = sum
@@ -40,24 +40,24 @@ typedef struct {
     int sort_max;                             // max of sort_len (raw-score staging buffer)
     size_t smem_per_warp;                     // shared memory per warp (bytes)
     int warps;                                // problems per block
-} TopkPlan;
+} SdmTopkPlan;
 
-static inline int next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
+static inline int sdm_next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
 
 // Visits every position p (p_f < dims[f]) with prod(p_f + 1) <= cap; stores them when out != NULL; returns count.
-static inline int topk_table_fill(const int *dims, int F, int f, int prod, uint32_t packed, int cap, uint32_t *out,
+static inline int sdm_topk_table_fill(const int *dims, int F, int f, int prod, uint32_t packed, int cap, uint32_t *out,
                                   int n) {
     if (f == F) {
         if (out) out[n] = packed;
         return n + 1;
     }
     for (int p = 0; p < dims[f] && prod * (p + 1) <= cap; p++)
-        n = topk_table_fill(dims, F, f + 1, prod * (p + 1), packed | ((uint32_t)p << (8 * f)), cap, out, n);
+        n = sdm_topk_table_fill(dims, F, f + 1, prod * (p + 1), packed | ((uint32_t)p << (8 * f)), cap, out, n);
     return n;
 }
 
-static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
-    TopkPlan pl;
+static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
+    SdmTopkPlan pl;
     memset(&pl, 0, sizeof(pl));
     pl.F = s->n_factors;
     if (pl.F < 1 || pl.F > SDM_MAX_FACTORS) sdm_die("top-k: %d factors not supported (1..%d)", pl.F, SDM_MAX_FACTORS);
@@ -66,7 +66,7 @@ static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
         pl.dims[f] = s->factor_dims[f];
         pl.N *= pl.dims[f];
         pl.key_dim += pl.dims[f];
-        pl.sort_len[f] = next_pow2(pl.dims[f]);
+        pl.sort_len[f] = sdm_next_pow2(pl.dims[f]);
         pl.sort_total += pl.sort_len[f];
         pl.sort_max = SDM_MAX(pl.sort_max, pl.sort_len[f]);
     }
@@ -76,9 +76,9 @@ static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
     if (k >= 256) sdm_die("top-k: the GPU top-k supports k < 256 (got %d)", k);
     if (((double)pl.key_dim + 1.0) * pl.N >= 4294967296.0)
         sdm_die("top-k: (sum of factor widths + 1) * N must stay below 2^32 (tie-break key)");
-    pl.n_table = topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
+    pl.n_table = sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
     uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * (size_t)pl.n_table);
-    topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
+    sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
     cudaCheck(cudaMalloc(&pl.table, sizeof(uint32_t) * (size_t)pl.n_table));
     cudaCheck(cudaMemcpy(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table, cudaMemcpyHostToDevice));
     free(tab);
@@ -87,17 +87,17 @@ static inline TopkPlan topk_plan_make(const SdmDims *s, int k) {
     pl.smem_per_warp = (pl.smem_per_warp + 15) & ~(size_t)15;
     if (pl.smem_per_warp > 200 * 1024)
         sdm_die("top-k: factor widths too large for shared memory (%zu bytes per problem)", pl.smem_per_warp);
-    pl.warps = (int)SDM_MAX(1, SDM_MIN(TOPK_WARPS_MAX, (96 * 1024) / pl.smem_per_warp));
+    pl.warps = (int)SDM_MAX(1, SDM_MIN(SDM_TOPK_WARPS_MAX, (96 * 1024) / pl.smem_per_warp));
     return pl;
 }
 
-static inline void topk_plan_free(TopkPlan *pl) {
+static inline void sdm_topk_plan_free(SdmTopkPlan *pl) {
     cudaCheck(cudaFree(pl->table));
     pl->table = NULL;
 }
 
 // Descending bitonic sort of a[0..n) (n a power of two) by one warp in shared memory.
-__device__ void warp_bitonic_sort_desc(unsigned long long *a, int n, int lane) {
+__device__ void sdm_warp_bitonic_sort_desc(unsigned long long *a, int n, int lane) {
     for (int size = 2; size <= n; size <<= 1)
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
             for (int i = lane; i < (n >> 1); i += 32) {
@@ -112,7 +112,7 @@ __device__ void warp_bitonic_sort_desc(unsigned long long *a, int n, int lane) {
 
 // The k-th largest (with multiplicity) of v[i * stride], i < n, by one warp: radix select on 8-bit digits from the
 // top, with a 256-bin histogram in shared memory (integer counts: order-independent, deterministic).
-__device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k, int *hist, int lane) {
+__device__ uint32_t sdm_warp_kth_largest(const uint32_t *v, int stride, int n, int k, int *hist, int lane) {
     uint32_t prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = lane; i < 256; i += 32) hist[i] = 0;
@@ -128,11 +128,11 @@ __device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k
         for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; own += c[j]; }
         int incl = own;
         for (int o = 1; o < 32; o <<= 1) {
-            int t = __shfl_up_sync(SL_FULL_MASK, incl, o);
+            int t = __shfl_up_sync(SDM_FULL_MASK, incl, o);
             if (lane >= o) incl += t;
         }
         int excl = incl - own;
-        int src = __ffs(__ballot_sync(SL_FULL_MASK, excl < k && k <= incl)) - 1;
+        int src = __ffs(__ballot_sync(SDM_FULL_MASK, excl < k && k <= incl)) - 1;
         int digit = 0, above = 0, acc = excl;
         bool found = false;
 #pragma unroll
@@ -140,8 +140,8 @@ __device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k
             if (!found && acc + c[j] >= k) { digit = 255 - 8 * lane - j; above = acc; found = true; }
             acc += c[j];
         }
-        digit = __shfl_sync(SL_FULL_MASK, digit, src);
-        above = __shfl_sync(SL_FULL_MASK, above, src);
+        digit = __shfl_sync(SDM_FULL_MASK, digit, src);
+        above = __shfl_sync(SDM_FULL_MASK, above, src);
         prefix |= (uint32_t)digit << shift;
         mask |= 255u << shift;
         k -= above;
@@ -151,7 +151,7 @@ __device__ uint32_t warp_kth_largest(const uint32_t *v, int stride, int n, int k
 }
 
 // Key of the grid point with sorted positions pos[f]: ord(float32 score) << 32 | (digit_sum * N + slot).
-__device__ __forceinline__ unsigned long long grid_key(const TopkPlan &pl, const unsigned long long *sorted,
+__device__ __forceinline__ unsigned long long sdm_grid_key(const SdmTopkPlan &pl, const unsigned long long *sorted,
                                                        const int *pos) {
     float v = 0.0f;
     uint32_t dsum = 0, slot = 0;
@@ -160,18 +160,18 @@ __device__ __forceinline__ unsigned long long grid_key(const TopkPlan &pl, const
     for (int f = 0; f < SDM_MAX_FACTORS; f++)
         if (f < pl.F) {
             unsigned long long e = sorted[soff + pos[f]];
-            float s = sl_ord2f((uint32_t)(e >> 32));
+            float s = sdm_ord2f((uint32_t)(e >> 32));
             uint32_t idx = (uint32_t)e;
             v = f == 0 ? s : v + s;
             dsum += idx;
             slot = slot * (uint32_t)pl.dims[f] + idx;
             soff += pl.sort_len[f];
         }
-    return ((unsigned long long)sl_f2ord(v) << 32) | (dsum * (uint32_t)pl.N + slot);
+    return ((unsigned long long)sdm_f2ord(v) << 32) | (dsum * (uint32_t)pl.N + slot);
 }
 
 // Largest 64-bit threshold x with #(keys >= x) >= k over the whole kept grid (G points), by bisection on the bits.
-__device__ unsigned long long grid_kth_key(const TopkPlan &pl, const unsigned long long *sorted, const int *m,
+__device__ unsigned long long sdm_grid_kth_key(const SdmTopkPlan &pl, const unsigned long long *sorted, const int *m,
                                            unsigned long long G, int lane) {
     unsigned long long x = 0;
     for (int bit = 63; bit >= 0; bit--) {
@@ -183,9 +183,9 @@ __device__ unsigned long long grid_kth_key(const TopkPlan &pl, const unsigned lo
 #pragma unroll
             for (int f = SDM_MAX_FACTORS - 1; f >= 0; f--)
                 if (f < pl.F) { pos[f] = (int)(r % (unsigned)m[f]); r /= (unsigned)m[f]; }
-            cnt += grid_key(pl, sorted, pos) >= c;
+            cnt += sdm_grid_key(pl, sorted, pos) >= c;
         }
-        if (__reduce_add_sync(SL_FULL_MASK, cnt) >= pl.k) x = c;
+        if (__reduce_add_sync(SDM_FULL_MASK, cnt) >= pl.k) x = c;
     }
     return x;
 }
@@ -194,14 +194,14 @@ __device__ unsigned long long grid_kth_key(const TopkPlan &pl, const unsigned lo
 // Outputs per problem, sorted by ascending slot: slot [P,k], weight [P,k] = softmax(scale * score),
 // score [P,k] (float32 slot score, may be NULL), gamma [P,k] (may be NULL: writes only): g[p] * weight
 // (key_weighted_decay) or g[p].
-__global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
+__global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
                                     float scale, const float *g, int kwd, int *slot_out, float *weight_out,
                                     float *score_out, float *gamma_out) {
-    extern __shared__ unsigned char topk_smem[];
+    extern __shared__ unsigned char sdm_topk_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * pl.warps + warp;
     if (p >= P) return;
-    unsigned long long *sorted = (unsigned long long *)(topk_smem + warp * pl.smem_per_warp);
+    unsigned long long *sorted = (unsigned long long *)(sdm_topk_smem + warp * pl.smem_per_warp);
     unsigned long long *raw = sorted + pl.sort_total, *cand = raw + pl.sort_max, *sel = cand + pl.cap;
     uint32_t *rval = (uint32_t *)(sel + pl.k);
     int *hist = (int *)(rval + pl.n_table);
@@ -215,15 +215,15 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     for (int f = 0, off = 0, soff = 0; f < pl.F; off += pl.dims[f], soff += pl.sort_len[f], f++) {
         int n = pl.dims[f];
         for (int i = lane; i < n; i += 32)
-            raw[i] = ((unsigned long long)sl_f2ord(dtype_load(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
+            raw[i] = ((unsigned long long)sdm_f2ord(dtype_load(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
         __syncwarp();
         // the high words of the little-endian keys are the scores
-        uint32_t t = warp_kth_largest((const uint32_t *)raw + 1, 2, n, min(k, n), hist, lane);
+        uint32_t t = sdm_warp_kth_largest((const uint32_t *)raw + 1, 2, n, min(k, n), hist, lane);
         int cnt = 0;
         for (int base = 0; base < n; base += 32) {
             int i = base + lane;
             bool keep = i < n && (uint32_t)(raw[i] >> 32) >= t;
-            unsigned b = __ballot_sync(SL_FULL_MASK, keep);
+            unsigned b = __ballot_sync(SDM_FULL_MASK, keep);
             if (keep) sorted[soff + cnt + __popc(b & ((1u << lane) - 1))] = raw[i];
             cnt += __popc(b);
         }
@@ -231,7 +231,7 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
         while (len < cnt) len <<= 1;
         for (int i = cnt + lane; i < len; i += 32) sorted[soff + i] = 0ull;
         __syncwarp();
-        warp_bitonic_sort_desc(sorted + soff, len, lane);
+        sdm_warp_bitonic_sort_desc(sorted + soff, len, lane);
         m[f] = cnt;
         G *= (unsigned long long)cnt;
     }
@@ -249,15 +249,15 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
             pos[f] = (int)((pk >> (8 * f)) & 255u);
             if (f < pl.F && pos[f] >= m[f]) in = false;
         }
-        rval[r] = in ? (uint32_t)(grid_key(pl, sorted, pos) >> 32) : 0u;
+        rval[r] = in ? (uint32_t)(sdm_grid_key(pl, sorted, pos) >> 32) : 0u;
     }
     __syncwarp();
 
     // 3. tau = the k-th largest table score
-    uint32_t tau = warp_kth_largest(rval, 1, pl.n_table, k, hist, lane);
+    uint32_t tau = sdm_warp_kth_largest(rval, 1, pl.n_table, k, hist, lane);
     int n_ge = 0;
     for (int r = lane; r < pl.n_table; r += 32) n_ge += rval[r] >= tau;
-    n_ge = __reduce_add_sync(SL_FULL_MASK, n_ge);
+    n_ge = __reduce_add_sync(SDM_FULL_MASK, n_ge);
 
     if (n_ge < pl.cap || G <= (unsigned long long)pl.cap) {
         // 4a. the candidates (all grid points scoring >= tau) in table order, then the k best by rank
@@ -265,13 +265,13 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
         for (int base = 0; base < pl.n_table; base += 32) {
             int r = base + lane;
             bool take = r < pl.n_table && rval[r] >= tau;
-            unsigned b = __ballot_sync(SL_FULL_MASK, take);
+            unsigned b = __ballot_sync(SDM_FULL_MASK, take);
             if (take) {
                 uint32_t pk = pl.table[r];
                 int pos[SDM_MAX_FACTORS];
 #pragma unroll
                 for (int f = 0; f < SDM_MAX_FACTORS; f++) pos[f] = (int)((pk >> (8 * f)) & 255u);
-                cand[n_c + __popc(b & ((1u << lane) - 1))] = grid_key(pl, sorted, pos);
+                cand[n_c + __popc(b & ((1u << lane) - 1))] = sdm_grid_key(pl, sorted, pos);
             }
             n_c += __popc(b);
         }
@@ -284,7 +284,7 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
         }
     } else {
         // 4b. heavy ties: exact threshold over the whole kept grid, then collect the k keys above it
-        unsigned long long x = grid_kth_key(pl, sorted, m, G, lane);
+        unsigned long long x = sdm_grid_kth_key(pl, sorted, m, G, lane);
         int n_c = 0;
         for (unsigned long long base = 0; base < G; base += 32) {
             unsigned long long gi = base + lane;
@@ -295,10 +295,10 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
 #pragma unroll
                 for (int f = SDM_MAX_FACTORS - 1; f >= 0; f--)
                     if (f < pl.F) { pos[f] = (int)(r % (unsigned)m[f]); r /= (unsigned)m[f]; }
-                key = grid_key(pl, sorted, pos);
+                key = sdm_grid_key(pl, sorted, pos);
             }
             bool take = gi < G && key >= x;
-            unsigned b = __ballot_sync(SL_FULL_MASK, take);
+            unsigned b = __ballot_sync(SDM_FULL_MASK, take);
             if (take) sel[n_c + __popc(b & ((1u << lane) - 1))] = key;
             n_c += __popc(b);
         }
@@ -307,10 +307,10 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
 
     // 5. order by ascending slot, softmax over the k scores, write out
     float mx = -INFINITY;
-    for (int j = lane; j < k; j += 32) mx = fmaxf(mx, sl_ord2f((uint32_t)(sel[j] >> 32)));
-    mx = sl_warp_max(mx);
+    for (int j = lane; j < k; j += 32) mx = fmaxf(mx, sdm_ord2f((uint32_t)(sel[j] >> 32)));
+    mx = sdm_warp_max(mx);
     float sum = 0.0f;
-    for (int j = lane; j < k; j += 32) sum += expf(scale * (sl_ord2f((uint32_t)(sel[j] >> 32)) - mx));
+    for (int j = lane; j < k; j += 32) sum += expf(scale * (sdm_ord2f((uint32_t)(sel[j] >> 32)) - mx));
     sum = core_warp_sum(sum);
     int *sel_slot = (int *)rval; // the table scores are no longer needed
     for (int j = lane; j < k; j += 32) sel_slot[j] = (int)((uint32_t)sel[j] % (uint32_t)pl.N);
@@ -319,7 +319,7 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
         int slot = sel_slot[j];
         int pos = 0;
         for (int i = 0; i < k; i++) pos += sel_slot[i] < slot;
-        float e = sl_ord2f((uint32_t)(sel[j] >> 32));
+        float e = sdm_ord2f((uint32_t)(sel[j] >> 32));
         float w = expf(scale * (e - mx)) / sum;
         size_t o = (size_t)p * k + pos;
         slot_out[o] = (int)slot;
@@ -329,13 +329,13 @@ __global__ void topk_forward_kernel(TopkPlan pl, const void *z, bool fp32, int l
     }
 }
 
-static inline void topk_forward(const TopkPlan *pl, const void *z, Dtype zt, int ldz, int col0, int H, int P,
+static inline void sdm_topk_forward(const SdmTopkPlan *pl, const void *z, Dtype zt, int ldz, int col0, int H, int P,
                                 float scale, const float *g, int kwd, int *slot, float *weight, float *score,
                                 float *gamma, cudaStream_t s) {
     size_t smem = pl->smem_per_warp * pl->warps;
     if (smem > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g,
+        cudaCheck(cudaFuncSetAttribute(sdm_topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g,
                                                                              kwd, slot, weight, score, gamma);
     cudaCheckLast();
 }
@@ -357,17 +357,17 @@ typedef struct {
     const void *A_log, *dt_bias;            // [H] compute dtype
     int kwd, col_a, col_c;
     float *gate_grad;                       // [tokens, 3H]
-} WriteGateArgs;
+} SdmWriteGateArgs;
 
-__global__ void address_backward_kernel(TopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
+__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
                                         int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
-                                        WriteGateArgs ga) {
-    extern __shared__ float addr_smem[];
+                                        SdmWriteGateArgs ga) {
+    extern __shared__ float sdm_addr_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * (blockDim.x >> 5) + warp;
     if (p >= P) return;
     const int k = pl.k, K = pl.key_dim;
-    float *acc = addr_smem + warp * (K + k), *de = acc + K;
+    float *acc = sdm_addr_smem + warp * (K + k), *de = acc + K;
     size_t base = (size_t)p * k;
     float gp = gates ? ga.g[p] : 0.0f;
     float wdw = 0.0f, dg = 0.0f;
@@ -401,7 +401,7 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
             size_t tok = (size_t)(p / H);
             float a = dtype_load(ga.z, tok * ldz + ga.col_a + h, fp32);
             float A = expf(dtype_load(ga.A_log, h, fp32)), dtb = dtype_load(ga.dt_bias, h, fp32);
-            float da = dg * (-A * sl_sigmoid(a + dtb));
+            float da = dg * (-A * sdm_sigmoid(a + dtb));
             float b = ga.beta[p], dc = ga.dbeta[p] * b * (1.0f - b);
             dtype_store(dz, zrow + ga.col_a + h, da, fp32);
             dtype_store(dz, zrow + ga.col_c + h, dc, fp32);
@@ -413,18 +413,19 @@ __global__ void address_backward_kernel(TopkPlan pl, const int *slot, const floa
     }
 }
 
-static inline void address_backward(const TopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
+static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
                                     int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
-                                    const WriteGateArgs *ga, cudaStream_t s) {
+                                    const SdmWriteGateArgs *ga, cudaStream_t s) {
     const int warps = 4;
     size_t smem = sizeof(float) * (size_t)(pl->key_dim + pl->k) * warps;
     if (smem > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(address_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaCheck(cudaFuncSetAttribute(sdm_address_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem));
-    WriteGateArgs none;
+    SdmWriteGateArgs none;
     memset(&none, 0, sizeof(none));
-    address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz,
+    sdm_address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz,
                                                                         col0, gates, gates ? *ga : none);
     cudaCheckLast();
 }
+
 #endif

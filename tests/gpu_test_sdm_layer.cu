@@ -140,7 +140,7 @@ static SdmDims dims_factors(int F, const int *n) {
 
 static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int kind) {
     SdmDims s = dims_factors(F, n);
-    TopkPlan pl = topk_plan_make(&s, k);
+    SdmTopkPlan pl = sdm_topk_plan_make(&s, k);
     int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H, fp32 = kind != SC_BF16;
     double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
     for (size_t i = 0; i < (size_t)T * ldz; i++) {
@@ -160,7 +160,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     cudaCheck(cudaMalloc(&dgam, sizeof(float) * P * k));
     cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * P * k)); // poison
     const float scale = 0.7f;
-    topk_forward(&pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
+    sdm_topk_forward(&pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
     cudaCheck(cudaDeviceSynchronize());
     int *slot = (int *)sdm_malloc(sizeof(int) * P * k), *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
     float *w = (float *)sdm_malloc(sizeof(float) * P * k), *sc = (float *)sdm_malloc(sizeof(float) * P * k);
@@ -199,7 +199,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     CHECK(bad_score == 0, "top-k float32 scores differ in %d entries", bad_score);
     check_close("top-k softmax weights", w_gpu, w_ref, (size_t)P * k, TOL_FP32);
     check_close("top-k gamma (key-weighted)", gam_gpu, gam_ref, (size_t)P * k, TOL_FP32);
-    topk_plan_free(&pl);
+    sdm_topk_plan_free(&pl);
     cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg)); cudaCheck(cudaFree(dslot)); cudaCheck(cudaFree(dw));
     cudaCheck(cudaFree(dsc)); cudaCheck(cudaFree(dgam));
     free(z); free(g); free(slot); free(slot_ref); free(w); free(sc); free(gam); free(score_ref); free(w_ref);
