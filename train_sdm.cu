@@ -301,7 +301,8 @@ int main(int argc, char **argv) {
     r.batch = (int32_t *)sdm_malloc(sizeof(int32_t) * c->batch_size * (c->seq_len + 1));
     r.inputs = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
-    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, !strcmp(c->model_dtype, "fp32"), r.dist.world);
+    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16,
+                     r.dist.world);
     init_params(&r);
     resume(&r);
 

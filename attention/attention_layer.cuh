@@ -15,8 +15,7 @@ typedef struct { float *wq, *wk, *wv, *wg, *wo; } AttnLayerGrads;
 typedef struct {
     AttnDims a;
     int B, T;
-    cudaDataType_t ctype;
-    AttnDtype adt;
+    Dtype ctype;
     AttnRope rope;
     void *q, *k, *v, *o, *z, *og; // saved by the forward: q, k after RoPE [n, n_h|n_kv * d_h]; z, og when gated
     float *lse;                    // [B, n_h, T]
@@ -30,7 +29,7 @@ static inline void *attn_layer_alloc(size_t bytes) {
     return p;
 }
 
-static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, cudaDataType_t ctype) {
+static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype ctype) {
     attn_check_dims(a);
     AttnLayer L;
     memset(&L, 0, sizeof L);
@@ -38,7 +37,6 @@ static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, cudaD
     L.B = B;
     L.T = T;
     L.ctype = ctype;
-    L.adt = ctype == CUDA_R_32F ? ATTN_FP32 : ATTN_BF16;
     L.rope = attn_rope_create(a->head_dim, a->rope_theta);
     size_t n = (size_t)B * T, es = dtype_size(ctype);
     size_t qb = n * a->n_heads * a->head_dim * es, kb = n * a->n_kv_heads * a->head_dim * es;
@@ -67,7 +65,7 @@ static inline void attn_layer_destroy(AttnLayer *L) {
 }
 
 // q [n, n_h*d_h], k, v [n, n_kv*d_h] = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of x [n, D] (before RoPE).
-static inline void attn_layer_qkv(const AttnDims *a, cudaDataType_t ct, const AttnLayerParams *p, const void *x, int n,
+static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x, int n,
                                   void *q, void *k, void *v, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
     matmul_forward(q, ct, nq, x, p->wq, NULL, ct, n, nq, D, s);
@@ -76,13 +74,13 @@ static inline void attn_layer_qkv(const AttnDims *a, cudaDataType_t ct, const At
 }
 
 // y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h].
-static inline void attn_layer_out(const AttnDims *a, cudaDataType_t ct, AttnDtype adt, const AttnLayerParams *p,
+static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerParams *p,
                                   const void *x, const void *o, void *z, void *og, int n, void *y, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim;
     const void *mixed = o;
     if (a->gated) {
         matmul_forward(z, ct, nq, x, p->wg, NULL, ct, n, nq, D, s);
-        attn_gate_forward(adt, (size_t)n * nq, z, o, og, s);
+        attn_gate_forward(ct, (size_t)n * nq, z, o, og, s);
         mixed = og;
     }
     matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
@@ -93,9 +91,9 @@ static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, co
     const AttnDims *a = &L->a;
     int n = L->B * L->T;
     attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, s);
-    attn_rope(&L->rope, a, L->B, L->T, L->adt, L->q, L->k, NULL, 1, s);
-    attn_forward(a, L->B, L->T, L->adt, L->q, L->k, L->v, L->o, L->lse, s);
-    attn_layer_out(a, L->ctype, L->adt, p, x, L->o, L->z, L->og, n, y, s);
+    attn_rope(&L->rope, a, L->B, L->T, L->ctype, L->q, L->k, NULL, 1, s);
+    attn_forward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, s);
+    attn_layer_out(a, L->ctype, p, x, L->o, L->z, L->og, n, y, s);
 }
 
 // dx [B*T, D] (overwritten) and the weight gradients (+=) from dy, after attn_layer_forward on the same x.
@@ -103,24 +101,24 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
                                        const void *dy, void *dx, cudaStream_t s) {
     const AttnDims *a = &L->a;
     int n = L->B * L->T, D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
-    matmul_backward_weight(g->wo, CUDA_R_32F, dy, D, a->gated ? L->og : L->o, L->ctype, n, D, nq, 1, s);
+    matmul_backward_weight(g->wo, DT_FP32, dy, D, a->gated ? L->og : L->o, L->ctype, n, D, nq, 1, s);
     matmul_backward_input(L->dog, L->ctype, dy, D, p->wo, L->ctype, n, D, nq, 0, s);
     // d(out of the core) and dq take two of the scratch buffers; with a gate, dz takes dog first
     void *d_o = L->dog, *dq = L->dq;
     int have_dx = 0;
     if (a->gated) {
-        attn_gate_backward(L->adt, (size_t)n * nq, L->z, L->o, L->dog, L->dq, L->dog, s); // do -> dq, dz -> dog
-        matmul_backward_weight(g->wg, CUDA_R_32F, L->dog, nq, x, L->ctype, n, nq, D, 1, s);
+        attn_gate_backward(L->ctype, (size_t)n * nq, L->z, L->o, L->dog, L->dq, L->dog, s); // do -> dq, dz -> dog
+        matmul_backward_weight(g->wg, DT_FP32, L->dog, nq, x, L->ctype, n, nq, D, 1, s);
         matmul_backward_input(dx, L->ctype, L->dog, nq, p->wg, L->ctype, n, nq, D, 0, s);
         have_dx = 1;
         d_o = L->dq;
         dq = L->dog;
     }
-    attn_backward(a, L->B, L->T, L->adt, L->q, L->k, L->v, L->o, L->lse, d_o, dq, L->dk, L->dv, L->workspace, s);
-    attn_rope(&L->rope, a, L->B, L->T, L->adt, dq, L->dk, NULL, -1, s);
-    matmul_backward_weight(g->wq, CUDA_R_32F, dq, nq, x, L->ctype, n, nq, D, 1, s);
-    matmul_backward_weight(g->wk, CUDA_R_32F, L->dk, nk, x, L->ctype, n, nk, D, 1, s);
-    matmul_backward_weight(g->wv, CUDA_R_32F, L->dv, nk, x, L->ctype, n, nk, D, 1, s);
+    attn_backward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, d_o, dq, L->dk, L->dv, L->workspace, s);
+    attn_rope(&L->rope, a, L->B, L->T, L->ctype, dq, L->dk, NULL, -1, s);
+    matmul_backward_weight(g->wq, DT_FP32, dq, nq, x, L->ctype, n, nq, D, 1, s);
+    matmul_backward_weight(g->wk, DT_FP32, L->dk, nk, x, L->ctype, n, nk, D, 1, s);
+    matmul_backward_weight(g->wv, DT_FP32, L->dv, nk, x, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, dq, nq, p->wq, L->ctype, n, nq, D, have_dx, s);
     matmul_backward_input(dx, L->ctype, L->dk, nk, p->wk, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, L->dv, nk, p->wv, L->ctype, n, nk, D, 1, s);
@@ -135,14 +133,13 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
 typedef struct {
     AttnDims a;
     int streams, rows, C; // rows = max(max_tokens, streams): the scratch buffers' token capacity
-    cudaDataType_t ctype;
-    AttnDtype adt;
+    Dtype ctype;
     AttnRope rope;
     void *q, *k, *v, *o, *z, *og; // [rows, ...] scratch of one call
     void *k_cache, *v_cache;      // [streams, C, n_kv, d_h]
 } AttnInferState;
 
-static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, int max_tokens, cudaDataType_t ctype) {
+static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, int max_tokens, Dtype ctype) {
     attn_check_dims(a);
     AttnInferState I;
     memset(&I, 0, sizeof I);
@@ -151,7 +148,6 @@ static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, i
     I.rows = max_tokens > streams ? max_tokens : streams;
     I.C = a->window > 0 ? a->window : max_tokens;
     I.ctype = ctype;
-    I.adt = ctype == CUDA_R_32F ? ATTN_FP32 : ATTN_BF16;
     I.rope = attn_rope_create(a->head_dim, a->rope_theta);
     size_t es = dtype_size(ctype), qb = (size_t)I.rows * a->n_heads * a->head_dim * es;
     size_t kb = (size_t)I.rows * a->n_kv_heads * a->head_dim * es;
@@ -195,11 +191,11 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
     if (T > I->rows) sdm_die("attention inference: a prompt of %d tokens exceeds the state's %d", T, I->rows);
     if (a->window == 0 && T > I->C) sdm_die("attention inference: %d tokens exceed the KV cache of %d", T, I->C);
     attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, s);
-    attn_rope(&I->rope, a, 1, T, I->adt, I->q, I->k, NULL, 1, s);
-    attn_forward(a, 1, T, I->adt, I->q, I->k, I->v, I->o, NULL, s);
-    attn_layer_out(a, I->ctype, I->adt, p, x, I->o, I->z, I->og, T, y, s);
+    attn_rope(&I->rope, a, 1, T, I->ctype, I->q, I->k, NULL, 1, s);
+    attn_forward(a, 1, T, I->ctype, I->q, I->k, I->v, I->o, NULL, s);
+    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, T, y, s);
     size_t row = (size_t)a->n_kv_heads * a->head_dim, off = (size_t)b * I->C * row;
-    if (I->adt == ATTN_BF16)
+    if (I->ctype == DT_BF16)
         attn_cache_fill_kernel<bf16><<<256, 256, 0, s>>>((const bf16 *)I->k, (const bf16 *)I->v,
                                                          (bf16 *)I->k_cache + off, (bf16 *)I->v_cache + off, T, I->C,
                                                          row);
@@ -207,7 +203,7 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
         attn_cache_fill_kernel<float><<<256, 256, 0, s>>>((const float *)I->k, (const float *)I->v,
                                                           (float *)I->k_cache + off, (float *)I->v_cache + off, T,
                                                           I->C, row);
-    attn_cuda_check(cudaGetLastError(), "kv cache fill");
+    cudaCheckLast();
 }
 
 // Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D] at position
@@ -218,10 +214,10 @@ static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p
     const AttnDims *a = &I->a;
     int B = I->streams;
     attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
-    attn_rope(&I->rope, a, B, 1, I->adt, I->q, I->k, pos, 1, s);
-    attn_kv_cache_append(a, B, I->adt, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
-    attn_decode(a, B, I->adt, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
-    attn_layer_out(a, I->ctype, I->adt, p, x, I->o, I->z, I->og, B, y, s);
+    attn_rope(&I->rope, a, B, 1, I->ctype, I->q, I->k, pos, 1, s);
+    attn_kv_cache_append(a, B, I->ctype, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
+    attn_decode(a, B, I->ctype, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
+    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, y, s);
 }
 
 #endif

@@ -5,7 +5,7 @@
 #ifndef SDM_CORE_ADAMW_CUH
 #define SDM_CORE_ADAMW_CUH
 
-#include "core/act.cuh"
+#include "core/cuda_common.cuh"
 #include "core/model.h"
 #include "core/optim.h"
 
@@ -22,14 +22,14 @@ __global__ void grad_sumsq_partial_kernel(float *partial, const float *g, long l
     long long start = (long long)blockIdx.x * chunk, end = start + chunk < n ? start + chunk : n;
     float acc = 0.0f;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) acc += g[i] * g[i];
-    acc = block_sum(acc, scratch);
+    acc = core_block_sum(acc, scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 // One block of GRAD_NORM_SCRATCH threads: thread t holds partial t (or 0), then the fixed block tree.
 __global__ void grad_sumsq_finish_kernel(float *sumsq, const float *partial, int blocks) {
     __shared__ float scratch[32];
-    float acc = block_sum(threadIdx.x < blocks ? partial[threadIdx.x] : 0.0f, scratch);
+    float acc = core_block_sum(threadIdx.x < blocks ? partial[threadIdx.x] : 0.0f, scratch);
     if (threadIdx.x == 0) *sumsq = acc;
 }
 
@@ -72,17 +72,17 @@ __global__ void adamw_kernel(float *p, T *work, const float *g, float *m, float 
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;
-        if (work) work[i] = act_from_float<T>(pi);
+        if (work) work[i] = dtype_from_float<T>(pi);
     }
 }
 
 // One AdamW update of n elements: p (fp32 master), m, v (fp32 state) in place; work[n] (working copy of work_type,
 // may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device float, NULL for 1).
-static inline void adamw_update(float *p, void *work, cudaDataType_t work_type, const float *g, float *m, float *v,
+static inline void adamw_update(float *p, void *work, Dtype work_type, const float *g, float *m, float *v,
                                 long long n, AdamWCoeffs c, const float *grad_scale, cudaStream_t s) {
     if (n <= 0) return;
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    ACT_DISPATCH(work_type, "adamw_update",
+    DTYPE_DISPATCH(work_type, "adamw_update",
                  adamw_kernel<T><<<blocks, 256, 0, s>>>(p, (T *)work, g, m, v, n, c, grad_scale));
     cudaCheckLast();
 }
@@ -92,7 +92,7 @@ static inline void adamw_update(float *p, void *work, cudaDataType_t work_type, 
 // elements are touched (the alignment gaps between tensors stay as they are); adjacent tensors with the same flag
 // are updated by one launch.
 static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
-                                      cudaDataType_t work_type, const float *g, float *m, float *v,
+                                      Dtype work_type, const float *g, float *m, float *v,
                                       const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
     long long run_lo = 0, run_hi = 0; // the pending launch [run_lo, run_hi)
     int run_decay = 0;

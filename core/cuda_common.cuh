@@ -1,6 +1,7 @@
-// core/cuda_common.cuh: CUDA / cuBLAS error checking with file:line, and small device helpers shared by every
-// CUDA module. Every CUDA and cuBLAS call in sdm.c goes through cudaCheck / cublasCheck; kernel launches are
-// followed by cudaCheckLast() so a bad launch is reported where it happened.
+// core/cuda_common.cuh: CUDA / cuBLAS error checking with file:line, the precision vocabulary (core/dtype.cuh), and
+// the deterministic warp and block sums shared by every CUDA module. Every CUDA and cuBLAS call in sdm.c goes through
+// cudaCheck / cublasCheck; kernel launches are followed by cudaCheckLast() so a bad launch is reported where it
+// happened.
 #ifndef SDM_CORE_CUDA_COMMON_CUH
 #define SDM_CORE_CUDA_COMMON_CUH
 
@@ -9,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "core/common.h"
+#include "core/dtype.cuh"
 
 static inline void cuda_check_at(cudaError_t err, const char *file, int line) {
     if (err != cudaSuccess) sdm_die("CUDA error at %s:%d: %s", file, line, cudaGetErrorString(err));
@@ -24,28 +26,24 @@ static inline void cublas_check_at(cublasStatus_t st, const char *file, int line
 
 static inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
-// Bytes of one element of a matmul/activation dtype (only the two sdm.c uses).
-static inline size_t dtype_size(cudaDataType_t t) {
-    if (t == CUDA_R_32F) return 4;
-    if (t == CUDA_R_16BF) return 2;
-    sdm_die("internal: unsupported dtype %d", (int)t);
-    return 0;
-}
-
 // Sum over the 32 lanes of a warp by a fixed xor butterfly: every lane gets the same, reproducible bits.
-__device__ __forceinline__ float warp_sum(float v) {
+__device__ __forceinline__ float core_warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
 }
 
-// Load/store one element of an activation buffer that is either fp32 or bf16 (chosen at run time: the all-fp32
-// test mode and the bf16 training mode share every kernel).
-__device__ __forceinline__ float load_act(const void *p, size_t i, bool fp32) {
-    return fp32 ? ((const float *)p)[i] : __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-}
-__device__ __forceinline__ void store_act(void *p, size_t i, float v, bool fp32) {
-    if (fp32) ((float *)p)[i] = v;
-    else ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
+// Deterministic sum of one float per thread over a block of blockDim.x threads (a multiple of 32, at most 1024):
+// a fixed shuffle tree in each warp, then warp 0 adds the warp totals in the same tree. Every thread gets the sum.
+// `scratch` is __shared__ float[32]; the call ends with a barrier so scratch can be reused right after.
+__device__ __forceinline__ float core_block_sum(float v, float *scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = core_warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < n_warps ? scratch[lane] : 0.0f;
+    t = core_warp_sum(t);
+    __syncthreads();
+    return t;
 }
 
 #endif

@@ -13,31 +13,32 @@
 #include "core/matmul.cuh"
 #include "core/model.h"
 #include "core/shard.h"
+#include "sdm/sdm_infer.cuh"
 #include "sdm/sdm_layer.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small kernels
 
 // out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
-template <typename T> __global__ void cast_kernel(T *out, const float *in, long long n) {
+template <typename T> __global__ void core_cast_kernel(T *out, const float *in, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = act_from_float<T>(in[i]);
+        out[i] = dtype_from_float<T>(in[i]);
 }
 
-static inline void cast_to_work(void *out, const float *in, long long n, cudaDataType_t dtype, cudaStream_t s) {
+static inline void gm_cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    ACT_DISPATCH(dtype, "cast_to_work", cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
+    DTYPE_DISPATCH(dtype, "gm_cast_to_work", core_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
     cudaCheckLast();
 }
 
 // pred[i] = argmax_v logits[i, v] (first maximum), one warp per row: the greedy next-token predictions.
-template <typename T> __global__ void argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
+template <typename T> __global__ void core_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n) return;
     float best = -INFINITY;
     int arg = 0;
     for (int v = lane; v < V; v += 32) {
-        float x = act_to_float(logits[(size_t)row * ld + v]);
+        float x = dtype_to_float(logits[(size_t)row * ld + v]);
         if (x > best) { best = x; arg = v; }
     }
     for (int off = 16; off; off /= 2) {
@@ -54,7 +55,7 @@ template <typename T> __global__ void argmax_kernel(int *pred, const T *logits, 
 typedef struct {
     const ModelDesc *m;
     int B, T, n, L, D, F, V, Vp; // n = B*T tokens; Vp: logits row stride (V rounded up to 8)
-    cudaDataType_t ctype;        // compute dtype: bf16, or fp32 in the exact mode
+    Dtype ctype;                 // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
     long long padded;            // flat parameter storage padded to world shards (core/shard.h)
     // parameters, gradients, optimizer state: flat arrays in the model's table order
@@ -153,7 +154,7 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
                 "multiples of %d)", l, first, second, MODEL_ALIGN);
 }
 
-static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, int fp32, int world) {
+static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world) {
     for (int l = 0; l < m->n_layers; l++) {
         gm_require_adjacent(m, l, "ffn.w1", "ffn.w3");
         const char *sdm_in[] = {"sdm.wk", "sdm.wq", "sdm.wv", "sdm.wa", "sdm.wb", "sdm.wg"};
@@ -169,7 +170,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->F = m->ffn_hidden;
     g->V = m->vocab;
     g->Vp = (m->vocab + 7) / 8 * 8;
-    g->ctype = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    g->ctype = ctype;
     g->es = dtype_size(g->ctype);
     g->padded = shard_padded(m->storage, world);
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
@@ -213,7 +214,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
     for (int l = 0; l < g->L; l++) {
-        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, fp32, 0);
+        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0);
         else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype);
     }
 }
@@ -236,11 +237,11 @@ static inline void gpu_model_destroy(GpuModel *g) {
 // Master weights from host fp32 [m->storage], and the working copy from them.
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
     cudaCheck(cudaMemcpy(g->master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
-    cast_to_work(g->work, g->master, g->padded, g->ctype, 0);
+    gm_cast_to_work(g->work, g->master, g->padded, g->ctype, 0);
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).
-static inline void mixer_forward(GpuModel *g, int l, const void *x, void *y) {
+static inline void gm_mixer_forward(GpuModel *g, int l, const void *x, void *y) {
     if (g->m->kind[l] == LAYER_SDM) {
         SdmLayerParams p = gm_sdm_params(g, l);
         sdm_layer_forward(&g->sdm[l], &p, x, y, 0);
@@ -251,7 +252,7 @@ static inline void mixer_forward(GpuModel *g, int l, const void *x, void *y) {
 }
 
 // dx (overwritten) and the mixer's parameter gradients (+=) from dy.
-static inline void mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
+static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
     if (g->m->kind[l] == LAYER_SDM) {
         SdmLayerParams p = gm_sdm_params(g, l);
         SdmLayerGrads d = gm_sdm_grads(g, l);
@@ -267,7 +268,7 @@ static inline const char *gm_head_name(const GpuModel *g) { return g->m->tied ? 
 
 // SwiGLU FFN of layer l on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
-static inline void ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
+static inline void gm_ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
     int D = g->D, F = g->F;
     matmul_forward(ab, g->ctype, 2 * F, x, gm_weight(g, l, "ffn.w1"), NULL, g->ctype, n, 2 * F, D, 0);
     swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
@@ -287,10 +288,10 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     for (int l = 0; l < g->L; l++) {
         void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D);
         void *xffn = gm_at(g, g->xffn, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F), *hf = gm_at(g, g->ffn_h, l, F);
-        mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
+        gm_mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, gm_weight(g, l, "ffn_norm"),
                                  g->ctype, n, D, eps, 0);
-        ffn_forward(g, l, xffn, ab, hf, g->branch, n);
+        gm_ffn_forward(g, l, xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -307,7 +308,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
 static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     int n = g->n, D = g->D, F = g->F;
     // LM head and final norm
-    matmul_backward_weight(gm_grad(g, -1, gm_head_name(g)), CUDA_R_32F, g->logits, g->Vp, g->xfinal, g->ctype, n,
+    matmul_backward_weight(gm_grad(g, -1, gm_head_name(g)), DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n,
                            g->V, D, 1, 0);
     matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, gm_weight(g, -1, gm_head_name(g)), g->ctype, n, g->V,
                           D, 0, 0);
@@ -316,17 +317,17 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     for (int l = g->L - 1; l >= 0; l--) {
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
-        matmul_backward_weight(gm_grad(g, l, "ffn.w2"), CUDA_R_32F, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D,
+        matmul_backward_weight(gm_grad(g, l, "ffn.w2"), DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D,
                                F, 1, 0);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, gm_weight(g, l, "ffn.w2"), g->ctype, n, D, F, 0, 0);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
-        matmul_backward_weight(gm_grad(g, l, "ffn.w1"), CUDA_R_32F, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n,
+        matmul_backward_weight(gm_grad(g, l, "ffn.w1"), DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n,
                                2 * F, D, 1, 0);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, gm_weight(g, l, "ffn.w1"), g->ctype, n, 2 * F, D, 0, 0);
         rmsnorm_backward(g->dh, gm_grad(g, l, "ffn_norm"), g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D),
                          gm_weight(g, l, "ffn_norm"), g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
-        mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
+        gm_mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
         rmsnorm_backward(g->dh, gm_grad(g, l, "mixer_norm"), g->norm_scratch, g->branch, gm_at(g, g->h, l, D),
                          gm_weight(g, l, "mixer_norm"), g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
     }
@@ -336,8 +337,8 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
 static inline void gpu_model_argmax(GpuModel *g) {
-    ACT_DISPATCH(g->ctype, "argmax",
-                 argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
+    DTYPE_DISPATCH(g->ctype, "argmax",
+                 core_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
     cudaCheckLast();
 }
 
@@ -380,7 +381,7 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->attn = (AttnInferState *)sdm_calloc(g->L, sizeof(AttnInferState));
     for (int l = 0; l < g->L; l++) {
         if (g->m->kind[l] == LAYER_SDM) {
-            I->sdm[l] = sdm_infer_create(&g->m->sdm, streams, max_tokens, g->ctype == CUDA_R_32F);
+            I->sdm[l] = sdm_infer_create(&g->m->sdm, streams, max_tokens, g->ctype);
         } else {
             I->attn[l] = attn_infer_create(&g->m->attn[l], streams, max_tokens, g->ctype);
             if (g->m->attn[l].window == 0) I->full_attention = 1;
@@ -450,12 +451,12 @@ static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_o
         gpu_infer_mixer(I, l, b, n);
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_weight(g, l, "ffn_norm"), g->ctype, n, D,
                                  eps, 0);
-        ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
+        gm_ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
         const void *next_norm = l == g->L - 1 ? gm_weight(g, -1, "norm") : gm_weight(g, l + 1, "mixer_norm");
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, next_norm, g->ctype, n, D, eps, 0);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
-    matmul_forward(I->logits, CUDA_R_32F, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
+    matmul_forward(I->logits, DT_FP32, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
                    D, 0);
     cudaCheck(cudaMemcpy(I->logits_host, I->logits, (size_t)n_out * g->Vp * 4, cudaMemcpyDeviceToHost));
     return I->logits_host;

@@ -1,5 +1,5 @@
 // core/layers.cuh: the pointwise and row-wise kernels of the dense model (docs/MODEL.md), forward and
-// backward, for fp32 or bf16 activations (T, see core/act.cuh); arithmetic in fp32; no floating-point atomics.
+// backward, for fp32 or bf16 activations (T, see core/dtype.cuh); arithmetic in fp32; no floating-point atomics.
 //   token embedding    out[n, D] = E[tokens[i], :]             backward: dE[V, D] += scatter of dout (sorted plan)
 //   RMSNorm (+resid)   h = h_in + branch (optional);  y = h * rstd * w,  rstd[n] saved (fp32)
 //                      backward: dx (=, or +=) d/dh;  dw[D] += two-pass column reduction (fixed order)
@@ -8,7 +8,7 @@
 #ifndef SDM_CORE_LAYERS_CUH
 #define SDM_CORE_LAYERS_CUH
 
-#include "core/act.cuh"
+#include "core/cuda_common.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
 // Token embedding
@@ -22,9 +22,9 @@ __global__ void embedding_forward_kernel(T *out, const T *E, const int *tokens, 
 }
 
 // out[n, D] = E[tokens[n], :] for device tokens in [0, V).
-static inline void embedding_forward(void *out, const void *E, const int *tokens, cudaDataType_t dtype, int n, int D,
+static inline void embedding_forward(void *out, const void *E, const int *tokens, Dtype dtype, int n, int D,
                                      cudaStream_t s) {
-    ACT_DISPATCH(dtype, "embedding_forward",
+    DTYPE_DISPATCH(dtype, "embedding_forward",
                  embedding_forward_kernel<T><<<n, 256, 0, s>>>((T *)out, (const T *)E, tokens, D));
     cudaCheckLast();
 }
@@ -141,7 +141,7 @@ __global__ void embedding_backward_items_kernel(float *dE, float *partial, const
         float *dst = slot < 0 ? dE + (size_t)token * D : partial + (size_t)slot * D;
         for (int k = threadIdx.x; k < D; k += blockDim.x) {
             float acc = 0.0f;
-            for (int j = 0; j < count; j++) acc += act_to_float(dout[(size_t)pos[j] * D + k]);
+            for (int j = 0; j < count; j++) acc += dtype_to_float(dout[(size_t)pos[j] * D + k]);
             dst[k] = slot < 0 ? dst[k] + acc : acc;
         }
     }
@@ -162,10 +162,10 @@ __global__ void embedding_backward_runs_kernel(float *dE, const float *partial, 
 }
 
 // dE[V, D] (fp32) += Σ_i onehot(tokens[i]) dout[i, :] for the batch of the last plan_build; dout [n, D] is dtype.
-static inline void embedding_backward(float *dE, const void *dout, cudaDataType_t dtype,
+static inline void embedding_backward(float *dE, const void *dout, Dtype dtype,
                                       const EmbeddingBackwardPlan *p, cudaStream_t s) {
     int item_blocks = SDM_MIN(p->max_items, 4096), run_blocks = SDM_MIN(p->max_long, 1024);
-    ACT_DISPATCH(dtype, "embedding_backward",
+    DTYPE_DISPATCH(dtype, "embedding_backward",
                  embedding_backward_items_kernel<T><<<item_blocks, 256, 0, s>>>(dE, p->d_partial, (const T *)dout,
                                                                                 p->d_buf, p->n, p->D));
     cudaCheckLast();
@@ -189,23 +189,23 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
     const T *h = h_in + base;
     if (branch) {
         for (int k = lane; k < D; k += 32)
-            h_out[base + k] = act_from_float<T>(act_to_float(h_in[base + k]) + act_to_float(branch[base + k]));
+            h_out[base + k] = dtype_from_float<T>(dtype_to_float(h_in[base + k]) + dtype_to_float(branch[base + k]));
         h = h_out + base; // each lane reads back only the elements it wrote
     }
     float ss = 0.0f;
     for (int k = lane; k < D; k += 32) {
-        float v = act_to_float(h[k]);
+        float v = dtype_to_float(h[k]);
         ss += v * v;
     }
-    float r = rsqrtf(warp_sum(ss) / (float)D + eps);
-    for (int k = lane; k < D; k += 32) y[base + k] = act_from_float<T>(act_to_float(h[k]) * r * act_to_float(w[k]));
+    float r = rsqrtf(core_warp_sum(ss) / (float)D + eps);
+    for (int k = lane; k < D; k += 32) y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
     if (lane == 0) rstd[row] = r;
 }
 
 // y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward.
-static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const void *w, cudaDataType_t dtype, int n,
+static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const void *w, Dtype dtype, int n,
                                    int D, float eps, cudaStream_t s) {
-    ACT_DISPATCH(dtype, "rmsnorm_forward",
+    DTYPE_DISPATCH(dtype, "rmsnorm_forward",
                  rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
                      (T *)y, rstd, (T *)NULL, (const T *)x, (const T *)NULL, (const T *)w, n, D, eps));
     cudaCheckLast();
@@ -213,9 +213,9 @@ static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const vo
 
 // h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved.
 static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, const void *h_in, const void *branch,
-                                            const void *w, cudaDataType_t dtype, int n, int D, float eps,
+                                            const void *w, Dtype dtype, int n, int D, float eps,
                                             cudaStream_t s) {
-    ACT_DISPATCH(dtype, "residual_rmsnorm_forward",
+    DTYPE_DISPATCH(dtype, "residual_rmsnorm_forward",
                  rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
                      (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch, (const T *)w, n, D, eps));
     cudaCheckLast();
@@ -230,40 +230,40 @@ static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, c
 template <typename T>
 __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, const T *x, const T *w, const float *rstd,
                                         int n, int D, int rows_per_block, int accumulate) {
-    extern __shared__ float dw_acc[]; // [D]
+    extern __shared__ float rmsnorm_dw_acc[]; // [D]
     __shared__ float dot[RMS_WARPS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int r0 = blockIdx.x * rows_per_block, r1 = min(n, r0 + rows_per_block);
-    for (int k = threadIdx.x; k < D; k += blockDim.x) dw_acc[k] = 0.0f;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) rmsnorm_dw_acc[k] = 0.0f;
     for (int t0 = r0; t0 < r1; t0 += RMS_WARPS) {
         int rows = min(RMS_WARPS, r1 - t0);
         if (warp < rows) {
             size_t base = (size_t)(t0 + warp) * D;
             float d = 0.0f;
             for (int k = lane; k < D; k += 32)
-                d += act_to_float(dy[base + k]) * act_to_float(w[k]) * act_to_float(x[base + k]);
-            d = warp_sum(d);
+                d += dtype_to_float(dy[base + k]) * dtype_to_float(w[k]) * dtype_to_float(x[base + k]);
+            d = core_warp_sum(d);
             if (lane == 0) dot[warp] = d;
         }
         __syncthreads();
         for (int k = threadIdx.x; k < D; k += blockDim.x) {
-            float wk = act_to_float(w[k]), acc = dw_acc[k];
+            float wk = dtype_to_float(w[k]), acc = rmsnorm_dw_acc[k];
             for (int j = 0; j < rows; j++) {
                 size_t i = (size_t)(t0 + j) * D + k;
-                float r = rstd[t0 + j], g = act_to_float(dy[i]), xv = act_to_float(x[i]);
+                float r = rstd[t0 + j], g = dtype_to_float(dy[i]), xv = dtype_to_float(x[i]);
                 float d = r * wk * g - r * r * r * xv * dot[j] / (float)D;
-                dx[i] = act_from_float<T>(accumulate ? act_to_float(dx[i]) + d : d);
+                dx[i] = dtype_from_float<T>(accumulate ? dtype_to_float(dx[i]) + d : d);
                 acc += g * xv * r;
             }
-            dw_acc[k] = acc;
+            rmsnorm_dw_acc[k] = acc;
         }
         __syncthreads(); // dot is rewritten by the next tile
     }
-    for (int k = threadIdx.x; k < D; k += blockDim.x) partial[(size_t)blockIdx.x * D + k] = dw_acc[k];
+    for (int k = threadIdx.x; k < D; k += blockDim.x) partial[(size_t)blockIdx.x * D + k] = rmsnorm_dw_acc[k];
 }
 
 // dw[k] += Σ_b partial[b, k], blocks in order.
-__global__ void column_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
+__global__ void rmsnorm_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= D) return;
     float acc = 0.0f;
@@ -289,17 +289,17 @@ static inline size_t rmsnorm_backward_scratch_floats(int n, int D) {
 // rmsnorm_backward_scratch_floats(n, D) floats. dx may overwrite dy in place when not accumulating (each element is
 // read before it is written, by the same thread); it may not alias x.
 static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const void *dy, const void *x, const void *w,
-                                    const float *rstd, cudaDataType_t dtype, int n, int D, int accumulate,
+                                    const float *rstd, Dtype dtype, int n, int D, int accumulate,
                                     cudaStream_t s) {
     int rows_per_block = rmsnorm_backward_rows_per_block(n), blocks = ceil_div(n, rows_per_block);
     size_t smem = (size_t)D * sizeof(float);
     if (smem > 48 * 1024) sdm_die("rmsnorm_backward: D = %d exceeds the shared-memory column buffer", D);
-    ACT_DISPATCH(dtype, "rmsnorm_backward",
+    DTYPE_DISPATCH(dtype, "rmsnorm_backward",
                  rmsnorm_backward_kernel<T><<<blocks, 32 * RMS_WARPS, smem, s>>>(
                      (T *)dx, scratch, (const T *)dy, (const T *)x, (const T *)w, rstd, n, D, rows_per_block,
                      accumulate));
     cudaCheckLast();
-    column_partials_finish_kernel<<<ceil_div(D, 256), 256, 0, s>>>(dw, scratch, blocks, D);
+    rmsnorm_partials_finish_kernel<<<ceil_div(D, 256), 256, 0, s>>>(dw, scratch, blocks, D);
     cudaCheckLast();
 }
 
@@ -307,7 +307,7 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 // SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
 // row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // h[r, c] = silu(a[r, c]) * b[r, c]; a, b have row stride ld, h has row stride F.
 template <typename T>
@@ -315,8 +315,8 @@ __global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int 
     size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)n * F) return;
     size_t r = idx / F, c = idx % F, i = r * ld + c;
-    float av = act_to_float(a[i]);
-    h[idx] = act_from_float<T>(av * sigmoidf_(av) * act_to_float(b[i]));
+    float av = dtype_to_float(a[i]);
+    h[idx] = dtype_from_float<T>(av * core_sigmoidf(av) * dtype_to_float(b[i]));
 }
 
 // da = dh · b · silu'(a), db = dh · silu(a), with silu'(a) = s (1 + a (1 − s)), s = sigmoid(a). Each thread reads
@@ -327,25 +327,25 @@ __global__ void swiglu_backward_kernel(T *da, T *db, int ld_out, const T *dh, co
     size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)n * F) return;
     size_t r = idx / F, c = idx % F, i = r * ld + c, o = r * ld_out + c;
-    float av = act_to_float(a[i]), bv = act_to_float(b[i]), g = act_to_float(dh[idx]), sg = sigmoidf_(av);
-    da[o] = act_from_float<T>(g * bv * sg * (1.0f + av * (1.0f - sg)));
-    db[o] = act_from_float<T>(g * av * sg);
+    float av = dtype_to_float(a[i]), bv = dtype_to_float(b[i]), g = dtype_to_float(dh[idx]), sg = core_sigmoidf(av);
+    da[o] = dtype_from_float<T>(g * bv * sg * (1.0f + av * (1.0f - sg)));
+    db[o] = dtype_from_float<T>(g * av * sg);
 }
 
 // h[n, F] = silu(a) * b, a and b [n, F] with row stride ld (ld = 2F and b = a + F for the fused W1|W3 output).
-static inline void swiglu_forward(void *h, const void *a, const void *b, int ld, cudaDataType_t dtype, int n, int F,
+static inline void swiglu_forward(void *h, const void *a, const void *b, int ld, Dtype dtype, int n, int F,
                                   cudaStream_t s) {
     int blocks = ceil_div((long long)n * F, 256);
-    ACT_DISPATCH(dtype, "swiglu_forward",
+    DTYPE_DISPATCH(dtype, "swiglu_forward",
                  swiglu_forward_kernel<T><<<blocks, 256, 0, s>>>((T *)h, (const T *)a, (const T *)b, ld, n, F));
     cudaCheckLast();
 }
 
 // da, db [n, F] (row stride ld_out, overwritten) from dh [n, F] and the forward's a, b (row stride ld).
 static inline void swiglu_backward(void *da, void *db, int ld_out, const void *dh, const void *a, const void *b,
-                                   int ld, cudaDataType_t dtype, int n, int F, cudaStream_t s) {
+                                   int ld, Dtype dtype, int n, int F, cudaStream_t s) {
     int blocks = ceil_div((long long)n * F, 256);
-    ACT_DISPATCH(dtype, "swiglu_backward",
+    DTYPE_DISPATCH(dtype, "swiglu_backward",
                  swiglu_backward_kernel<T><<<blocks, 256, 0, s>>>((T *)da, (T *)db, ld_out, (const T *)dh,
                                                                   (const T *)a, (const T *)b, ld, n, F));
     cudaCheckLast();

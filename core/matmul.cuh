@@ -3,7 +3,7 @@
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
-// X, W share one input dtype: bf16 (fp32 accumulate) or fp32 (true fp32: CUBLAS_COMPUTE_32F never uses TF32).
+// X, W share one input dtype (core/dtype.cuh): bf16 (fp32 accumulate) or fp32 (true fp32: CUBLAS_COMPUTE_32F never uses TF32).
 // Outputs may be bf16 or fp32 (e.g. bf16 inputs with fp32 gradient buffers). Y/dY may have a row stride
 // (ld >= N) so that a fused projection can pad its width to a multiple of 8 for aligned rows.
 // One cuBLASLt handle and workspace are created on first use and live until matmul_destroy().
@@ -39,10 +39,11 @@ static inline void matmul_destroy(void) {
 
 // Column-major core: D[m,n] (ldd) = op(A)[m,k] · op(B)[k,n] + beta·D, optional bias[m] epilogue (bias dtype = D's).
 // A row-major matrix is the column-major transpose, which is how the three public products map onto this.
-static inline void matmul_lt(void *d, cudaDataType_t d_type, int ldd, const void *a, int lda, int trans_a,
-                             const void *b, int ldb, int trans_b, cudaDataType_t in_type, int m, int n, int k,
+static inline void matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda, int trans_a,
+                             const void *b, int ldb, int trans_b, Dtype in_dt, int m, int n, int k,
                              float beta, const void *bias, cudaStream_t stream) {
     matmul_init();
+    cudaDataType_t d_type = dtype_cuda(d_dt), in_type = dtype_cuda(in_dt);
     if (in_type != CUDA_R_16BF && in_type != CUDA_R_32F) sdm_die("matmul: inputs must be bf16 or fp32");
     if (d_type != CUDA_R_16BF && d_type != CUDA_R_32F) sdm_die("matmul: output must be bf16 or fp32");
     if (in_type == CUDA_R_32F && d_type != CUDA_R_32F) sdm_die("matmul: fp32 inputs need an fp32 output");
@@ -87,69 +88,65 @@ static inline void matmul_lt(void *d, cudaDataType_t d_type, int ldd, const void
 
 static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n; }
 
-static inline const void *elem_ptr(const void *p, size_t i, cudaDataType_t t) {
-    return (const char *)p + i * dtype_size(t);
-}
-
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
-static inline void matmul_forward(void *y, cudaDataType_t y_type, int ldy, const void *x, const void *w,
-                                  const void *bias, cudaDataType_t in_type, int M, int N, int K, cudaStream_t s) {
+static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
+                                  const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
     if (n0 < N)
-        matmul_lt((void *)elem_ptr(y, n0, y_type), y_type, ldy, elem_ptr(w, (size_t)n0 * K, in_type), K, 1, x, K, 0,
-                  in_type, N - n0, M, K, 0.0f, bias ? elem_ptr(bias, n0, y_type) : NULL, s);
+        matmul_lt((void *)dtype_elem_ptr(y, n0, y_type), y_type, ldy, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 1,
+                  x, K, 0, in_type, N - n0, M, K, 0.0f, bias ? dtype_elem_ptr(bias, n0, y_type) : NULL, s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].
-static inline void matmul_backward_input(void *dx, cudaDataType_t dx_type, const void *dy, int lddy, const void *w,
-                                         cudaDataType_t in_type, int M, int N, int K, int accumulate, cudaStream_t s) {
+static inline void matmul_backward_input(void *dx, Dtype dx_type, const void *dy, int lddy, const void *w,
+                                         Dtype in_type, int M, int N, int K, int accumulate, cudaStream_t s) {
     // column-major: dXᵀ[K,M] = (W as col-major [K,N]) · (dY as col-major [N,M]); the sum over N in two parts
     int n0 = matmul_main_part(N);
     matmul_lt(dx, dx_type, K, w, K, 0, dy, lddy, 0, in_type, K, M, n0, accumulate ? 1.0f : 0.0f, NULL, s);
     if (n0 < N)
-        matmul_lt(dx, dx_type, K, elem_ptr(w, (size_t)n0 * K, in_type), K, 0, elem_ptr(dy, n0, in_type), lddy, 0,
-                  in_type, K, M, N - n0, 1.0f, NULL, s);
+        matmul_lt(dx, dx_type, K, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 0, dtype_elem_ptr(dy, n0, in_type),
+                  lddy, 0, in_type, K, M, N - n0, 1.0f, NULL, s);
 }
 
 // dW[N,K] (=, or += when accumulate) dY[M,N]ᵀ (row stride lddy) · X[M,K].
-static inline void matmul_backward_weight(void *dw, cudaDataType_t dw_type, const void *dy, int lddy, const void *x,
-                                          cudaDataType_t in_type, int M, int N, int K, int accumulate,
+static inline void matmul_backward_weight(void *dw, Dtype dw_type, const void *dy, int lddy, const void *x,
+                                          Dtype in_type, int M, int N, int K, int accumulate,
                                           cudaStream_t s) {
     // column-major: dWᵀ[K,N] = (X as col-major [K,M]) · (dY as col-major [N,M])ᵀ
     int n0 = matmul_main_part(N);
     float beta = accumulate ? 1.0f : 0.0f;
     matmul_lt(dw, dw_type, K, x, K, 0, dy, lddy, 1, in_type, K, n0, M, beta, NULL, s);
     if (n0 < N)
-        matmul_lt((void *)elem_ptr(dw, (size_t)n0 * K, dw_type), dw_type, K, x, K, 0, elem_ptr(dy, n0, in_type), lddy,
-                  1, in_type, K, N - n0, M, beta, NULL, s);
+        matmul_lt((void *)dtype_elem_ptr(dw, (size_t)n0 * K, dw_type), dw_type, K, x, K, 0,
+                  dtype_elem_ptr(dy, n0, in_type), lddy, 1, in_type, K, N - n0, M, beta, NULL, s);
 }
 
-#define COLSUM_COLS 32
-#define COLSUM_ROWS 8
+#define MATMUL_COLSUM_COLS 32
+#define MATMUL_COLSUM_ROWS 8
 
 // Pass 1: block (bx, split) sums columns [bx*32, bx*32+32) over its row range into partials[split, col].
 // Each thread walks a fixed row subsequence, then the 8 row-lanes are added in a fixed order: deterministic.
-__global__ void colsum_partial_kernel(float *partials, const void *dy, bool fp32, int ld, int M, int N,
+__global__ void matmul_colsum_partial_kernel(float *partials, const void *dy, bool fp32, int ld, int M, int N,
                                       int rows_per_split) {
-    __shared__ float acc[COLSUM_ROWS][COLSUM_COLS];
-    int col = blockIdx.x * COLSUM_COLS + threadIdx.x;
+    __shared__ float acc[MATMUL_COLSUM_ROWS][MATMUL_COLSUM_COLS];
+    int col = blockIdx.x * MATMUL_COLSUM_COLS + threadIdx.x;
     int r0 = blockIdx.y * rows_per_split, r1 = min(M, r0 + rows_per_split);
     float s = 0.0f;
     if (col < N)
-        for (int r = r0 + threadIdx.y; r < r1; r += COLSUM_ROWS) s += load_act(dy, (size_t)r * ld + col, fp32);
+        for (int r = r0 + threadIdx.y; r < r1; r += MATMUL_COLSUM_ROWS) s += dtype_load(dy, (size_t)r * ld + col, fp32);
     acc[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < N) {
         float t = 0.0f;
-        for (int i = 0; i < COLSUM_ROWS; i++) t += acc[i][threadIdx.x];
+        for (int i = 0; i < MATMUL_COLSUM_ROWS; i++) t += acc[i][threadIdx.x];
         partials[(size_t)blockIdx.y * N + col] = t;
     }
 }
 
 // Pass 2: out[col] (=, or +=) the splits' partials summed in split order.
-__global__ void colsum_finish_kernel(float *out, const float *partials, int splits, int N, int accumulate) {
+__global__ void matmul_colsum_finish_kernel(float *out, const float *partials, int splits, int N, int accumulate) {
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= N) return;
     float t = 0.0f;
@@ -159,10 +156,10 @@ __global__ void colsum_finish_kernel(float *out, const float *partials, int spli
 
 // out[N] (=, or +=) Σ_{r<M} dy[r, :N] (row stride ld), fp32 result; dy is bf16 or fp32 (dy_type).
 // The split count depends only on (M, N), so a given shape always sums in the same order.
-static inline void colsum(float *out, const void *dy, cudaDataType_t dy_type, int ld, int M, int N, int accumulate,
+static inline void matmul_colsum(float *out, const void *dy, Dtype dy_type, int ld, int M, int N, int accumulate,
                           cudaStream_t s) {
     matmul_init();
-    int col_blocks = ceil_div(N, COLSUM_COLS);
+    int col_blocks = ceil_div(N, MATMUL_COLSUM_COLS);
     int splits = SDM_MAX(1, SDM_MIN(ceil_div(264, col_blocks), ceil_div(M, 256)));
     int rows_per_split = ceil_div(M, splits);
     splits = ceil_div(M, rows_per_split);
@@ -172,17 +169,17 @@ static inline void colsum(float *out, const void *dy, cudaDataType_t dy_type, in
         cudaCheck(cudaMalloc(&g_matmul.col_partials, need * sizeof(float)));
         g_matmul.n_partials = need;
     }
-    colsum_partial_kernel<<<dim3(col_blocks, splits), dim3(COLSUM_COLS, COLSUM_ROWS), 0, s>>>(
-        g_matmul.col_partials, dy, dy_type == CUDA_R_32F, ld, M, N, rows_per_split);
+    matmul_colsum_partial_kernel<<<dim3(col_blocks, splits), dim3(MATMUL_COLSUM_COLS, MATMUL_COLSUM_ROWS), 0, s>>>(
+        g_matmul.col_partials, dy, dy_type == DT_FP32, ld, M, N, rows_per_split);
     cudaCheckLast();
-    colsum_finish_kernel<<<ceil_div(N, 256), 256, 0, s>>>(out, g_matmul.col_partials, splits, N, accumulate);
+    matmul_colsum_finish_kernel<<<ceil_div(N, 256), 256, 0, s>>>(out, g_matmul.col_partials, splits, N, accumulate);
     cudaCheckLast();
 }
 
 // dbias[N] (=, or +=) Σ_rows dY[M,N] (row stride lddy).
-static inline void matmul_backward_bias(float *dbias, const void *dy, cudaDataType_t dy_type, int lddy, int M, int N,
+static inline void matmul_backward_bias(float *dbias, const void *dy, Dtype dy_type, int lddy, int M, int N,
                                         int accumulate, cudaStream_t s) {
-    colsum(dbias, dy, dy_type, lddy, M, N, accumulate, s);
+    matmul_colsum(dbias, dy, dy_type, lddy, M, N, accumulate, s);
 }
 
 #endif

@@ -4,7 +4,7 @@
 #include "attention/attention.cuh"
 #include "tests/test.h"
 
-#define CK(x) attn_cuda_check((x), #x)
+#define CK(x) cudaCheck(x)
 
 // Deterministic pseudo-random bf16 in [-2, 2): real data (not zeros) for the tensor cores.
 __global__ void bench_fill(bf16 *x, size_t n, uint32_t seed) {
@@ -24,9 +24,9 @@ typedef struct { const AttnDims *a; int B, T; bf16 *q, *k, *v, *out, *dout, *dq,
 
 static void run_pass(const BenchBufs *b, int backward) {
     if (backward)
-        attn_backward(b->a, b->B, b->T, ATTN_BF16, b->q, b->k, b->v, b->out, b->lse, b->dout, b->dq, b->dk, b->dv, b->ws, 0);
+        attn_backward(b->a, b->B, b->T, DT_BF16, b->q, b->k, b->v, b->out, b->lse, b->dout, b->dq, b->dk, b->dv, b->ws, 0);
     else
-        attn_forward(b->a, b->B, b->T, ATTN_BF16, b->q, b->k, b->v, b->out, b->lse, 0);
+        attn_forward(b->a, b->B, b->T, DT_BF16, b->q, b->k, b->v, b->out, b->lse, 0);
 }
 
 typedef void (*KernelLaunch)(const AttnArgs &, int, cudaStream_t);

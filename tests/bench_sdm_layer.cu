@@ -14,7 +14,7 @@ __global__ void fill_random_kernel(void *x, bool fp32, size_t n, uint32_t seed, 
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         uint32_t h = (uint32_t)i * 2654435761u ^ seed * 2246822519u ^ (uint32_t)(i >> 32) * 3266489917u;
         h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-        store_act(x, i, offset + scale * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f), fp32);
+        dtype_store(x, i, offset + scale * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f), fp32);
     }
 }
 
@@ -69,42 +69,42 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
     TIME_PIECE("fwd GEMM out-projection", fout,
                matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, 0));
     TIME_PIECE("unpack (v fp32, gates)", 0,
-               (unpack_kernel<<<BT, 256>>>(L->z, false, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
+               (sdm_unpack_kernel<<<BT, 256>>>(L->z, false, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
                                            p->dt_bias, L->v, L->g, L->beta)));
     TIME_PIECE("top-k + softmax, writes", 0,
-               topk_forward(&L->tw, L->z, false, L->ldz, L->col_zk, H, P, 1.0f, L->g, 0, L->wslot, L->kappa, NULL,
+               sdm_topk_forward(&L->tw, L->z, DT_BF16, L->ldz, L->col_zk, H, P, 1.0f, L->g, 0, L->wslot, L->kappa, NULL,
                             L->gamma, 0));
     TIME_PIECE("top-k + softmax, reads", 0,
-               topk_forward(&L->tr, L->z, false, L->ldz, L->col_zq, H, P, 1.0f, NULL, 0, L->rslot, L->rho, NULL,
+               sdm_topk_forward(&L->tr, L->z, DT_BF16, L->ldz, L->col_zq, H, P, 1.0f, NULL, 0, L->rslot, L->rho, NULL,
                             NULL, 0));
     TIME_PIECE("bank copy from M0", 0,
-               bank_init(L->bank, 0, p->bank0, 0, (size_t)H * s->slots * d, L->B, 0));
-    ReadoutArgs ra = layer_readout_args(L, p);
+               sdm_bank_init(L->bank, DT_BF16, p->bank0, DT_BF16, (size_t)H * s->slots * d, L->B, 0));
+    SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
     TIME_PIECE("readout forward (LN, gate)", 0,
-               readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, 0));
+               sdm_readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, 0));
     TIME_PIECE("bwd GEMM out dW", fout,
-               matmul_backward_weight(g->w_out, CUDA_R_32F, dy, D, L->r, L->ctype, BT, D, D, 1, 0));
+               matmul_backward_weight(g->w_out, DT_FP32, dy, D, L->r, L->ctype, BT, D, D, 1, 0));
     TIME_PIECE("bwd GEMM out dX", fout,
-               matmul_backward_input(L->dr, CUDA_R_32F, dy, D, p->w_out, L->ctype, BT, D, D, 0, 0));
-    TIME_PIECE("bwd bias colsum dY", 0, matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, 0));
+               matmul_backward_input(L->dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, 0));
+    TIME_PIECE("bwd bias matmul_colsum dY", 0, matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, 0));
     TIME_PIECE("readout backward (LN, gate)", 0,
-               readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->z, L->ln_partials, g->ln_w, g->ln_b, 0));
-    WriteGateArgs ga;
+               sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->z, L->ln_partials, g->ln_w, g->ln_b, 0));
+    SdmWriteGateArgs ga;
     ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
     ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = 0;
     ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
     TIME_PIECE("addressing backward, writes+gates", 0,
-               address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, 1.0f, P, H, L->z, false, L->ldz, L->col_zk, 1,
+               sdm_address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, 1.0f, P, H, L->z, DT_BF16, L->ldz, L->col_zk, 1,
                                 &ga, 0));
     TIME_PIECE("addressing backward, reads", 0,
-               address_backward(&L->tr, L->rslot, L->rho, L->drho, 1.0f, P, H, L->z, false, L->ldz, L->col_zq, 0,
+               sdm_address_backward(&L->tr, L->rslot, L->rho, L->drho, 1.0f, P, H, L->z, DT_BF16, L->ldz, L->col_zq, 0,
                                 NULL, 0));
-    TIME_PIECE("pack dv", 0, (pack_dv_kernel<<<BT, 256>>>(L->dv, L->z, false, L->ldz, L->col_v, D)));
+    TIME_PIECE("pack dv", 0, (sdm_pack_dv_kernel<<<BT, 256>>>(L->dv, L->z, false, L->ldz, L->col_v, D)));
     TIME_PIECE("dM0 batch sum", 0,
-               (bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B)));
+               (sdm_bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B)));
     TIME_PIECE("bwd GEMM in dW", fin,
-               matmul_backward_weight(g->w_in, CUDA_R_32F, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
-    TIME_PIECE("bwd bias colsum dZ (all columns)", 0,
+               matmul_backward_weight(g->w_in, DT_FP32, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
+    TIME_PIECE("bwd bias matmul_colsum dZ (all columns)", 0,
                matmul_backward_bias(g->b_in[0], L->z, L->ctype, L->ldz, BT, L->n_in, 1, 0));
     TIME_PIECE("bwd GEMM in dX", fin,
                matmul_backward_input(dx, L->ctype, L->z, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, 0));
@@ -125,7 +125,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     size_t free0, total;
     cudaCheck(cudaDeviceSynchronize());
     cudaCheck(cudaMemGetInfo(&free0, &total));
-    SdmLayer L = sdm_layer_create(&s, B, T, 0, 1);
+    SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, 1);
     size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
     float ws = 1.0f / sqrtf((float)D);
     SdmLayerParams p;
@@ -137,8 +137,8 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     float *gbias = zero_grad(L.n_in);
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
-        layer_bias_block(&L, i, &col, &width);
-        p.b_in[i] = elem_ptr(bias, col, CUDA_R_16BF);
+        sdm_layer_bias_block(&L, i, &col, &width);
+        p.b_in[i] = dtype_elem_ptr(bias, col, DT_BF16);
         g.b_in[i] = gbias + col;
     }
     p.A_log = rand_buf(H, 3, 0.5f, 1.0f);

@@ -126,7 +126,7 @@ template <typename F> static float time_ms(int reps, F fn) {
 // by a full forward + backward; the values they compute are not used).
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
                         void *saved, void *scratch, int reps) {
-    OpArgs a = sdm_op_args(s, saved, scratch);
+    SdmOpArgs a = sdm_op_args(s, saved, scratch);
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     float fg = time_ms(reps, [&] {

@@ -8,12 +8,12 @@
 #include "core/rng.h"
 #include "tests/test.h"
 
-#define CK(x) attn_cuda_check((x), #x)
+#define CK(x) cudaCheck(x)
 
 static const double TOL_FP32 = 1e-5, TOL_BF16 = 1e-2;
-static double tol_of(AttnDtype dt) { return dt == ATTN_FP32 ? TOL_FP32 : TOL_BF16; }
-static size_t esize(AttnDtype dt) { return dt == ATTN_BF16 ? sizeof(bf16) : sizeof(float); }
-static const char *dt_name(AttnDtype dt) { return dt == ATTN_BF16 ? "bf16" : "fp32"; }
+static double tol_of(Dtype dt) { return dt == DT_FP32 ? TOL_FP32 : TOL_BF16; }
+static size_t esize(Dtype dt) { return dt == DT_BF16 ? sizeof(bf16) : sizeof(float); }
+static const char *dt_name(Dtype dt) { return dt == DT_BF16 ? "bf16" : "fp32"; }
 
 static void *dev_alloc(size_t bytes) {
     void *p;
@@ -25,9 +25,9 @@ static void *dev_alloc(size_t bytes) {
 static void poison(void *d, size_t bytes) { CK(cudaMemset(d, 0xFF, bytes)); }
 
 // Upload h as dt; h is rounded in place to the values the device holds.
-static void *upload(double *h, size_t n, AttnDtype dt) {
+static void *upload(double *h, size_t n, Dtype dt) {
     void *d = dev_alloc(n * esize(dt));
-    if (dt == ATTN_FP32) {
+    if (dt == DT_FP32) {
         float *t = (float *)sdm_malloc(n * sizeof(float));
         for (size_t i = 0; i < n; i++) h[i] = t[i] = (float)h[i];
         CK(cudaMemcpy(d, t, n * sizeof(float), cudaMemcpyHostToDevice));
@@ -44,11 +44,11 @@ static void *upload(double *h, size_t n, AttnDtype dt) {
     return d;
 }
 
-static double *download(const void *d, size_t n, AttnDtype dt) {
+static double *download(const void *d, size_t n, Dtype dt) {
     double *h = (double *)sdm_malloc(n * sizeof(double));
     void *t = sdm_malloc(n * esize(dt));
     CK(cudaMemcpy(t, d, n * esize(dt), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; i++) h[i] = dt == ATTN_FP32 ? ((float *)t)[i] : __bfloat162float(((bf16 *)t)[i]);
+    for (size_t i = 0; i < n; i++) h[i] = dt == DT_FP32 ? ((float *)t)[i] : __bfloat162float(((bf16 *)t)[i]);
     free(t);
     return h;
 }
@@ -93,7 +93,7 @@ static AttnDims dims_of(const CoreCase *c) {
 
 typedef struct { void *out, *dq, *dk, *dv; float *lse; } CoreOutputs;
 
-static void run_core(const AttnDims *a, const CoreCase *c, AttnDtype dt, void *q, void *k, void *v, void *dout,
+static void run_core(const AttnDims *a, const CoreCase *c, Dtype dt, void *q, void *k, void *v, void *dout,
                      void *ws, CoreOutputs *o, size_t nq, size_t nk, size_t nl) {
     poison(o->out, nq * esize(dt)); poison(o->lse, nl * sizeof(float));
     poison(o->dq, nq * esize(dt)); poison(o->dk, nk * esize(dt)); poison(o->dv, nk * esize(dt));
@@ -130,7 +130,7 @@ static size_t ref_forward_rows(const AttnDims *a, const CoreCase *c, const doubl
     return rows;
 }
 
-static void test_core(const CoreCase *c, AttnDtype dt, uint64_t seed) {
+static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     AttnDims a = dims_of(c);
     size_t nq = (size_t)c->B * c->T * c->nh * c->D, nk = (size_t)c->B * c->T * c->nkv * c->D, nl = (size_t)c->B * c->nh * c->T;
     Rng rng = rng_make(seed);
@@ -208,7 +208,7 @@ static void test_core(const CoreCase *c, AttnDtype dt, uint64_t seed) {
 
 // Decode token by token (append k, v to the cache, attend with the newest query) for B streams and compare every
 // step's output with the full forward: the CPU reference and the GPU's own forward.
-static void test_decode(int B, int T, int nh, int nkv, int D, int window, AttnDtype dt) {
+static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype dt) {
     CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
     AttnDims a = dims_of(&c);
     int C = window > 0 ? window : T; // ring of w entries for SWA, the whole sequence for full attention
@@ -250,7 +250,7 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, AttnDt
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d (cache %d) vs reference", dt_name(dt), B, T, nh, nkv, D, window, C);
     double e_ref = check_err(what, gdec, ref, nq, 0.0, tol_of(dt));
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d vs GPU forward", dt_name(dt), B, T, nh, nkv, D, window);
-    double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == ATTN_FP32 ? 1e-6 : TOL_BF16);
+    double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == DT_FP32 ? 1e-6 : TOL_BF16);
     printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
            nkv, D, window, C, e_ref, e_gpu);
     free(q); free(k); free(v); free(ref); free(gdec); free(gfull); free(hpos);
@@ -259,7 +259,7 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, AttnDt
 }
 
 // RoPE forward and backward against the reference, with positions starting at 0 and at per-stream offsets pos0.
-static void test_rope(AttnDtype dt) {
+static void test_rope(Dtype dt) {
     const int B = 2, T = 1000, nh = 4, nkv = 2, D = 128, off1 = 37;
     AttnDims a;
     a.dim = 0; a.n_heads = nh; a.n_kv_heads = nkv; a.head_dim = D; a.window = 0; a.gated = 0; a.rope_theta = 10000.0;
@@ -304,7 +304,7 @@ static void test_rope(AttnDtype dt) {
     attn_rope_destroy(&rope);
 }
 
-static void test_gate(AttnDtype dt) {
+static void test_gate(Dtype dt) {
     const size_t n = 100000;
     Rng rng = rng_make(9);
     double *z = random_vec(&rng, n), *o = random_vec(&rng, n), *dog = random_vec(&rng, n);
@@ -348,10 +348,10 @@ int main(void) {
     const CoreCase big[] = {
         {1, 4096, 2, 1, 128, 128, 1, 0}, {1, 4096, 2, 2, 64, 256, 1, 0}, {4, 4096, 8, 1, 128, 0, 0, 97},
     };
-    AttnDtype dts[2] = {ATTN_FP32, ATTN_BF16};
+    Dtype dts[2] = {DT_FP32, DT_BF16};
     for (int d = 0; d < 2; d++)
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_core(&cases[i], dts[d], 1000 * d + i);
-    for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) test_core(&big[i], ATTN_BF16, 5000 + i);
+    for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) test_core(&big[i], DT_BF16, 5000 + i);
     for (int d = 0; d < 2; d++) {
         test_decode(3, 60, 4, 2, 64, 17, dts[d]);
         test_decode(3, 60, 4, 2, 128, 0, dts[d]);

@@ -12,12 +12,12 @@
 #include "tests/test.h"
 
 typedef struct {
-    cudaDataType_t dtype;
+    Dtype dtype;
     const char *name;
     double tol;
 } Mode;
 
-static const Mode MODES[2] = {{CUDA_R_32F, "fp32", 1e-5}, {CUDA_R_16BF, "bf16", 1e-2}};
+static const Mode MODES[2] = {{DT_FP32, "fp32", 1e-5}, {DT_BF16, "bf16", 1e-2}};
 
 // ------------------------------------------------------------------------------------------------------------------
 // helpers
@@ -37,33 +37,33 @@ static void fill_normal(double *x, size_t n, Rng *r, double mean, double std) {
 }
 
 // round x to the storage type of dtype (what an upload keeps)
-static void round_to(double *x, size_t n, cudaDataType_t dtype) {
+static void round_to(double *x, size_t n, Dtype dtype) {
     for (size_t i = 0; i < n; i++)
-        x[i] = dtype == CUDA_R_32F ? (double)(float)x[i] : (double)__bfloat162float(__float2bfloat16((float)x[i]));
+        x[i] = dtype == DT_FP32 ? (double)(float)x[i] : (double)__bfloat162float(__float2bfloat16((float)x[i]));
 }
 
-static void upload(void *d, const double *x, size_t n, cudaDataType_t dtype) {
+static void upload(void *d, const double *x, size_t n, Dtype dtype) {
     size_t es = dtype_size(dtype);
     char *h = (char *)sdm_malloc(n * es);
     for (size_t i = 0; i < n; i++) {
-        if (dtype == CUDA_R_32F) ((float *)h)[i] = (float)x[i];
+        if (dtype == DT_FP32) ((float *)h)[i] = (float)x[i];
         else ((__nv_bfloat16 *)h)[i] = __float2bfloat16((float)x[i]);
     }
     cudaCheck(cudaMemcpy(d, h, n * es, cudaMemcpyHostToDevice));
     free(h);
 }
 
-static void download(double *x, const void *d, size_t n, cudaDataType_t dtype) {
+static void download(double *x, const void *d, size_t n, Dtype dtype) {
     size_t es = dtype_size(dtype);
     char *h = (char *)sdm_malloc(n * es);
     cudaCheck(cudaMemcpy(h, d, n * es, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n; i++)
-        x[i] = dtype == CUDA_R_32F ? ((float *)h)[i] : __bfloat162float(((__nv_bfloat16 *)h)[i]);
+        x[i] = dtype == DT_FP32 ? ((float *)h)[i] : __bfloat162float(((__nv_bfloat16 *)h)[i]);
     free(h);
 }
 
 // a new device buffer holding x (rounded to dtype)
-static void *dev_from(const double *x, size_t n, cudaDataType_t dtype) {
+static void *dev_from(const double *x, size_t n, Dtype dtype) {
     void *d = dev_alloc(n * dtype_size(dtype));
     upload(d, x, n, dtype);
     return d;
@@ -120,9 +120,9 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
     fill_normal(dE0, vd, r, 0, 1);
     round_to(E, vd, mo->dtype);
     round_to(dout, nd, mo->dtype);
-    round_to(dE0, vd, CUDA_R_32F);
+    round_to(dE0, vd, DT_FP32);
     void *d_E = dev_from(E, vd, mo->dtype), *d_dout = dev_from(dout, nd, mo->dtype), *d_out = dev_alloc(nd * es);
-    float *d_dE = (float *)dev_from(dE0, vd, CUDA_R_32F);
+    float *d_dE = (float *)dev_from(dE0, vd, DT_FP32);
     int *d_tok = (int *)dev_alloc(sizeof(int) * n);
     cudaCheck(cudaMemcpy(d_tok, tok, sizeof(int) * n, cudaMemcpyHostToDevice));
 
@@ -139,7 +139,7 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
     embedding_backward_plan_create(&plan, n, V, D);
     embedding_backward_plan_build(&plan, tok, 0);
     embedding_backward(d_dE, d_dout, mo->dtype, &plan, 0);
-    download(got, d_dE, vd, CUDA_R_32F);
+    download(got, d_dE, vd, DT_FP32);
     memcpy(want, dE0, sizeof(double) * vd);
     for (int i = 0; i < n; i++)
         for (int k = 0; k < D; k++) want[(size_t)tok[i] * D + k] += dout[(size_t)i * D + k];
@@ -155,7 +155,7 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
     report_true("rows of absent tokens unchanged", untouched_ok);
 
     void *first = snapshot(d_dE, vd * sizeof(float));
-    upload(d_dE, dE0, vd, CUDA_R_32F);
+    upload(d_dE, dE0, vd, DT_FP32);
     embedding_backward(d_dE, d_dout, mo->dtype, &plan, 0);
     report_same_bits("backward determinism", first, d_dE, vd * sizeof(float));
 
@@ -182,7 +182,7 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
     const double eps = 1e-5;
     printf("rmsnorm %s n=%d D=%d residual=%d accumulate=%d\n", mo->name, n, D, residual, accumulate);
     size_t nd = (size_t)n * D, es = dtype_size(mo->dtype);
-    cudaDataType_t dt = mo->dtype;
+    Dtype dt = mo->dtype;
     double *h_in = host_doubles(nd), *branch = host_doubles(nd), *h = host_doubles(nd), *w = host_doubles(D);
     double *dy = host_doubles(nd), *dx0 = host_doubles(nd), *dw0 = host_doubles(D), *got = host_doubles(nd);
     double *want = host_doubles(nd), *rstd = host_doubles(n);
@@ -197,7 +197,7 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
     round_to(w, D, dt);
     round_to(dy, nd, dt);
     round_to(dx0, nd, dt);
-    round_to(dw0, D, CUDA_R_32F);
+    round_to(dw0, D, DT_FP32);
     // the norm's input: h_in (+ branch, rounded to the storage type as the kernel stores it)
     for (size_t i = 0; i < nd; i++) h[i] = h_in[i] + (residual ? branch[i] : 0.0);
     round_to(h, nd, dt);
@@ -217,7 +217,7 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
         else rmsnorm_forward(d_y, d_rstd, d_hin, d_w, dt, n, D, (float)eps, 0);
         if (accumulate) upload(d_dx, dx0, nd, dt);
         else poison(d_dx, nd * es);
-        upload(d_dw, dw0, D, CUDA_R_32F);
+        upload(d_dw, dw0, D, DT_FP32);
         poison(d_scratch, sizeof(float) * rmsnorm_backward_scratch_floats(n, D));
         rmsnorm_backward(d_dx, d_dw, d_scratch, d_dy, d_x, d_w, d_rstd, dt, n, D, accumulate, 0);
         if (run == 0) {
@@ -252,7 +252,7 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
         for (int k = 0; k < D; k++) ms += h[(size_t)i * D + k] * h[(size_t)i * D + k];
         want[i] = 1.0 / sqrt(ms / D + eps);
     }
-    download(rstd, d_rstd, n, CUDA_R_32F);
+    download(rstd, d_rstd, n, DT_FP32);
     report("forward rstd", rstd, want, n, mo->tol);
 
     double *dw_want = host_doubles(D), *dw_got = host_doubles(D);
@@ -262,7 +262,7 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
     ref_rmsnorm_backward(h, w, dy, want, dw_want, n, D, eps);
     download(got, d_dx, nd, dt);
     report(accumulate ? "backward dx (+= onto random dx)" : "backward dx (overwrite)", got, want, nd, mo->tol);
-    download(dw_got, d_dw, D, CUDA_R_32F);
+    download(dw_got, d_dw, D, DT_FP32);
     report("backward dw (+= onto random dw)", dw_got, dw_want, D, mo->tol);
 
     void *bufs[] = {d_hin, d_branch, d_w, d_dy, d_hout, d_y, d_dx, d_rstd, d_dw, d_scratch};
@@ -291,7 +291,7 @@ static void selector_weights(double *w1, double *w3, double *w2, int F) {
 
 static void test_swiglu(const Mode *mo, int n, int F, Rng *r) {
     printf("swiglu %s n=%d F=%d (fused a|b rows of width 2F, backward in place)\n", mo->name, n, F);
-    cudaDataType_t dt = mo->dtype;
+    Dtype dt = mo->dtype;
     int D = 2 * F;
     size_t nD = (size_t)n * D, nF = (size_t)n * F, es = dtype_size(dt);
     double *ab = host_doubles(nD), *dh = host_doubles(nF), *w1 = host_doubles((size_t)F * D);
@@ -342,7 +342,7 @@ static void test_swiglu(const Mode *mo, int n, int F, Rng *r) {
 
 static void test_cross_entropy(const Mode *mo, int n, int V, int ld, Rng *r) {
     printf("cross_entropy %s n=%d V=%d ld=%d\n", mo->name, n, V, ld);
-    cudaDataType_t dt = mo->dtype;
+    Dtype dt = mo->dtype;
     size_t nl = (size_t)n * ld, nv = (size_t)n * V, es = dtype_size(dt);
     const double pad = 7.0; // the columns past V must keep this value
     double *logits = host_doubles(nl), *z = host_doubles(nv), *dz = host_doubles(nv), *got = host_doubles(nl);
@@ -379,9 +379,9 @@ static void test_cross_entropy(const Mode *mo, int n, int V, int ld, Rng *r) {
 
     for (int i = 0; i < n; i++) loss_want[i] = ref_cross_entropy(z + (size_t)i * V, targets + i, NULL, 1, V);
     double mean_want = ref_cross_entropy(z, targets, dz, n, V), mean_got;
-    download(loss_got, d_losses, n, CUDA_R_32F);
+    download(loss_got, d_losses, n, DT_FP32);
     report("per-row losses", loss_got, loss_want, n, mo->tol);
-    download(&mean_got, d_mean, 1, CUDA_R_32F);
+    download(&mean_got, d_mean, 1, DT_FP32);
     report("mean loss", &mean_got, &mean_want, 1, mo->tol);
     download(got, d_logits, nl, dt);
     int pad_ok = 1;
@@ -396,7 +396,7 @@ static void test_cross_entropy(const Mode *mo, int n, int V, int ld, Rng *r) {
     upload(d_logits, logits, nl, dt);
     poison(d_losses, sizeof(float) * n);
     cross_entropy_forward_backward(d_logits, ld, d_targets, d_losses, dt, n, V, 0.0f, 0);
-    download(loss_got, d_losses, n, CUDA_R_32F);
+    download(loss_got, d_losses, n, DT_FP32);
     report("losses without gradient (dscale = 0)", loss_got, loss_want, n, mo->tol);
     download(got, d_logits, nl, dt);
     report("logits untouched when dscale = 0", got, logits, nl, 0.0);
@@ -440,23 +440,23 @@ static void run_adamw(const Mode *mo, const ModelDesc *md, long long lo, long lo
                       const double *grads, const double *scale, const AdamWHyper *hyper, double *p, double *m,
                       double *v, double *work, void **first_bits) {
     size_t n = (size_t)md->storage, es = dtype_size(mo->dtype);
-    float *d_p = (float *)dev_from(p0, n, CUDA_R_32F), *d_g = (float *)dev_alloc(sizeof(float) * n);
+    float *d_p = (float *)dev_from(p0, n, DT_FP32), *d_g = (float *)dev_alloc(sizeof(float) * n);
     float *d_m = (float *)dev_alloc(sizeof(float) * n), *d_v = (float *)dev_alloc(sizeof(float) * n);
-    float *d_scale = scale ? (float *)dev_from(scale, 1, CUDA_R_32F) : NULL;
+    float *d_scale = scale ? (float *)dev_from(scale, 1, DT_FP32) : NULL;
     void *d_work = dev_alloc(n * es);
     cudaCheck(cudaMemset(d_m, 0, sizeof(float) * n));
     cudaCheck(cudaMemset(d_v, 0, sizeof(float) * n));
     for (int t = 0; t < 3; t++) {
         AdamWHyper h = *hyper;
         h.t = t + 1;
-        upload(d_g, grads + (size_t)t * n, n, CUDA_R_32F);
+        upload(d_g, grads + (size_t)t * n, n, DT_FP32);
         poison(d_work, n * es);
         adamw_update_model(md, lo, hi, d_p + lo, (char *)d_work + lo * es, mo->dtype, d_g + lo, d_m + lo, d_v + lo,
                            &h, d_scale, 0);
     }
-    download(p, d_p, n, CUDA_R_32F);
-    download(m, d_m, n, CUDA_R_32F);
-    download(v, d_v, n, CUDA_R_32F);
+    download(p, d_p, n, DT_FP32);
+    download(m, d_m, n, DT_FP32);
+    download(v, d_v, n, DT_FP32);
     download(work, d_work, n, mo->dtype);
     first_bits[0] = snapshot(d_p, sizeof(float) * n);
     first_bits[1] = snapshot(d_work, n * es);
@@ -479,8 +479,8 @@ static void test_adamw(const Mode *mo, long long lo, long long trim, int with_sc
     double *rv = host_doubles(n), *g = host_doubles(n), *dp = host_doubles(n), *rdp = host_doubles(n);
     fill_normal(p0, n, r, 0, 1);
     fill_normal(grads, 3 * n, r, 0, 1);
-    round_to(p0, n, CUDA_R_32F);
-    round_to(grads, 3 * n, CUDA_R_32F);
+    round_to(p0, n, DT_FP32);
+    round_to(grads, 3 * n, DT_FP32);
 
     // reference: each tensor's part of [lo, hi) with its decay flag
     memcpy(rp, p0, sizeof(double) * n);
@@ -529,11 +529,11 @@ static void test_grad_norm(long long n, Rng *r) {
     printf("grad norm n=%lld\n", n);
     double *g = host_doubles((size_t)n);
     fill_normal(g, (size_t)n, r, 0, 0.01);
-    round_to(g, (size_t)n, CUDA_R_32F);
+    round_to(g, (size_t)n, DT_FP32);
     double ss = 0;
     for (long long i = 0; i < n; i++) ss += g[i] * g[i];
     double norm_want = sqrt(ss);
-    float *d_g = (float *)dev_from(g, (size_t)n, CUDA_R_32F), *d_scratch = (float *)dev_alloc(4 * GRAD_NORM_SCRATCH);
+    float *d_g = (float *)dev_from(g, (size_t)n, DT_FP32), *d_scratch = (float *)dev_alloc(4 * GRAD_NORM_SCRATCH);
     float *d_out = (float *)dev_alloc(3 * sizeof(float)); // sumsq, norm, scale
 
     void *first = NULL;
@@ -549,7 +549,7 @@ static void test_grad_norm(long long n, Rng *r) {
         poison(d_out + 1, 2 * sizeof(float));
         grad_clip_scale(d_out + 1, d_out + 2, d_out, (float)clips[c], 0);
         double got[2], want[2] = {norm_want, clips[c] > 0 ? fmin(1.0, clips[c] / (norm_want + 1e-6)) : 1.0};
-        download(got, d_out + 1, 2, CUDA_R_32F);
+        download(got, d_out + 1, 2, DT_FP32);
         char what[160];
         snprintf(what, sizeof what, "norm, clip = %.3g", clips[c]);
         report(what, got, want, 1, 1e-5);

@@ -80,12 +80,12 @@ static double *download_grads(const GpuModel *g) {
 }
 
 // n values of a device buffer in the compute dtype, as doubles
-static void download_act(double *out, const void *dev, size_t n, cudaDataType_t t) {
+static void download_act(double *out, const void *dev, size_t n, Dtype t) {
     size_t es = dtype_size(t);
     unsigned char *h = (unsigned char *)sdm_malloc(n * es);
     cudaCheck(cudaMemcpy(h, dev, n * es, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n; i++) {
-        if (t == CUDA_R_32F) out[i] = ((float *)h)[i];
+        if (t == DT_FP32) out[i] = ((float *)h)[i];
         else {
             uint32_t bits = (uint32_t)((uint16_t *)h)[i] << 16;
             float f;
@@ -162,7 +162,7 @@ static void check_case(const Case *c, const char *dtype) {
     double ref_loss = model_ref_backward(m, params, tokens, targets, c->B, c->T, ref_grads);
 
     GpuModel g;
-    gpu_model_create(&g, m, c->B, c->T, fp32, 1);
+    gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1);
     gpu_model_set_params(&g, host);
     double loss = step_grads(&g, tokens, targets);
     report_forward(&g, params, tokens, targets, c->B, c->T);

@@ -64,7 +64,7 @@ static double *hzeros(size_t n) { return (double *)sdm_calloc(n, sizeof(double))
 
 static void test_matmul(Rng *rng, int fp32) {
     const int M = 1000, N = 45, K = 96, ldy = 48;
-    cudaDataType_t t = fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
     double *x = hzeros((size_t)M * K), *w = hzeros((size_t)N * K), *b = hzeros(N), *dy = hzeros((size_t)M * ldy);
     double *dw0 = hzeros((size_t)N * K), *db0 = hzeros(N);
     fill_normal(rng, x, (size_t)M * K, 1.0); fill_normal(rng, w, (size_t)N * K, 0.2); fill_normal(rng, b, N, 1.0);
@@ -81,7 +81,7 @@ static void test_matmul(Rng *rng, int fp32) {
     matmul_forward(dy_out, t, ldy, dx_, dw_, db_, t, M, N, K, 0);
     matmul_backward_input(dgx, t, ddy, ldy, dw_, t, M, N, K, 0, 0);
     matmul_backward_input(dgx, t, ddy, ldy, dw_, t, M, N, K, 1, 0); // accumulate: 2 dY W
-    matmul_backward_weight(dgw, CUDA_R_32F, ddy, ldy, dx_, t, M, N, K, 1, 0);
+    matmul_backward_weight(dgw, DT_FP32, ddy, ldy, dx_, t, M, N, K, 1, 0);
     matmul_backward_bias(dgb, ddy, t, ldy, M, N, 1, 0);
     cudaCheck(cudaDeviceSynchronize());
 
@@ -140,7 +140,7 @@ static SdmDims dims_factors(int F, const int *n) {
 
 static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int kind) {
     SdmDims s = dims_factors(F, n);
-    TopkPlan pl = topk_plan_make(&s, k);
+    SdmTopkPlan pl = sdm_topk_plan_make(&s, k);
     int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H, fp32 = kind != SC_BF16;
     double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
     for (size_t i = 0; i < (size_t)T * ldz; i++) {
@@ -160,7 +160,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     cudaCheck(cudaMalloc(&dgam, sizeof(float) * P * k));
     cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * P * k)); // poison
     const float scale = 0.7f;
-    topk_forward(&pl, dz, fp32 != 0, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
+    sdm_topk_forward(&pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
     cudaCheck(cudaDeviceSynchronize());
     int *slot = (int *)sdm_malloc(sizeof(int) * P * k), *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
     float *w = (float *)sdm_malloc(sizeof(float) * P * k), *sc = (float *)sdm_malloc(sizeof(float) * P * k);
@@ -199,7 +199,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     CHECK(bad_score == 0, "top-k float32 scores differ in %d entries", bad_score);
     check_close("top-k softmax weights", w_gpu, w_ref, (size_t)P * k, TOL_FP32);
     check_close("top-k gamma (key-weighted)", gam_gpu, gam_ref, (size_t)P * k, TOL_FP32);
-    topk_plan_free(&pl);
+    sdm_topk_plan_free(&pl);
     cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg)); cudaCheck(cudaFree(dslot)); cudaCheck(cudaFree(dw));
     cudaCheck(cudaFree(dsc)); cudaCheck(cudaFree(dgam));
     free(z); free(g); free(slot); free(slot_ref); free(w); free(sc); free(gam); free(score_ref); free(w_ref);
@@ -358,7 +358,7 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     sdm_layer_backward_trace_ref(&s, B, T, &rp, x, dy, &tr, dx_ref, &rg, &og);
 
     // GPU
-    SdmLayer L = sdm_layer_create(&s, B, T, fp32, 0);
+    SdmLayer L = sdm_layer_create(&s, B, T, fp32 ? DT_FP32 : DT_BF16, 0);
     double *w_in = fused_in(&s, t, 0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
@@ -469,7 +469,7 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     int fp32 = c->fp32, n = c->B * c->T, D = c->D;
     double *t[SDM_P_COUNT];
     layer_random_params(rng, &s, fp32, t);
-    SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32, 0);
+    SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 0);
     double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
     size_t boff[SDM_B_COUNT + 1] = {0};
     for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_ref_param_numel(&s, BIAS_IDS[i]);
@@ -478,7 +478,7 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     memset(&p, 0, sizeof(p));
     p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
     void *bias = dev_upload(b_in, L.n_in, fp32);
-    for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = elem_ptr(bias, boff[i], fp32 ? CUDA_R_32F : CUDA_R_16BF);
+    for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = dtype_elem_ptr(bias, boff[i], fp32 ? DT_FP32 : DT_BF16);
     p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
     p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
     p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_BO], D, fp32);

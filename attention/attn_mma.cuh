@@ -1,0 +1,190 @@
+// attention/attn_mma.cuh: the tensor-core building blocks of the bf16 attention kernels (mma.sync m16n8k16, fp32
+// accumulation): cp.async tile loads into padded shared-memory tiles, ldmatrix fragments, the MMA products, the
+// accumulator layout and stores, the mask tests of a (query tile, key tile) block, and the default tile
+// configurations of the forward and backward kernels.
+#ifndef SDM_ATTN_MMA_CUH
+#define SDM_ATTN_MMA_CUH
+
+#include "attention/attn_common.cuh"
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core building blocks (bf16 m16n8k16, fp32 accumulate). Shared-memory tiles are row-major with rows padded
+// by 8 elements (16 bytes), so the 8 rows an ldmatrix phase reads fall in distinct banks.
+
+#define ATTN_PAD 8
+
+// Default configurations <warps, tile, [row tiles per warp,] CTAs per SM, skip>: forward: 16*MT*warps queries
+// against tile keys; dQ: 16*warps queries against tile keys; dK/dV: 16*warps keys against tile queries. skip: partial
+// tiles skip the 16-wide groups no row of the warp can see (fewer products, more branches); skipping or not gives the
+// same values. Chosen from the variants tests/bench_attention.cu times (H200, d=128, B=4, T=4096, 16 heads): the
+// forward runs 4 warps of 32 rows for full attention and 4 warps of 16 rows for windows up to 256, without skipping.
+#define ATTN_FWD_CFG 4, 64, 2, 1, false
+#define ATTN_FWD_SWA_CFG 4, 64, 1, 2, false
+#define ATTN_DKDV_CFG 4, 64, 2, true
+#define ATTN_DQ_CFG 4, 64, 2, true
+
+__device__ __forceinline__ void attn_cp_async16(void *smem, const void *gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0; // 0: zero-fill (rows past T)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void attn_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// rows [row0, row0+ROWS) of a [T, stride] bf16 matrix (D columns used) into smem [ROWS][D+PAD]; rows >= T read as 0.
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void attn_load_tile(bf16 *smem, const bf16 *g, int row0, int T, size_t stride) {
+    constexpr int CH = D / 8;
+    for (int c = threadIdx.x; c < ROWS * CH; c += THREADS) {
+        int r = c / CH, col = (c % CH) * 8, t = row0 + r;
+        bool ok = t < T;
+        attn_cp_async16(smem + r * (D + ATTN_PAD) + col, ok ? g + (size_t)t * stride + col : g, ok);
+    }
+}
+
+__device__ __forceinline__ void attn_ldsm_x4(uint32_t (&r)[4], const bf16 *p, bool trans) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    if (trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// A fragment (16 rows x 16 k) at (row0, k0) of a [rows][k] tile.
+__device__ __forceinline__ void attn_ldsm_a(uint32_t (&a)[4], const bf16 *tile, int sd, int row0, int k0) {
+    int l = threadIdx.x & 31;
+    attn_ldsm_x4(a, tile + (row0 + (l & 7) + ((l >> 3) & 1) * 8) * sd + k0 + (l >> 4) * 8, false);
+}
+
+// B fragments of n-tiles n0 and n0+8 (b[0..1], b[2..3]) for k-step k0, from a tile stored [n][k] (e.g. K for Q K^T).
+__device__ __forceinline__ void attn_ldsm_b_nk(uint32_t (&b)[4], const bf16 *tile, int sd, int n0, int k0) {
+    int l = threadIdx.x & 31;
+    attn_ldsm_x4(b, tile + (n0 + (l & 7) + (l >> 4) * 8) * sd + k0 + ((l >> 3) & 1) * 8, false);
+}
+
+// The same from a tile stored [k][n] (e.g. V for P V), transposed by ldmatrix.
+__device__ __forceinline__ void attn_ldsm_b_kn(uint32_t (&b)[4], const bf16 *tile, int sd, int k0, int n0) {
+    int l = threadIdx.x & 31;
+    attn_ldsm_x4(b, tile + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * sd + n0 + (l >> 4) * 8, true);
+}
+
+__device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// acc[mt] (16 x 8NT) += a[mt] (16 x 16, k-step k0) . B^T for MT row tiles sharing each B fragment; B stored [n][k]
+// from row 0. SKIP: only the 16-column groups [glo, ghi) (the others hold no visible pair and stay as they are);
+// otherwise all, with no branches.
+template <int MT, int NT, bool SKIP>
+__device__ __forceinline__ void attn_mma_bt_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile,
+                                              int sd, int k0, int glo, int ghi) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        if (SKIP && (nt / 2 < glo || nt / 2 >= ghi)) continue;
+        uint32_t b[4];
+        attn_ldsm_b_nk(b, tile, sd, nt * 8, k0);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            attn_mma(acc[mt][nt], a[mt], b[0], b[1]);
+            attn_mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
+        }
+    }
+}
+
+// acc[mt] (16 x 8NT) += a[mt] (16 x 16) . B, B stored [k][n] with the k-step at row k0.
+template <int MT, int NT>
+__device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile, int sd,
+                                             int k0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t b[4];
+        attn_ldsm_b_kn(b, tile, sd, k0, nt * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            attn_mma(acc[mt][nt], a[mt], b[0], b[1]);
+            attn_mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
+        }
+    }
+}
+
+// The same for one row tile.
+template <int NT, bool SKIP>
+__device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0,
+                                            int glo, int ghi) {
+    attn_mma_bt_m<1, NT, SKIP>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
+                                  tile, sd, k0, glo, ghi);
+}
+template <int NT>
+__device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0) {
+    attn_mma_b_m<1, NT>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a), tile,
+                        sd, k0);
+}
+
+__device__ __forceinline__ uint32_t attn_pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&h;
+}
+
+// The accumulator of n-tiles 2kk, 2kk+1 (16 x 16) as the A fragment of k-step kk (the layouts coincide).
+template <int NT> __device__ __forceinline__ void attn_acc_to_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+    a[0] = attn_pack(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = attn_pack(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = attn_pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = attn_pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// Element e of n-tile nt in a thread's accumulator sits at row (lane/4 + 8*(e/2)), column (nt*8 + 2*(lane%4) + e%2).
+__device__ __forceinline__ int attn_acc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
+__device__ __forceinline__ int attn_acc_col(int nt, int e) { return nt * 8 + (threadIdx.x & 3) * 2 + (e & 1); }
+
+// Store a warp's 16 x D accumulator (times per-row factors) to rows row0.. of a bf16 [T, stride] matrix.
+template <int D>
+__device__ __forceinline__ void attn_store_acc(bf16 *g, size_t stride, int row0, int T, const float (&acc)[D / 8][4],
+                                               const float (&rowscale)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + attn_acc_row(2 * h);
+        if (row >= T) continue;
+        bf16 *out = g + (size_t)row * stride;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+            *(uint32_t *)(out + attn_acc_col(dt, 0)) = attn_pack(acc[dt][2 * h] * rowscale[h], acc[dt][2 * h + 1] * rowscale[h]);
+    }
+}
+
+// Whether any (query, key) pair of query rows [p0, p0+np) x keys [s0, s0+ns) is visible, and whether all are.
+__device__ __forceinline__ bool attn_block_any(int p0, int np, int s0, int ns, int window, int T) {
+    int p1 = min(p0 + np, T) - 1, s1 = min(s0 + ns, T) - 1;
+    return p0 < T && s0 < T && s0 <= p1 && s1 >= attn_first_key_dev(p0, window);
+}
+__device__ __forceinline__ bool attn_block_all(int p0, int np, int s0, int ns, int window, int T) {
+    return p0 + np <= T && s0 + ns <= T && s0 + ns - 1 <= p0 && (window == 0 || p0 + np - 1 - s0 < window);
+}
+
+// Whether key is hidden from query row: outside [row - w + 1, row] or past T. wlim = w, or INT_MAX for full causal
+// (row - key < 0 wraps to a huge unsigned value).
+__device__ __forceinline__ bool attn_hidden(int row, int key, unsigned wlim, int T) {
+    return (unsigned)(row - key) >= wlim || key >= T;
+}
+__device__ __forceinline__ unsigned attn_wlim(int window) { return window == 0 ? 0x7fffffffu : (unsigned)window; }
+
+// The 16-wide column groups [lo, hi) of a tile whose columns start at c0 (ncols of them) that hold any column of
+// [v_lo, v_hi] (absolute; the caller knows the intersection is not empty). Work on the others is skipped.
+__device__ __forceinline__ void attn_groups(int c0, int ncols, int v_lo, int v_hi, int &lo, int &hi) {
+    lo = max(0, v_lo - c0) / 16;
+    hi = min(ncols / 16, (v_hi - c0 + 16) / 16);
+}
+
+// Keys visible to some query row of [r0, r0+16): [first key of r0, last row]; queries that see some key of
+// [k0, k0+16): [k0, last key + w - 1].
+__device__ __forceinline__ int attn_rows_key_hi(int r0, int T) { return min(r0 + 15, T - 1); }
+__device__ __forceinline__ int attn_keys_query_hi(int k0, int window, int T) {
+    return window == 0 ? T - 1 : min(T - 1, min(k0 + 15, T - 1) + window - 1);
+}
+
+#endif

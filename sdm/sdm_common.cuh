@@ -1,0 +1,31 @@
+// sdm/sdm_common.cuh: small device helpers of the SDM layer's kernels (sdm/sdm_topk.cuh, sdm/sdm_readout.cuh,
+// sdm/sdm_layer.cuh): sigmoid, softplus, warp max, and the order-preserving float <-> uint32 map of the top-k keys.
+#ifndef SDM_SDM_COMMON_CUH
+#define SDM_SDM_COMMON_CUH
+
+#include "core/cuda_common.cuh"
+
+#define SDM_FULL_MASK 0xffffffffu
+
+// ---- small device helpers ----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sdm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sdm_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
+
+__device__ __forceinline__ float sdm_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SDM_FULL_MASK, v, o));
+    return v;
+}
+
+// Order-preserving map float32 -> uint32 (a < b  <=>  ord(a) < ord(b)); -0 maps like +0 since the CPU reference
+// compares floats, for which the two are a tie. ord(-inf) = 0x007fffff > 0, so 0 can mean "no candidate".
+__device__ __forceinline__ uint32_t sdm_f2ord(float v) {
+    if (v == 0.0f) v = 0.0f;
+    uint32_t u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float sdm_ord2f(uint32_t o) {
+    return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+#endif

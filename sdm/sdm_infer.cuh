@@ -1,0 +1,83 @@
+// sdm/sdm_infer.cuh: the SDM layer's inference state on the GPU (docs/SDM.md#decode-and-prefill): per-stream banks [streams, H, N, d],
+// the prefill of one stream's prompt (chunked forward without saves) and the decode step of every stream (one token
+// each, in place), on the training layer's forward buffers (sdm/sdm_layer.cuh).
+#ifndef SDM_SDM_INFER_CUH
+#define SDM_SDM_INFER_CUH
+
+#include "sdm/sdm_layer.cuh"
+
+// =================================================================================================================
+// Inference (docs/SDM.md#decode-and-prefill): each stream's bank persists between calls. A prefill runs one stream's prompt through
+// the op's chunked forward without saves (training = 0) and leaves the final bank as the decode state; a decode
+// step applies docs/SDM.md#the-recurrence to one token of every stream in place (sdm_op_decode). Both reuse the training
+// forward's projections, top-k and readout on the first rows of the state's buffers.
+// =================================================================================================================
+
+typedef struct {
+    SdmLayer L;         // forward buffers for up to `rows` tokens (no backward buffers); L.B, L.T: the current call
+    int streams, rows;  // rows = max(max_tokens, streams)
+    void *banks;        // [streams, H, N, d] bank dtype: each stream's memory
+    size_t saved_bytes; // size of L.saved, the prefill op's scratch
+} SdmInferState;
+
+// State for `streams` streams and prompts of up to max_tokens tokens; call sdm_infer_reset before use.
+static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, Dtype ctype) {
+    SdmInferState I;
+    memset(&I, 0, sizeof I);
+    I.streams = streams;
+    I.rows = SDM_MAX(max_tokens, streams);
+    I.L = sdm_layer_setup(s, 1, I.rows, ctype, 0);
+    sdm_layer_alloc_forward(&I.L);
+    I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
+    I.L.saved = sdm_layer_alloc(&I.L, I.saved_bytes);
+    I.banks = sdm_layer_alloc(&I.L, (size_t)streams * sdm_bank_bytes(s));
+    return I;
+}
+
+static inline void sdm_infer_destroy(SdmInferState *I) {
+    cudaCheck(cudaFree(I->banks));
+    sdm_layer_destroy(&I->L);
+    memset(I, 0, sizeof *I);
+}
+
+static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
+    return (char *)I->banks + (size_t)b * sdm_bank_bytes(&I->L.s);
+}
+
+// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (docs/SDM.md#the-bank).
+static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
+    const SdmDims *s = &I->L.s;
+    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
+              (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+}
+
+// The buffers' first B*T rows describe this call.
+static inline void sdm_infer_shape(SdmInferState *I, int B, int T) {
+    if (B * T > I->rows) sdm_die("SDM inference: %d tokens exceed the state's %d rows", B * T, I->rows);
+    I->L.B = I->L.op.B = B;
+    I->L.T = I->L.op.T = T;
+}
+
+// Prefill of stream b: y [T, D] = the layer of its prompt's x [T, D] (compute dtype), continuing from the stream's
+// bank (a fresh copy of M0 after sdm_infer_reset) and leaving it after the last token.
+static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, int b, const void *x, void *y, int T,
+                                     cudaStream_t st) {
+    sdm_infer_shape(I, 1, T);
+    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes) sdm_die("SDM inference: prefill scratch too small for T = %d", T);
+    sdm_layer_address(&I->L, p, x, st);
+    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
+    sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);
+    sdm_layer_output(&I->L, p, y, st);
+}
+
+// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D].
+static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y,
+                                    cudaStream_t st) {
+    sdm_infer_shape(I, I->streams, 1);
+    sdm_layer_address(&I->L, p, x, st);
+    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
+    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
+    sdm_layer_output(&I->L, p, y, st);
+}
+
+#endif

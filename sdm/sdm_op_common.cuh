@@ -1,0 +1,205 @@
+// sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to docs/SDM.md#decode-and-prefill): 16-byte bank vectors
+// (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores of a bf16 or fp32 row, the snapshot storage of the
+// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per DB columns), SdmOpArgs (every pointer into
+// `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h, by value), the token-major offset of
+// (stream, token) in a [B,T,H,width] array, and the host helpers every entry point uses (shape check, smem sizes).
+// Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R], per-chunk C x C arrays
+// [S][nc][C][C], per-chunk rows [S][C][d] (see SdmOpLayout).
+#ifndef SDM_SDM_OP_COMMON_CUH
+#define SDM_SDM_OP_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+
+#include "core/cuda_common.cuh"
+#include "sdm/sdm_op.h"
+
+// ------------------------------------------------------------------------------------------------------------------
+// Small device helpers
+
+// VEC consecutive bank elements = 16 bytes
+template <typename Tb> struct SdmBankVec;
+template <> struct SdmBankVec<float> {
+    static constexpr int V = 4;
+    __device__ static void unpack(uint4 r, float *x) {
+        x[0] = __uint_as_float(r.x); x[1] = __uint_as_float(r.y); x[2] = __uint_as_float(r.z); x[3] = __uint_as_float(r.w);
+    }
+    __device__ static void load(const float *p, float *x) {
+        float4 a = *(const float4 *)p;
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    }
+    __device__ static void store(float *p, const float *x) { *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]); }
+};
+template <> struct SdmBankVec<__nv_bfloat16> {
+    static constexpr int V = 8;
+    __device__ static void unpack(uint4 r, float *x) {
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&r;
+        for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
+    }
+    __device__ static void load(const __nv_bfloat16 *p, float *x) {
+        uint4 a = *(const uint4 *)p;
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&a;
+        for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
+    }
+    __device__ static void store(__nv_bfloat16 *p, const float *x) {
+        uint4 a;
+        __nv_bfloat162 *h = (__nv_bfloat162 *)&a;
+        for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+        *(uint4 *)p = a;
+    }
+};
+
+// 4 consecutive elements of a bf16 or fp32 row
+__device__ __forceinline__ float4 sdm_load4_any(const void *row, int col, bool fp32) {
+    if (fp32) return *(const float4 *)((const float *)row + col);
+    uint2 a = *(const uint2 *)((const __nv_bfloat16 *)row + col);
+    float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&a.x), hi = __bfloat1622float2(*(const __nv_bfloat162 *)&a.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32) {
+    if (fp32) { *(float4 *)((float *)row + col) = x; return; }
+    __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+    uint2 a;
+    a.x = *(uint32_t *)&lo;
+    a.y = *(uint32_t *)&hi;
+    *(uint2 *)((__nv_bfloat16 *)row + col) = a;
+}
+__device__ __forceinline__ float sdm_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+__device__ __forceinline__ float4 sdm_axpy4(float a, float4 x, float4 y) {
+    return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
+}
+
+// Where the snapshot rows live: payload [S][Tp][W] rows of row_bytes, fp8/int4 scales [S][Tp][W][d/DB].
+struct SdmSnapView {
+    char *data;
+    float *scale;
+    int mode, bank_fp32, d, DB;
+    size_t row_bytes;
+};
+
+// Store VEC values of snapshot row e at columns [col, col+V); `lanes` consecutive lanes of the warp hold the DB
+// columns of one row (they share one fp8/int4 scale). Every lane of the warp must call it (shuffles).
+template <int V>
+__device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const float *x, bool active, int lanes) {
+    char *row = sv.data + e * sv.row_bytes;
+    if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
+        if (!active) return;
+        if (sv.mode == SDM_SNAP_NONE && sv.bank_fp32) {
+            for (int i = 0; i < V; i += 4) *(float4 *)((float *)row + col + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+        } else {
+            for (int i = 0; i < V; i += 4) sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
+        }
+        return;
+    }
+    float amax = 0.f;
+    if (active)
+        for (int i = 0; i < V; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int o = 1; o < lanes; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!active) return;
+    bool fp8 = sv.mode == SDM_SNAP_FP8;
+    float scale = fmaxf(amax / (fp8 ? 448.f : 7.f), 1e-12f), inv = 1.f / scale;
+    if (col % sv.DB == 0) sv.scale[e * (sv.d / sv.DB) + col / sv.DB] = scale;
+    if (fp8) {
+        for (int i = 0; i < V; i++)
+            ((__nv_fp8_storage_t *)row)[col + i] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
+    } else {
+        for (int i = 0; i < V; i += 2) {
+            int hi = (int)fminf(fmaxf(rintf(x[i] * inv), -8.f), 7.f), lo = (int)fminf(fmaxf(rintf(x[i + 1] * inv), -8.f), 7.f);
+            ((uint8_t *)row)[(col + i) / 2] = (uint8_t)(((hi & 15) << 4) | (lo & 15));
+        }
+    }
+}
+
+// 4 values of snapshot row e at columns [col, col+4), dequantised
+__device__ __forceinline__ float4 sdm_snap_load4(const SdmSnapView &sv, size_t e, int col) {
+    const char *row = sv.data + e * sv.row_bytes;
+    if (sv.mode == SDM_SNAP_NONE) return sdm_load4_any(row, col, sv.bank_fp32);
+    if (sv.mode == SDM_SNAP_BF16) return sdm_load4_any(row, col, false);
+    float s = sv.scale[e * (sv.d / sv.DB) + col / sv.DB];
+    float v[4];
+    if (sv.mode == SDM_SNAP_FP8) {
+        for (int i = 0; i < 4; i++) {
+            __half_raw h = __nv_cvt_fp8_to_halfraw(((const __nv_fp8_storage_t *)row)[col + i], __NV_E4M3);
+            v[i] = __half2float(__half(h)) * s;
+        }
+    } else {
+        for (int i = 0; i < 4; i += 2) {
+            uint8_t b = ((const uint8_t *)row)[(col + i) / 2];
+            v[i] = (float)((int)((uint32_t)b << 24) >> 28) * s;     // high nibble, sign-extended
+            v[i + 1] = (float)((int)((uint32_t)b << 28) >> 28) * s; // low nibble
+        }
+    }
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// Everything the kernels need about the layout, by value.
+struct SdmOpArgs {
+    int B, T, H, N, d, W, R, C, nc, Tp, DB, S, training;
+    // phase-1 arrays (saved)
+    int *w_slot, *w_prev, *w_next, *w_lastread;
+    float *w_kappa, *w_lam, *w_gath, *w_scat, *w_pi, *w_elam_tot;
+    int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_lastw;
+    float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *cx, *ce, *cdelta, *delta, *u;
+    SdmSnapView snap;
+    // backward scratch
+    float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
+};
+
+static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
+    SdmOpLayout L = sdm_op_layout(s);
+    SdmOpArgs a;
+    memset(&a, 0, sizeof(a));
+    a.B = s->B; a.T = s->T; a.H = s->H; a.N = s->N; a.d = s->d; a.W = s->W; a.R = s->R;
+    a.C = L.C; a.nc = L.nc; a.Tp = L.Tp; a.DB = L.DB; a.S = L.S; a.training = s->training;
+    char *sv = (char *)saved;
+#define SDM_OP_PTR(field, type) a.field = (type *)(sv + L.field)
+    SDM_OP_PTR(w_slot, int); SDM_OP_PTR(w_prev, int); SDM_OP_PTR(w_next, int); SDM_OP_PTR(w_lastread, int);
+    SDM_OP_PTR(w_kappa, float); SDM_OP_PTR(w_lam, float); SDM_OP_PTR(w_gath, float); SDM_OP_PTR(w_scat, float);
+    SDM_OP_PTR(w_pi, float); SDM_OP_PTR(w_elam_tot, float);
+    SDM_OP_PTR(r_slot, int); SDM_OP_PTR(r_prevw, int); SDM_OP_PTR(r_prevr, int); SDM_OP_PTR(r_nextr, int); SDM_OP_PTR(r_lastw, int);
+    SDM_OP_PTR(r_rho, float); SDM_OP_PTR(r_lam, float); SDM_OP_PTR(r_gath, float); SDM_OP_PTR(beta, float);
+    SDM_OP_PTR(A, float); SDM_OP_PTR(Sm, float); SDM_OP_PTR(Linv, float);
+    SDM_OP_PTR(cx, float); SDM_OP_PTR(ce, float); SDM_OP_PTR(cdelta, float);
+    if (s->training) {
+        SDM_OP_PTR(delta, float); SDM_OP_PTR(u, float);
+        a.snap.data = sv + L.snap;
+        a.snap.scale = (float *)(sv + L.snap_scale);
+    }
+    a.snap.mode = s->snapshot; a.snap.bank_fp32 = s->bank_fp32; a.snap.d = s->d; a.snap.DB = L.DB;
+    a.snap.row_bytes = sdm_op_snap_row_bytes(s);
+    if (scratch) {
+        sv = (char *)scratch;
+        SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);
+        SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dS, float); SDM_OP_PTR(dL, float);
+        SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
+    }
+#undef SDM_OP_PTR
+    return a;
+}
+
+// Token-major offset of (stream s, token t) in a [B,T,H,width] array.
+__device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, int width) {
+    int b = s / a.H, h = s % a.H;
+    return (((size_t)b * a.T + t) * a.H + h) * (size_t)width;
+}
+
+// Threads of the whole-row kernels (one warp per token row or per entry): fgather, fscatter, bscatter.
+#define SDM_ROW_THREADS 256
+#define SDM_ROW_WARPS (SDM_ROW_THREADS / 32)
+
+// ------------------------------------------------------------------------------------------------------------------
+// Host helpers of the entry points
+
+static inline void sdm_op_require(const SdmOpShape *s) {
+    const char *msg = sdm_op_check(s);
+    if (msg) sdm_die("sdm_op: unsupported shape (B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d): %s", s->B, s->T, s->H,
+                     s->N, s->d, s->W, s->R, s->C, msg);
+}
+
+static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
+static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
+static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
+
+#endif

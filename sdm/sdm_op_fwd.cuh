@@ -1,0 +1,199 @@
+// sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and prefill) runs
+// phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches per chunk:
+// fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
+// written slot's row updated once). In: v [B,T,H,d] and the phase-1 quantities; out: readings [B,T,H,d], the bank
+// [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta, U = V - R0 [S][Tp][d] and the
+// snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.
+#ifndef SDM_SDM_OP_FWD_CUH
+#define SDM_SDM_OP_FWD_CUH
+
+#include "sdm/sdm_op_common.cuh"
+#include "sdm/sdm_op_wy.cuh"
+
+// ------------------------------------------------------------------------------------------------------------------
+// Phase 2 (forward), one chunk c of every stream per round of three launches (the host loops over the chunks):
+//   fgather_kernel  per (stream, token), whole rows: R0, E and the snapshots; X = beta (V - R0) and E to the
+//                   per-chunk buffers (U = V - R0 saved for the backward)
+//   fsolve_kernel   per (stream, DB columns): Delta = Linv X, O = S Delta + E
+//   fscatter_kernel one warp per write entry; the last entry of each written slot writes its whole row
+// Whole rows keep the random bank accesses long and contiguous (2-4 KB), which HBM serves far better than the
+// short column slices of one-CTA-per-column-block designs (measured: see the notes in tests/bench_sdm_op.cu).
+
+// Pointer to row t of chunk c's Delta: the saved [S][Tp][d] array when training, else the per-chunk buffer.
+__device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c, int t) {
+    return a.training ? a.delta + ((size_t)s * a.Tp + (size_t)c * a.C + t) * a.d
+                      : a.cdelta + ((size_t)s * a.C + t) * a.d;
+}
+
+#define SDM_GQ 4 // 16-byte row vectors per lane accumulated in registers per pass (one pass covers 32 * 4 * V columns)
+
+// part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
+// the calling warp's partial row); `snap` stores each row's snapshot. The sums live in registers for SDM_GQ vectors
+// per lane (wider rows take several passes over the entries, each over other columns), two entries' loads in flight.
+template <typename Tb>
+__device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots, const float *gath,
+                                                  size_t e0, int n, float *part, bool snap) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
+    for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
+        float acc[SDM_GQ][V];
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++)
+            for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+        for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
+            int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
+            float g[2];
+            uint4 raw[2][SDM_GQ];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
+                g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] >= 0 && q0 + u < nq && col < a.d) raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] < 0 || q0 + u >= nq) continue; // warp-uniform
+                    bool on = col < a.d;
+                    float x[V];
+                    if (on) {
+                        SdmBankVec<Tb>::unpack(raw[j][u], x);
+                        for (int i = 0; i < V; i++) acc[u][i] = fmaf(g[j], x[i], acc[u][i]);
+                    }
+                    if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (q0 + u < nq && col < a.d)
+                for (int i = 0; i < V; i++) part[col + i] = acc[u][i];
+        }
+    }
+}
+
+// Sums the warps' partial rows in warp order into part[0..d) (the block's total).
+__device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float x = part[i];
+        for (int w = 1; w < SDM_ROW_WARPS; w++) x += part[w * d + i];
+        part[i] = x;
+    }
+    __syncthreads();
+}
+
+// Grid (C, S), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats.
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
+    extern __shared__ float sdm_fgather_part[]; // [warps][d]
+    const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
+    const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
+    const Tb *M = bank + (size_t)s * a.N * d;
+    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, sdm_fgather_part + warp * d, a.training != 0);
+    sdm_sum_partials(sdm_fgather_part, d);
+    float bt = a.beta[tok];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
+        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - sdm_fgather_part[i];
+        if (a.training) a.u[tok * d + i] = u;
+        a.cx[crow + i] = bt * u;
+    }
+    __syncthreads(); // sdm_fgather_part is rewritten by the next gathers
+    sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, sdm_fgather_part + warp * d, false);
+    sdm_sum_partials(sdm_fgather_part, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = sdm_fgather_part[i];
+}
+
+// Grid (d/DB, S), 256 threads, dynamic smem: X and Delta tiles [C][DB].
+__global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c) {
+    extern __shared__ float sdm_smem_tiles[];
+    const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
+    float *Xs = sdm_smem_tiles, *Ds = Xs + C * DB;
+    const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4;
+        *(float4 *)(Xs + t * DB + lc) = *(const float4 *)(a.cx + crow0 + (size_t)t * a.d + col0 + lc);
+    }
+    __syncthreads();
+    const float *Li = a.Linv + cc, *Sc = a.Sm + cc;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u <= t; u++) acc = sdm_axpy4(Li[t * C + u], *(const float4 *)(Xs + u * DB + lc), acc);
+        *(float4 *)(Ds + t * DB + lc) = acc;
+        *(float4 *)(sdm_delta_row(a, s, c, t) + col0 + lc) = acc;
+    }
+    __syncthreads();
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+        int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
+        if (tp >= a.T) continue;
+        float4 acc = *(const float4 *)(a.ce + crow0 + (size_t)t * a.d + col0 + lc);
+        for (int u = 0; u <= t; u++) {
+            float sv = Sc[t * C + u];
+            if (sv != 0.f) acc = sdm_axpy4(sv, *(const float4 *)(Ds + u * DB + lc), acc);
+        }
+        *(float4 *)(out + sdm_tok_off(a, s, tp, a.d) + col0 + lc) = acc;
+    }
+}
+
+// Grid (ceil(C W / warps), S), SDM_ROW_THREADS threads: warp e of the chunk's write entries; when e is the last
+// entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking back) pi kappa delta_t.
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (e >= a.C * a.W) return;
+    const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
+    int slot = a.w_slot[ew + e];
+    if (slot < 0 || a.w_next[ew + e] >= 0) return;
+    Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
+    float el = a.w_elam_tot[ew + e];
+    for (int col = lane * V; col < a.d; col += 32 * V) {
+        float x[V];
+        SdmBankVec<Tb>::load(row + col, x);
+        for (int i = 0; i < V; i++) x[i] *= el;
+        for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
+            float w = a.w_scat[ew + q];
+            const float *dr = sdm_delta_row(a, s, c, q / a.W) + col;
+            for (int i = 0; i < V; i += 4) {
+                float4 dv = *(const float4 *)(dr + i);
+                x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
+                x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
+            }
+        }
+        SdmBankVec<Tb>::store(row + col, x);
+    }
+}
+
+// One chunk of the forward for every stream: gather, solve, scatter.
+template <typename Tb>
+static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c, cudaStream_t stream) {
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
+    cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
+    cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
+    sdm_fgather_kernel<Tb><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs, stream>>>(a, v, (const Tb *)bank, c);
+    cudaCheckLast();
+    sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts, stream>>>(a, out, c);
+    cudaCheckLast();
+    sdm_fscatter_kernel<Tb><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream>>>(a, (Tb *)bank, c);
+    cudaCheckLast();
+}
+
+static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, void *saved,
+                           cudaStream_t stream) {
+    sdm_op_require(s);
+    SdmOpArgs a = sdm_op_args(s, saved, NULL);
+    sdm_op_phase1(a, in, stream);
+    for (int c = 0; c < a.nc; c++) {
+        if (s->bank_fp32) sdm_op_forward_chunk<float>(a, in->v, bank, out, c, stream);
+        else sdm_op_forward_chunk<__nv_bfloat16>(a, in->v, bank, out, c, stream);
+    }
+}
+
+#endif
