@@ -4,17 +4,17 @@
 //   ./train_sdm -c configs/sdm_flagship.cfg [key=value ...]
 //   scripts/launch_local.sh 8 ./train_sdm -c configs/sdm_flagship.cfg      (8 GPUs of one node; see scripts/)
 //
-// Read top to bottom: the run (config, data, the model of core/gpu_model.cuh), one optimizer step (micro-batches,
+// Read top to bottom: the run (config, data, the model of model/gpu_model.cuh), one optimizer step (micro-batches,
 // ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without data.train the
 // embedded recall dataset is generated on first use. A run resumes from the newest complete checkpoint in its run_dir.
 #include <sys/stat.h>
 #include <time.h>
 
-#include "core/adamw.cuh"
-#include "core/checkpoint.h"
+#include "model/adamw.cuh"
+#include "model/checkpoint.h"
 #include "core/config.h"
 #include "core/dist.cuh"
-#include "core/gpu_model.cuh"
+#include "model/gpu_model.cuh"
 #include "core/optim.h"
 #include "data/dataloader.h"
 #include "data/dataset.h"

@@ -76,7 +76,7 @@ static inline AdamWCoeffs adamw_coeffs(const AdamWHyper *h, int decay) {
 }
 
 // The AdamW update of one element with these coefficients (g already scaled): the formula of the GPU kernel
-// (core/adamw.cuh), also run on the CPU by tests/test_zero1.c.
+// (model/adamw.cuh), also run on the CPU by tests/test_zero1.c.
 static inline SDM_HOST_DEVICE void adamw_element(float *p, float *m, float *v, float g, AdamWCoeffs c) {
     *m = c.beta1 * *m + (1.0f - c.beta1) * g;
     *v = c.beta2 * *v + (1.0f - c.beta2) * g * g;

@@ -1,5 +1,5 @@
 // core/shard.h: the ZeRO-1 shard arithmetic, plain C, shared by the NCCL communicator (core/dist.cuh), the loopback
-// communicator (core/loopback.h) and the GPU buffers (core/gpu_model.cuh), so the CPU tests exercise the production
+// communicator (core/loopback.h) and the GPU buffers (model/gpu_model.cuh), so the CPU tests exercise the production
 // layout.
 //
 // The flat parameter array of n elements is padded to world * shard elements; rank r owns [r*shard, (r+1)*shard) ∩

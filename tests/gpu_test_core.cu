@@ -1,9 +1,9 @@
-// tests/gpu_test_core.cu: the dense kernels of core/layers.cuh, core/loss.cuh and core/adamw.cuh against the
+// tests/gpu_test_core.cu: the dense kernels of core/layers.cuh, core/loss.cuh and model/adamw.cuh against the
 // double-precision CPU references (core/ref_ops.h, core/optim.h), in the all-fp32 mode (relative error <= 1e-5) and
 // the bf16 mode (<= 1e-2), on odd sizes. Inputs are rounded to the mode's storage type first, so the references see
 // exactly what the GPU sees. Every output is poisoned with NaN before each run (0xFF bytes are NaN in fp32 and bf16),
 // and every kernel is run twice and must give the same bits. Each case prints its relative error.
-#include "core/adamw.cuh"
+#include "model/adamw.cuh"
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/optim.h"

@@ -1,4 +1,4 @@
-// tests/gpu_test_infer.cu: inference (core/gpu_model.cuh GpuInferState, core/generate.cuh, infer_sdm) on a tiny
+// tests/gpu_test_infer.cu: inference (model/gpu_model.cuh GpuInferState, model/generate.cuh, infer_sdm) on a tiny
 // random model of a full-attention layer, a gated SWA layer (window 5 < T) and an SDM layer (H = 2, learned bank,
 // output gate, readings norm, chunk 4):
 //   (a) all-fp32: prefill of P prompt tokens then single-token decode gives at every position the logits of the
@@ -13,10 +13,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/checkpoint.h"
+#include "model/checkpoint.h"
 #include "core/config.h"
-#include "core/generate.cuh"
-#include "core/model_ref.h"
+#include "model/generate.cuh"
+#include "model/model_ref.h"
 #include "tests/test.h"
 
 // fp32: the decode applies the recurrence (docs/SDM.md#the-recurrence) token by token where the teacher-forced op uses the chunked WY form,

@@ -1,10 +1,10 @@
-// tests/gpu_test_model.cu: the whole training step on the GPU (core/gpu_model.cuh) against the double-precision
-// CPU oracle (core/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
+// tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
+// CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
 // bf16; bitwise determinism of repeated steps; and a few AdamW steps that must lower the loss of a fixed batch.
-#include "core/adamw.cuh"
+#include "model/adamw.cuh"
 #include "core/config.h"
-#include "core/gpu_model.cuh"
-#include "core/model_ref.h"
+#include "model/gpu_model.cuh"
+#include "model/model_ref.h"
 #include "tests/test.h"
 
 // All-fp32 mode: relative error of the loss and of each tensor's gradient. (1e-4, not the kernels' 1e-5: a bias

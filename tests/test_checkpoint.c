@@ -1,6 +1,6 @@
 // tests/test_checkpoint.c: checkpoint round trips, refusal of every corruption with a message (never a crash, never
 // a silent wrong load), atomic replacement and keep-last-N.
-#include "core/checkpoint.h"
+#include "model/checkpoint.h"
 #include "tests/test.h"
 
 static ModelDesc g_model, g_loaded;

@@ -1,7 +1,7 @@
 // tests/test_config.c: the config parser, its error messages, and the parameter counts of every shipped config
 // against docs/MODEL.md#shipped-configs (the figures there were derived independently from the reference code).
 #include "core/config.h"
-#include "core/model.h"
+#include "model/model.h"
 #include "tests/test.h"
 
 static ModelDesc g_model; // large: keep it off the stack

@@ -1,8 +1,8 @@
-// tests/test_model_ref.c: the whole-model CPU oracle (core/model_ref.h) against central finite differences of its
+// tests/test_model_ref.c: the whole-model CPU oracle (model/model_ref.h) against central finite differences of its
 // own loss, for every parameter tensor of tiny hybrid models that together cover: SDM H = 1 and 2, W, R >= 2,
 // learned bank on and off, output gate, readings norm, key_weighted_decay, 2 and 3 product-key factors, a window
 // smaller than T (and w = 1), GQA, gated attention, tied and untied LM heads.
-#include "core/model_ref.h"
+#include "model/model_ref.h"
 #include "tests/test.h"
 
 #define FD_EPS 1e-5

@@ -2,7 +2,7 @@
 // agree on everything but the mixers (size, schedule, data), and have the mixers they claim: SWA + SDM with no
 // full-attention layer, SWA only, full attention only.
 #include "core/config.h"
-#include "core/model.h"
+#include "model/model.h"
 #include "tests/test.h"
 
 static ModelDesc g_model; // large: keep it off the stack

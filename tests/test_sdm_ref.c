@@ -1,7 +1,7 @@
 // tests/test_sdm_ref.c: the double-precision SDM reference checked against itself:
 // central finite differences against every analytic gradient (op and layer), product-key top-k against a
 // brute-force top-k, and SDM facts (untouched slots, full wipe, no decay, shared slots).
-#include "core/model.h"
+#include "model/model.h"
 #include "sdm/sdm_ref.h"
 #include "core/rng.h"
 #include "tests/test.h"

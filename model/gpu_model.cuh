@@ -1,17 +1,17 @@
-// core/gpu_model.cuh: the hybrid model (docs/MODEL.md) on the GPU, shared by train_sdm and infer_sdm: its flat
+// model/gpu_model.cuh: the hybrid model (docs/MODEL.md) on the GPU, shared by train_sdm and infer_sdm: its flat
 // parameter, gradient and optimizer arrays, the activations the backward needs, and the forward and backward passes
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
 // with the mixers of attention/attention_layer.cuh and sdm/sdm_layer.cuh. Weights live in one flat array in the
-// order of the model's parameter table (core/model.h), so a tensor is found by name.
+// order of the model's parameter table (model/model.h), so a tensor is found by name.
 #ifndef SDM_CORE_GPU_MODEL_CUH
 #define SDM_CORE_GPU_MODEL_CUH
 
 #include "attention/attention_layer.cuh"
-#include "core/adamw.cuh"
+#include "model/adamw.cuh"
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
-#include "core/model.h"
+#include "model/model.h"
 #include "core/shard.h"
 #include "sdm/sdm_infer.cuh"
 #include "sdm/sdm_layer.cuh"

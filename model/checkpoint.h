@@ -1,4 +1,4 @@
-// core/checkpoint.h: checkpoints in a flat binary format, written atomically and verified on load.
+// model/checkpoint.h: checkpoints in a flat binary format, written atomically and verified on load.
 //
 // A checkpoint is a folder <run_dir>/step_<8 digits>/ holding
 //   model.bin  header | resolved config text | tensor table | fp32 parameters in table order
@@ -22,7 +22,7 @@
 
 #include "core/common.h"
 #include "core/config.h"
-#include "core/model.h"
+#include "model/model.h"
 
 #define CKPT_MODEL_MAGIC "SDMMODEL"
 #define CKPT_STATE_MAGIC "SDMSTATE"

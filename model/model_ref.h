@@ -1,4 +1,4 @@
-// core/model_ref.h: the whole hybrid model (docs/MODEL.md) in double precision on the CPU: forward to the mean
+// model/model_ref.h: the whole hybrid model (docs/MODEL.md) in double precision on the CPU: forward to the mean
 // cross-entropy and the analytic gradient of every parameter. It is the oracle of the GPU training step.
 //
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
@@ -6,7 +6,7 @@
 #define SDM_CORE_MODEL_REF_H
 
 #include "attention/attention_ref.h"
-#include "core/model.h"
+#include "model/model.h"
 #include "core/ref_ops.h"
 #include "sdm/sdm_ref.h"
 

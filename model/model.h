@@ -1,4 +1,4 @@
-// core/model.h: the model description shared by every program: layer kinds, per-layer dims, and the ordered
+// model/model.h: the model description shared by every program: layer kinds, per-layer dims, and the ordered
 // parameter table (name, shape, init rule, weight decay) built from a Config (docs/MODEL.md#parameter-table).
 //
 // Parameters live in one flat array in table order. Within a layer, tensors that one GEMM can consume together are

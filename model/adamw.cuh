@@ -1,4 +1,4 @@
-// core/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
+// model/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
 // (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
 // (bf16, or fp32 in the all-fp32 mode). The schedule and the per-step coefficients are host code in core/optim.h.
 // With ZeRO-1 each rank calls grad_sumsq on its gradient shard, all-reduces the one float, then grad_clip_scale.
@@ -6,7 +6,7 @@
 #define SDM_CORE_ADAMW_CUH
 
 #include "core/cuda_common.cuh"
-#include "core/model.h"
+#include "model/model.h"
 #include "core/optim.h"
 
 // ------------------------------------------------------------------------------------------------------------------
