@@ -10,15 +10,15 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "model/adamw.cuh"
-#include "model/checkpoint.h"
 #include "core/config.h"
 #include "core/dist.cuh"
-#include "model/gpu_model.cuh"
 #include "core/optim.h"
 #include "data/dataloader.h"
 #include "data/dataset.h"
-#include "data/synthetic.h"
+#include "model/adamw.cuh"
+#include "model/checkpoint.h"
+#include "model/evaluate.cuh"
+#include "model/gpu_model.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
 // The training loop
@@ -35,20 +35,10 @@ typedef struct {
     FILE *log;               // run_dir/train.log (rank 0)
 } Run;
 
-// inputs[b, t] = row[b][t], targets[b, t] = row[b][t+1]
-static inline void split_batch(const Run *r) {
-    int B = r->g.B, T = r->g.T;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            r->inputs[b * T + t] = r->batch[(size_t)b * (T + 1) + t];
-            r->targets[b * T + t] = r->batch[(size_t)b * (T + 1) + t + 1];
-        }
-}
-
 static inline void next_batch(Run *r, DataLoader *dl) {
     char err[DATA_ERR_LEN];
     if (dataloader_next_batch(dl, r->batch, err)) sdm_die("%s", err);
-    split_batch(r);
+    batch_split(r->batch, r->g.B, r->g.T, r->inputs, r->targets);
 }
 
 static inline void say(const Run *r, const char *fmt, ...) {
@@ -138,68 +128,21 @@ static inline float mean_over_ranks(Run *r, float x) {
     return x / r->dist.world;
 }
 
-// run_dir/name opened for appending, or NULL with a warning (the evaluation is printed anyway).
-static inline FILE *open_run_file(const Run *r, const char *name) {
-    char path[CFG_STR + 32];
-    snprintf(path, sizeof path, "%s/%s", r->cfg.run_dir, name);
-    FILE *f = fopen(path, "a");
-    if (!f) fprintf(stderr, "warning: cannot append to %s\n", path);
-    return f;
-}
-
-// Validation loss over eval.steps batches; on rank 0's batches also the loss by position and the recall accuracy
-// by gap of the greedy predictions, for eval.task (auto: every task whose answers are in the data), printed and
-// appended to run_dir/eval_positions.tsv and run_dir/eval_recall.tsv (data/eval_stats.h).
+// Validation loss over eval.steps batches (mean over ranks); on rank 0's batches also the loss by position and the
+// recall accuracy by gap of the greedy predictions for eval.task, printed and appended to run_dir/eval_*.tsv.
 static inline void evaluate(Run *r) {
-    GpuModel *g = &r->g;
-    const char *want = r->cfg.eval_task;
-    GapScore score[EVAL_NUM_TASKS];
-    for (int k = 0; k < EVAL_NUM_TASKS; k++) EVAL_TASKS[k].init(&score[k]);
-    PositionLoss pl;
-    position_loss_init(&pl, g->T);
-    int *pred = (int *)sdm_malloc(sizeof(int) * g->n);
-    float *losses = (float *)sdm_malloc(sizeof(float) * g->n);  // [B, T]
+    EvalStats s;
+    eval_stats_init(&s, r->cfg.eval_task, r->g.T);
     dataloader_reset(&r->val);
     int batches = (int)SDM_MIN((uint64_t)r->cfg.eval_steps, dataloader_batches_per_epoch(&r->val));
-    double loss = 0;
+    char err[DATA_ERR_LEN];
     for (int k = 0; k < batches; k++) {
-        next_batch(r, &r->val);
-        gpu_model_forward(g, r->inputs, r->targets, 0.0f);
-        loss += gpu_model_loss(g);
-        cudaCheck(cudaMemcpy(losses, g->losses, sizeof(float) * g->n, cudaMemcpyDeviceToHost));
-        position_loss_add(&pl, losses, g->B);
-        if (!strcmp(want, "none")) continue;
-        gpu_model_argmax(g);
-        cudaCheck(cudaMemcpy(pred, g->pred, sizeof(int) * g->n, cudaMemcpyDeviceToHost));
-        for (int t = 0; t < EVAL_NUM_TASKS; t++) {
-            if (strcmp(want, "auto") && strcmp(want, EVAL_TASKS[t].name)) continue;
-            for (int b = 0; b < g->B; b++)
-                EVAL_TASKS[t].score_row(&score[t], r->batch + (size_t)b * (g->T + 1), pred + (size_t)b * g->T, g->T);
-        }
+        if (dataloader_next_batch(&r->val, r->batch, err)) sdm_die("%s", err);
+        eval_batch(&r->g, r->batch, r->inputs, r->targets, &s);
     }
-    float val = mean_over_ranks(r, batches ? (float)(loss / batches) : 0.0f);
+    float val = mean_over_ranks(r, (float)eval_mean_loss(&s));
     say(r, "eval step %lld | val loss %.4f over %d batches\n", r->step, val, batches);
-    if (r->dist.rank == 0) {
-        position_loss_print(&pl, stdout);
-        if (r->log) position_loss_print(&pl, r->log);
-        FILE *pos_tsv = open_run_file(r, "eval_positions.tsv"), *gap_tsv = NULL;
-        if (pos_tsv) { position_loss_tsv(&pl, r->step, pos_tsv); fclose(pos_tsv); }
-        for (int t = 0; t < EVAL_NUM_TASKS; t++) {
-            uint64_t q, exact, tokens, right;
-            gap_score_totals(&score[t], &q, &exact, &tokens, &right);
-            if (strcmp(want, "auto") ? strcmp(want, EVAL_TASKS[t].name) != 0 : q == 0 && score[t].unanswerable == 0)
-                continue;  // not asked for, or (auto) not in the data
-            say(r, "%s (rank 0): %llu queries, token acc %.4f, exact %.4f\n", EVAL_TASKS[t].name,
-                (unsigned long long)q, tokens ? (double)right / tokens : 0.0, q ? (double)exact / q : 0.0);
-            gap_score_print(&score[t], EVAL_TASKS[t].name, stdout);
-            if (r->log) gap_score_print(&score[t], EVAL_TASKS[t].name, r->log);
-            if (!gap_tsv) gap_tsv = open_run_file(r, "eval_recall.tsv");
-            if (gap_tsv) gap_score_tsv(&score[t], r->step, EVAL_TASKS[t].name, gap_tsv);
-        }
-        if (gap_tsv) fclose(gap_tsv);
-    }
-    free(pred);
-    free(losses);
+    if (r->dist.rank == 0) eval_report(&s, r->step, r->cfg.run_dir, r->log);
 }
 
 // Gather the sharded state to rank 0 and write a checkpoint there.
