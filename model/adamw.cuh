@@ -1,7 +1,8 @@
 // model/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
 // (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
-// (bf16, or fp32 in the all-fp32 mode). The schedule and the per-step coefficients are host code in core/optim.h.
-// With ZeRO-1 each rank calls grad_sumsq on its gradient shard, all-reduces the one float, then grad_clip_scale.
+// (bf16, or fp32 in the all-fp32 mode); the state they work on (AdamWState). The schedule and the per-step
+// coefficients are host code in core/optim.h. With ZeRO-1 each rank calls grad_sumsq on its gradient shard,
+// all-reduces the one float, then grad_clip_scale.
 #ifndef SDM_CORE_ADAMW_CUH
 #define SDM_CORE_ADAMW_CUH
 
@@ -55,6 +56,42 @@ __global__ void grad_clip_scale_kernel(float *norm, float *scale, const float *s
 static inline void grad_clip_scale(float *norm, float *scale, const float *sumsq, float clip, cudaStream_t s) {
     grad_clip_scale_kernel<<<1, 1, 0, s>>>(norm, scale, sumsq, clip);
     cudaCheckLast();
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments over the model's
+// flat parameter array (padded to whole ZeRO-1 shards; each rank updates its own shard), and the device scalars of
+// the gradient clip.
+
+typedef struct {
+    long long n;                 // padded length of the flat parameter array
+    float *master, *m, *v;       // fp32 [n]
+    float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
+    float *scratch;              // [GRAD_NORM_SCRATCH] grad_sumsq's partials
+} AdamWState;
+
+static inline float *adamw_zeros(long long n) {
+    float *p = NULL;
+    cudaCheck(cudaMalloc(&p, sizeof(float) * n));
+    cudaCheck(cudaMemset(p, 0, sizeof(float) * n));
+    return p;
+}
+
+static inline void adamw_state_create(AdamWState *o, long long n) {
+    o->n = n;
+    o->master = adamw_zeros(n);
+    o->m = adamw_zeros(n);
+    o->v = adamw_zeros(n);
+    o->sumsq = adamw_zeros(1);
+    o->norm = adamw_zeros(1);
+    o->scale = adamw_zeros(1);
+    o->scratch = adamw_zeros(GRAD_NORM_SCRATCH);
+}
+
+static inline void adamw_state_destroy(AdamWState *o) {
+    float *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
+    for (int i = 0; i < 7; i++) cudaCheck(cudaFree(bufs[i]));
+    memset(o, 0, sizeof *o);
 }
 
 // ------------------------------------------------------------------------------------------------------------------
