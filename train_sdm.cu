@@ -33,6 +33,7 @@ typedef struct {
     int32_t *batch;          // host [B, T+1]
     int *inputs, *targets;   // host [B*T]
     long long step;          // optimizer steps done
+    double lr;               // learning rate of the last step
     FILE *log;               // run_dir/train.log (rank 0)
 } Run;
 
@@ -126,9 +127,8 @@ static inline float train_step(Run *r) {
     grad_sumsq(o->sumsq, o->scratch, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
     dist_all_reduce_sum(d, o->sumsq, 1, 0);
     grad_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
-    AdamWHyper hyper = {c->lr * lr_schedule(lr_scheduler_from_name(c->scheduler), r->step, c->warmup, c->steps,
-                                            c->lr_min_ratio),
-                        c->weight_decay, c->beta1, c->beta2, c->adam_eps, r->step + 1};
+    AdamWHyper hyper = adamw_hyper(c, r->step);
+    r->lr = hyper.lr;
     if (hi > lo)
         adamw_update_model(r->m, lo, hi, o->master + lo, (char *)g->work + lo * g->es, g->ctype, g->grads + lo,
                            o->m + lo, o->v + lo, &hyper, o->scale, 0);
@@ -328,10 +328,7 @@ int main(int argc, char **argv) {
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
             say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s\n", r.step,
-                c->steps, loss,
-                c->lr * lr_schedule(lr_scheduler_from_name(c->scheduler), r.step - 1, c->warmup, c->steps,
-                                    c->lr_min_ratio),
-                norm, 1e3 * per_step, tokens_per_step / per_step);
+                c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_step / per_step);
         }
         if ((c->eval_every && r.step % c->eval_every == 0) || (c->probe_freq && r.step % c->probe_freq == 0))
             evaluate(&r);
