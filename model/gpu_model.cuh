@@ -21,19 +21,19 @@
 // Small kernels
 
 // out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
-template <typename T> __global__ void core_cast_kernel(T *out, const float *in, long long n) {
+template <typename T> __global__ void gm_cast_kernel(T *out, const float *in, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = dtype_from_float<T>(in[i]);
 }
 
 static inline void gm_cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    DTYPE_DISPATCH(dtype, "gm_cast_to_work", core_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
+    DTYPE_DISPATCH(dtype, "gm_cast_to_work", gm_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
     cudaCheckLast();
 }
 
 // pred[i] = argmax_v logits[i, v] (first maximum), one warp per row: the greedy next-token predictions.
-template <typename T> __global__ void core_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
+template <typename T> __global__ void gm_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n) return;
     float best = -INFINITY;
@@ -377,7 +377,7 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
 static inline void gpu_model_argmax(GpuModel *g) {
     DTYPE_DISPATCH(g->ctype, "argmax",
-                 core_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
+                 gm_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
     cudaCheckLast();
 }
 
