@@ -255,18 +255,18 @@ static void layer_random_params(Rng *rng, const SdmDims *s, int fp32, double **t
     }
 }
 
-static const int BIAS_IDS[SDM_B_COUNT] = {SDM_P_bk, SDM_P_bq, SDM_P_bv, SDM_P_ba, SDM_P_bb, SDM_P_bg};
+// the i-th weight and bias of the fused input block (SDM_B_* order): the list's wk..wg and bk..bg
+static int w_in_id(int i) { return SDM_P_wk + i; }
+static int b_in_id(int i) { return SDM_P_bk + i; }
 
 // concatenation of the fused input block (rows of wk, wq, wv, wa, wb, wg or biases) in the model's order
 static double *fused_in(const SdmDims *s, double *const *t, int bias) {
-    static const int wi[] = {SDM_P_wk, SDM_P_wq, SDM_P_wv, SDM_P_wa, SDM_P_wb, SDM_P_wg};
-    static const int bi[] = {SDM_P_bk, SDM_P_bq, SDM_P_bv, SDM_P_ba, SDM_P_bb, SDM_P_bg};
     size_t total = 0;
-    for (int i = 0; i < 6; i++) total += sdm_param_numel(s, bias ? bi[i] : wi[i]);
+    for (int i = 0; i < 6; i++) total += sdm_param_numel(s, bias ? b_in_id(i) : w_in_id(i));
     double *out = hzeros(total);
     size_t off = 0;
     for (int i = 0; i < 6; i++) {
-        int id = bias ? bi[i] : wi[i];
+        int id = bias ? b_in_id(i) : w_in_id(i);
         size_t n = sdm_param_numel(s, id);
         if (n) memcpy(out + off, t[id], sizeof(double) * n);
         off += n;
@@ -364,7 +364,7 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     memset(&p, 0, sizeof(p));
     p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
     for (int i = 0; i < SDM_B_COUNT; i++) // separate allocations: the layer must not assume consecutive biases
-        if (t[BIAS_IDS[i]]) p.b_in[i] = dev_upload(t[BIAS_IDS[i]], sdm_param_numel(&s, BIAS_IDS[i]), fp32);
+        if (t[b_in_id(i)]) p.b_in[i] = dev_upload(t[b_in_id(i)], sdm_param_numel(&s, b_in_id(i)), fp32);
     p.A_log = dev_upload(t[SDM_P_A_log], s.heads, fp32);
     p.dt_bias = dev_upload(t[SDM_P_dt_bias], s.heads, fp32);
     if (s.normalize_readings) {
@@ -380,7 +380,7 @@ static void test_layer(Rng *rng, const LayerCase *c) {
                     (size_t)D * D, (size_t)D, nbank ? nbank : 1, 0, 0, 0, 0, 0, 0};
     float **gp[] = {&g.w_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0, &g.b_in[0],
                     &g.b_in[1], &g.b_in[2], &g.b_in[3], &g.b_in[4], &g.b_in[5]};
-    for (int i = 0; i < SDM_B_COUNT; i++) gsz[8 + i] = SDM_MAX((size_t)1, sdm_param_numel(&s, BIAS_IDS[i]));
+    for (int i = 0; i < SDM_B_COUNT; i++) gsz[8 + i] = SDM_MAX((size_t)1, sdm_param_numel(&s, b_in_id(i)));
     for (int i = 0; i < 14; i++) {
         cudaCheck(cudaMalloc(gp[i], sizeof(float) * gsz[i]));
         cudaCheck(cudaMemset(*gp[i], 0, sizeof(float) * gsz[i]));
@@ -426,18 +426,17 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         compare_grad("drho (op)", L.drho, P * s.reads, og.drho, tol);
         double *gw_in = fused_in(&s, gr, 0);
         // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
-        static const int wi[] = {SDM_P_wk, SDM_P_wq, SDM_P_wv, SDM_P_wa, SDM_P_wb, SDM_P_wg};
         size_t woff = 0;
         double *dg_g = hzeros(P);
         compare_gate_terms(&L, &tr, &og, (size_t)n, s.heads, tol, dg_g);
         for (int i = 0; i < 6; i++) {
-            size_t nw = sdm_param_numel(&s, wi[i]), nb = sdm_param_numel(&s, BIAS_IDS[i]);
+            size_t nw = sdm_param_numel(&s, w_in_id(i)), nb = sdm_param_numel(&s, b_in_id(i));
             if (!nw) continue;
-            compare_grad(sdm_param_name(wi[i]), g.w_in + woff, nw, gw_in + woff, tol);
+            compare_grad(sdm_param_name(w_in_id(i)), g.w_in + woff, nw, gw_in + woff, tol);
             if (i == SDM_B_A || i == SDM_B_B)
-                compare_token_sum(sdm_param_name(BIAS_IDS[i]), g.b_in[i], i == SDM_B_A ? og.da : og.dc, n,
+                compare_token_sum(sdm_param_name(b_in_id(i)), g.b_in[i], i == SDM_B_A ? og.da : og.dc, n,
                                   s.heads, tol);
-            else compare_grad(sdm_param_name(BIAS_IDS[i]), g.b_in[i], nb, gr[BIAS_IDS[i]], tol);
+            else compare_grad(sdm_param_name(b_in_id(i)), g.b_in[i], nb, gr[b_in_id(i)], tol);
             woff += nw;
         }
         compare_token_sum("A_log", g.A_log, dg_g, n, s.heads, tol);
@@ -472,7 +471,7 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 0);
     double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
     size_t boff[SDM_B_COUNT + 1] = {0};
-    for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_param_numel(&s, BIAS_IDS[i]);
+    for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_param_numel(&s, b_in_id(i));
     fill_normal(rng, x, (size_t)n * D, 1.0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
