@@ -124,9 +124,9 @@ static inline float train_step(Run *r) {
     }
     dist_reduce_scatter_grads(d, g->grads, 0);
     long long lo = d->rank * d->shard, hi = SDM_MIN(lo + d->shard, r->m->storage);
-    grad_sumsq(o->sumsq, o->scratch, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
+    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
     dist_all_reduce_sum(d, o->sumsq, 1, 0);
-    grad_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
+    adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
     AdamWHyper hyper = adamw_hyper(c, r->step);
     r->lr = hyper.lr;
     if (hi > lo)
