@@ -28,10 +28,12 @@ typedef struct {
     ModelDesc *m;
     Dist dist;
     GpuModel g;
+    AdamWState opt;          // fp32 master weights, AdamW moments, clip scalars (this rank updates its shard)
     DataLoader train, val;
     int32_t *batch;          // host [B, T+1]
     int *inputs, *targets;   // host [B*T]
     long long step;          // optimizer steps done
+    double lr;               // learning rate of the last step
     FILE *log;               // run_dir/train.log (rank 0)
 } Run;
 
@@ -79,12 +81,18 @@ static inline void open_data(Run *r) {
         sdm_die("%s: the shards' vocabulary (%u) exceeds model.vocab_size %d", train, r->train.vocab, c->vocab_size);
 }
 
+// The master weights from host fp32 [m->storage], and the model's working copy from them.
+static inline void set_params(Run *r, const float *host) {
+    cudaCheck(cudaMemcpy(r->opt.master, host, sizeof(float) * r->m->storage, cudaMemcpyHostToDevice));
+    gpu_model_cast_params(&r->g, r->opt.master);
+}
+
 // Initial weights (docs/MODEL.md#initialisation), the same on every rank.
 static inline void init_params(Run *r) {
     const ModelDesc *m = r->m;
     float *host = (float *)sdm_malloc(sizeof(float) * (size_t)m->storage);
     model_init_all(m, (unsigned long long)r->cfg.seed, host, (int)sysconf(_SC_NPROCESSORS_ONLN));
-    gpu_model_set_params(&r->g, host);
+    set_params(r, host);
     free(host);
 }
 
@@ -92,6 +100,7 @@ static inline void init_params(Run *r) {
 // the global norm clipped, AdamW on this rank's shard, the updated weights all-gathered. Returns the mean loss.
 static inline float train_step(Run *r) {
     GpuModel *g = &r->g;
+    AdamWState *o = &r->opt;
     const Config *c = &r->cfg;
     Dist *d = &r->dist;
     int acc = c->grad_acc_steps;
@@ -105,26 +114,25 @@ static inline float train_step(Run *r) {
     }
     dist_reduce_scatter_grads(d, g->grads, 0);
     long long lo = d->rank * d->shard, hi = SDM_MIN(lo + d->shard, r->m->storage);
-    grad_sumsq(g->clip_sumsq, g->norm_scratch2, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
-    dist_all_reduce_sum(d, g->clip_sumsq, 1, 0);
-    grad_clip_scale(g->clip_norm, g->clip_scale, g->clip_sumsq, (float)c->clip, 0);
-    AdamWHyper hyper = {c->lr * lr_schedule(lr_scheduler_from_name(c->scheduler), r->step, c->warmup, c->steps,
-                                            c->lr_min_ratio),
-                        c->weight_decay, c->beta1, c->beta2, c->adam_eps, r->step + 1};
+    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
+    dist_all_reduce_sum(d, o->sumsq, 1, 0);
+    adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
+    AdamWHyper hyper = adamw_hyper(c, r->step);
+    r->lr = hyper.lr;
     if (hi > lo)
-        adamw_update_model(r->m, lo, hi, g->master + lo, (char *)g->work + lo * g->es, g->ctype, g->grads + lo,
-                           g->adam_m + lo, g->adam_v + lo, &hyper, g->clip_scale, 0);
+        adamw_update_model(r->m, lo, hi, o->master + lo, (char *)g->work + lo * g->es, g->ctype, g->grads + lo,
+                           o->m + lo, o->v + lo, &hyper, o->scale, 0);
     dist_all_gather(d, g->work, g->es, 0);
     r->step++;
     return loss;
 }
 
-// Mean loss over ranks of a host value, through the device.
+// Mean loss over ranks of a host value, through the device (the optimizer's sumsq scalar, free between steps).
 static inline float mean_over_ranks(Run *r, float x) {
     if (r->dist.world == 1) return x;
-    cudaCheck(cudaMemcpy(r->g.clip_sumsq, &x, sizeof x, cudaMemcpyHostToDevice));
-    dist_all_reduce_sum(&r->dist, r->g.clip_sumsq, 1, 0);
-    cudaCheck(cudaMemcpy(&x, r->g.clip_sumsq, sizeof x, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(r->opt.sumsq, &x, sizeof x, cudaMemcpyHostToDevice));
+    dist_all_reduce_sum(&r->dist, r->opt.sumsq, 1, 0);
+    cudaCheck(cudaMemcpy(&x, r->opt.sumsq, sizeof x, cudaMemcpyDeviceToHost));
     return x / r->dist.world;
 }
 
@@ -147,16 +155,16 @@ static inline void evaluate(Run *r) {
 
 // Gather the sharded state to rank 0 and write a checkpoint there.
 static inline void save_checkpoint(Run *r) {
-    GpuModel *g = &r->g;
-    dist_all_gather(&r->dist, g->master, 4, 0);
-    dist_all_gather(&r->dist, g->adam_m, 4, 0);
-    dist_all_gather(&r->dist, g->adam_v, 4, 0);
+    AdamWState *o = &r->opt;
+    dist_all_gather(&r->dist, o->master, 4, 0);
+    dist_all_gather(&r->dist, o->m, 4, 0);
+    dist_all_gather(&r->dist, o->v, 4, 0);
     if (r->dist.rank != 0) return;
     size_t n = (size_t)r->m->storage;
     float *p = (float *)sdm_malloc(4 * n), *mm = (float *)sdm_malloc(4 * n), *vv = (float *)sdm_malloc(4 * n);
-    cudaCheck(cudaMemcpy(p, g->master, 4 * n, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(mm, g->adam_m, 4 * n, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(vv, g->adam_v, 4 * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(p, o->master, 4 * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(mm, o->m, 4 * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(vv, o->v, 4 * n, cudaMemcpyDeviceToHost));
     DataLoaderState ls;
     dataloader_get_state(&r->train, &ls);
     CkptTrainState st = {(uint64_t)r->step, 0, mm, vv, &ls, sizeof ls};
@@ -189,9 +197,9 @@ static inline void resume(Run *r) {
     if (!ckpt_load_state(path, n, mm, vv, &ls, sizeof ls, &step, &rng, err)) sdm_die("%s", err);
     char derr[DATA_ERR_LEN];
     if (dataloader_set_state(&r->train, &ls, derr)) sdm_die("%s: %s", path, derr);
-    gpu_model_set_params(&r->g, params);
-    cudaCheck(cudaMemcpy(r->g.adam_m, mm, 4 * n, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(r->g.adam_v, vv, 4 * n, cudaMemcpyHostToDevice));
+    set_params(r, params);
+    cudaCheck(cudaMemcpy(r->opt.m, mm, 4 * n, cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(r->opt.v, vv, 4 * n, cudaMemcpyHostToDevice));
     r->step = (long long)step;
     say(r, "resumed from %s at step %lld\n", dir, r->step);
     free(params);
@@ -246,6 +254,7 @@ int main(int argc, char **argv) {
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16,
                      r.dist.world);
+    adamw_state_create(&r.opt, r.g.padded);
     init_params(&r);
     resume(&r);
 
@@ -258,14 +267,11 @@ int main(int argc, char **argv) {
         if (!isfinite(loss)) sdm_die("step %lld: loss is %f; stopping (the last checkpoint is intact)", r.step, loss);
         if (r.step % c->log_freq == 0 || r.step == c->steps) {
             float norm;
-            cudaCheck(cudaMemcpy(&norm, r.g.clip_norm, sizeof norm, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
             say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s\n", r.step,
-                c->steps, loss,
-                c->lr * lr_schedule(lr_scheduler_from_name(c->scheduler), r.step - 1, c->warmup, c->steps,
-                                    c->lr_min_ratio),
-                norm, 1e3 * per_step, tokens_per_step / per_step);
+                c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_step / per_step);
         }
         if ((c->eval_every && r.step % c->eval_every == 0) || (c->probe_freq && r.step % c->probe_freq == 0))
             evaluate(&r);
@@ -274,6 +280,7 @@ int main(int argc, char **argv) {
     if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
     say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);
 
+    adamw_state_destroy(&r.opt);
     gpu_model_destroy(&r.g);
     dataloader_close(&r.train);
     dataloader_close(&r.val);

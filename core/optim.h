@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/common.h"
+#include "core/config.h"
 
 #ifdef __CUDACC__
 #define SDM_HOST_DEVICE __host__ __device__
@@ -54,6 +55,15 @@ typedef struct {
     double lr, weight_decay, beta1, beta2, eps;
     long long t;
 } AdamWHyper;
+
+// The hyper-parameters of the update after `step` completed updates, from the config's optim.* keys: the one place
+// the learning-rate schedule is evaluated.
+static inline AdamWHyper adamw_hyper(const Config *c, long long step) {
+    AdamWHyper h = {c->lr * lr_schedule(lr_scheduler_from_name(c->scheduler), step, c->warmup, c->steps,
+                                        c->lr_min_ratio),
+                    c->weight_decay, c->beta1, c->beta2, c->adam_eps, step + 1};
+    return h;
+}
 
 // The per-step constants of the AdamW update of one tensor (decoupled weight decay, docs/MODEL.md#optimizer):
 //   p ← p · decay_mul;  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²;

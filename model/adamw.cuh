@@ -1,7 +1,8 @@
 // model/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
 // (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
-// (bf16, or fp32 in the all-fp32 mode). The schedule and the per-step coefficients are host code in core/optim.h.
-// With ZeRO-1 each rank calls grad_sumsq on its gradient shard, all-reduces the one float, then grad_clip_scale.
+// (bf16, or fp32 in the all-fp32 mode); the state they work on (AdamWState). The schedule and the per-step
+// coefficients are host code in core/optim.h. With ZeRO-1 each rank calls adamw_grad_sumsq on its gradient shard,
+// all-reduces the one float, then adamw_clip_scale.
 #ifndef SDM_CORE_ADAMW_CUH
 #define SDM_CORE_ADAMW_CUH
 
@@ -12,12 +13,13 @@
 // ------------------------------------------------------------------------------------------------------------------
 // Global gradient norm
 
-#define GRAD_NORM_THREADS 256
-#define GRAD_NORM_SCRATCH 1024 // floats of scratch grad_sumsq needs: one partial per block, at most this many blocks
+#define ADAMW_NORM_THREADS 256
+// floats of scratch adamw_grad_sumsq needs: one partial per block, at most this many blocks
+#define ADAMW_NORM_SCRATCH 1024
 
 // Block b sums the squares of its contiguous chunk [b·chunk, (b+1)·chunk): thread t takes every 256th element from
 // chunk start + t, then the fixed block tree. partial[b] = the block's sum.
-__global__ void grad_sumsq_partial_kernel(float *partial, const float *g, long long n, long long chunk) {
+__global__ void adamw_grad_sumsq_partial_kernel(float *partial, const float *g, long long n, long long chunk) {
     __shared__ float scratch[32];
     long long start = (long long)blockIdx.x * chunk, end = start + chunk < n ? start + chunk : n;
     float acc = 0.0f;
@@ -26,25 +28,25 @@ __global__ void grad_sumsq_partial_kernel(float *partial, const float *g, long l
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// One block of GRAD_NORM_SCRATCH threads: thread t holds partial t (or 0), then the fixed block tree.
-__global__ void grad_sumsq_finish_kernel(float *sumsq, const float *partial, int blocks) {
+// One block of ADAMW_NORM_SCRATCH threads: thread t holds partial t (or 0), then the fixed block tree.
+__global__ void adamw_grad_sumsq_finish_kernel(float *sumsq, const float *partial, int blocks) {
     __shared__ float scratch[32];
     float acc = core_block_sum(threadIdx.x < blocks ? partial[threadIdx.x] : 0.0f, scratch);
     if (threadIdx.x == 0) *sumsq = acc;
 }
 
-// *sumsq (device) = Σ g[i]² over g[n] (fp32), bitwise reproducible for a given n; scratch: GRAD_NORM_SCRATCH floats.
-static inline void grad_sumsq(float *sumsq, float *scratch, const float *g, long long n, cudaStream_t s) {
-    long long per_block = 8LL * GRAD_NORM_THREADS; // at least this many elements per block before adding blocks
-    int blocks = (int)SDM_MAX(1LL, SDM_MIN((long long)GRAD_NORM_SCRATCH, (n + per_block - 1) / per_block));
+// *sumsq (device) = Σ g[i]² over g[n] (fp32), bitwise reproducible for a given n; scratch: ADAMW_NORM_SCRATCH floats.
+static inline void adamw_grad_sumsq(float *sumsq, float *scratch, const float *g, long long n, cudaStream_t s) {
+    long long per_block = 8LL * ADAMW_NORM_THREADS; // at least this many elements per block before adding blocks
+    int blocks = (int)SDM_MAX(1LL, SDM_MIN((long long)ADAMW_NORM_SCRATCH, (n + per_block - 1) / per_block));
     long long chunk = (n + blocks - 1) / blocks;
-    grad_sumsq_partial_kernel<<<blocks, GRAD_NORM_THREADS, 0, s>>>(scratch, g, n, chunk);
+    adamw_grad_sumsq_partial_kernel<<<blocks, ADAMW_NORM_THREADS, 0, s>>>(scratch, g, n, chunk);
     cudaCheckLast();
-    grad_sumsq_finish_kernel<<<1, GRAD_NORM_SCRATCH, 0, s>>>(sumsq, scratch, blocks);
+    adamw_grad_sumsq_finish_kernel<<<1, ADAMW_NORM_SCRATCH, 0, s>>>(sumsq, scratch, blocks);
     cudaCheckLast();
 }
 
-__global__ void grad_clip_scale_kernel(float *norm, float *scale, const float *sumsq, float clip) {
+__global__ void adamw_clip_scale_kernel(float *norm, float *scale, const float *sumsq, float clip) {
     float nrm = sqrtf(*sumsq);
     *norm = nrm;
     *scale = clip_scale(nrm, clip);
@@ -52,9 +54,45 @@ __global__ void grad_clip_scale_kernel(float *norm, float *scale, const float *s
 
 // *norm = sqrt(*sumsq), *scale = min(1, clip / (norm + 1e-6)) (1 when clip <= 0); all device floats. The scale stays
 // on the device and is applied inside adamw_update, so the step needs no host synchronisation.
-static inline void grad_clip_scale(float *norm, float *scale, const float *sumsq, float clip, cudaStream_t s) {
-    grad_clip_scale_kernel<<<1, 1, 0, s>>>(norm, scale, sumsq, clip);
+static inline void adamw_clip_scale(float *norm, float *scale, const float *sumsq, float clip, cudaStream_t s) {
+    adamw_clip_scale_kernel<<<1, 1, 0, s>>>(norm, scale, sumsq, clip);
     cudaCheckLast();
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments over the model's
+// flat parameter array (padded to whole ZeRO-1 shards; each rank updates its own shard), and the device scalars of
+// the gradient clip.
+
+typedef struct {
+    long long n;                 // padded length of the flat parameter array
+    float *master, *m, *v;       // fp32 [n]
+    float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
+    float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
+} AdamWState;
+
+static inline float *adamw_zeros(long long n) {
+    float *p = NULL;
+    cudaCheck(cudaMalloc(&p, sizeof(float) * n));
+    cudaCheck(cudaMemset(p, 0, sizeof(float) * n));
+    return p;
+}
+
+static inline void adamw_state_create(AdamWState *o, long long n) {
+    o->n = n;
+    o->master = adamw_zeros(n);
+    o->m = adamw_zeros(n);
+    o->v = adamw_zeros(n);
+    o->sumsq = adamw_zeros(1);
+    o->norm = adamw_zeros(1);
+    o->scale = adamw_zeros(1);
+    o->scratch = adamw_zeros(ADAMW_NORM_SCRATCH);
+}
+
+static inline void adamw_state_destroy(AdamWState *o) {
+    float *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
+    for (int i = 0; i < 7; i++) cudaCheck(cudaFree(bufs[i]));
+    memset(o, 0, sizeof *o);
 }
 
 // ------------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 // model/gpu_model.cuh: the hybrid model (docs/MODEL.md) on the GPU, shared by train_sdm and infer_sdm: its flat
-// parameter, gradient and optimizer arrays, the activations the backward needs, and the forward and backward passes
+// working-weight and gradient arrays, the activations the backward needs, and the forward and backward passes
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
-// with the mixers of attention/attention_layer.cuh and sdm/sdm_layer.cuh. Weights live in one flat array in the
-// order of the model's parameter table (model/model.h), so a tensor is found by name.
+// with the mixers of attention/attention_layer.cuh and sdm/sdm_layer.cuh. Weights and gradients live in flat arrays
+// in the order of the model's parameter table (model/model.h); typed views into them (GmWeights, GmGrads) are built
+// once, so the passes never look a tensor up by name. The fp32 master weights and AdamW state are the optimizer's
+// (model/adamw.cuh AdamWState), owned by the training program.
 #ifndef SDM_CORE_GPU_MODEL_CUH
 #define SDM_CORE_GPU_MODEL_CUH
 
 #include "attention/attention_layer.cuh"
-#include "model/adamw.cuh"
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
@@ -20,19 +21,19 @@
 // Small kernels
 
 // out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
-template <typename T> __global__ void core_cast_kernel(T *out, const float *in, long long n) {
+template <typename T> __global__ void gm_cast_kernel(T *out, const float *in, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = dtype_from_float<T>(in[i]);
 }
 
 static inline void gm_cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    DTYPE_DISPATCH(dtype, "gm_cast_to_work", core_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
+    DTYPE_DISPATCH(dtype, "gm_cast_to_work", gm_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
     cudaCheckLast();
 }
 
 // pred[i] = argmax_v logits[i, v] (first maximum), one warp per row: the greedy next-token predictions.
-template <typename T> __global__ void core_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
+template <typename T> __global__ void gm_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n) return;
     float best = -INFINITY;
@@ -50,6 +51,33 @@ template <typename T> __global__ void core_argmax_kernel(int *pred, const T *log
 }
 
 // ------------------------------------------------------------------------------------------------------------------
+// Typed views of the flat arrays: a pointer per tensor, found by name once by gpu_model_create
+
+// Block l's working weights (compute dtype) and fp32 gradients. The mixer's views are those of its kind.
+typedef struct {
+    const void *mixer_norm, *ffn_norm; // [D]
+    const void *ffn_w13, *ffn_w2;      // [2F, D]: ffn.w1 then ffn.w3 (adjacent, one GEMM); [D, F]
+    AttnLayerParams attn;              // attention and SWA layers
+    SdmLayerParams sdm;                // SDM layers
+} GmBlockWeights;
+
+typedef struct {
+    float *mixer_norm, *ffn_norm, *ffn_w13, *ffn_w2;
+    AttnLayerGrads attn;
+    SdmLayerGrads sdm;
+} GmBlockGrads;
+
+typedef struct {
+    const void *tok_emb, *norm, *head; // [V, D], [D], [V, D]: lm_head, or tok_emb when tied
+    GmBlockWeights *block;             // [L]
+} GmWeights;
+
+typedef struct {
+    float *tok_emb, *norm, *head; // head == tok_emb when tied: both gradients accumulate into one tensor
+    GmBlockGrads *block;          // [L]
+} GmGrads;
+
+// ------------------------------------------------------------------------------------------------------------------
 // The model on the GPU
 
 typedef struct {
@@ -58,9 +86,11 @@ typedef struct {
     Dtype ctype;                 // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
     long long padded;            // flat parameter storage padded to world shards (core/shard.h)
-    // parameters, gradients, optimizer state: flat arrays in the model's table order
-    float *master, *grads, *adam_m, *adam_v; // fp32 [padded]
-    void *work;                              // compute dtype [padded]: the weights the layers read
+    // parameters and gradients: flat arrays in the model's table order, and typed views into them
+    void *work;                       // compute dtype [padded]: the weights the layers read
+    float *grads;                     // fp32 [padded]
+    GmWeights weights;                // into work
+    GmGrads grad;                     // into grads
     // activations saved for the backward (compute dtype unless noted)
     void *h;                          // [L+1][n, D] the residual stream entering block l; h[L] leaves the last
     void *hmid;                       // [L][n, D] after the mixer's residual add
@@ -79,7 +109,6 @@ typedef struct {
     void *dh;                         // [n, D] gradient of the residual stream
     void *dffn_h;                     // [n, F]
     float *norm_scratch;              // rmsnorm_backward's column partials
-    float *clip_sumsq, *clip_norm, *clip_scale, *norm_scratch2; // optimizer step scalars and scratch
     EmbeddingBackwardPlan emb_plan;
     SdmLayer *sdm;                    // [L], used for SDM layers
     AttnLayer *attn;                  // [L], used for attention layers
@@ -91,59 +120,71 @@ static inline void *gpu_alloc(size_t bytes) {
     return p;
 }
 
-// Parameter `suffix` of layer l (l < 0: a top-level tensor) in the working weights / fp32 gradients.
-static inline void *gm_weight(const GpuModel *g, int l, const char *suffix) {
-    const ParamSpec *p = l >= 0 ? model_layer_param(g->m, l, suffix) : model_find(g->m, suffix);
-    return p ? (char *)g->work + p->offset * g->es : NULL;
+// Tensor `suffix` of layer l (l < 0: a top-level tensor) in the flat array `base` of elements of es bytes; NULL
+// when absent. The table must have it exactly when `present`: a missing or unexpected tensor stops the build.
+template <typename P>
+static inline P gm_tensor(const ModelDesc *m, const void *base, size_t es, int l, const char *suffix, int present) {
+    const ParamSpec *p = l >= 0 ? model_layer_param(m, l, suffix) : model_find(m, suffix);
+    if (!p != !present)
+        sdm_die("internal: tensor %s of layer %d is %s the parameter table", suffix, l,
+                p ? "unexpected in" : "missing from");
+    return p ? (P)((const char *)base + p->offset * es) : NULL;
 }
 
-static inline float *gm_grad(const GpuModel *g, int l, const char *suffix) {
-    const ParamSpec *p = l >= 0 ? model_layer_param(g->m, l, suffix) : model_find(g->m, suffix);
-    return p ? g->grads + p->offset : NULL;
+// Block l's views (GmBlockWeights or GmBlockGrads) into `base`. The SDM input weights wk..wg are adjacent in the
+// table (one fused GEMM reads them from wk); the biases each follow an alignment gap, so they are passed one by one.
+template <typename V> static inline V gm_block_view(const ModelDesc *m, int l, const void *base, size_t es) {
+    typedef decltype(V::ffn_w2) P; // const void * (weights) or float * (gradients)
+    auto at = [&](const char *suffix, int present) { return gm_tensor<P>(m, base, es, l, suffix, present); };
+    V v;
+    memset(&v, 0, sizeof v);
+    v.mixer_norm = at("mixer_norm", 1);
+    v.ffn_norm = at("ffn_norm", 1);
+    v.ffn_w13 = at("ffn.w1", 1);
+    v.ffn_w2 = at("ffn.w2", 1);
+    if (m->kind[l] == LAYER_SDM) {
+        const SdmDims *s = &m->sdm;
+        P t[SDM_P_COUNT];
+#define GM_SDM_TENSOR(name, rows, cols, present, ...) t[SDM_P_##name] = at("sdm." #name, present);
+        SDM_PARAMS(GM_SDM_TENSOR)
+#undef GM_SDM_TENSOR
+        v.sdm.w_in = t[SDM_P_wk];
+        static_assert(SDM_P_bk + SDM_B_G == SDM_P_bg, "the layer's bias order SDM_B_* is the list's bk..bg");
+        for (int i = 0; i < SDM_B_COUNT; i++) v.sdm.b_in[i] = t[SDM_P_bk + i];
+        v.sdm.A_log = t[SDM_P_A_log];
+        v.sdm.dt_bias = t[SDM_P_dt_bias];
+        v.sdm.ln_w = t[SDM_P_ln_w];
+        v.sdm.ln_b = t[SDM_P_ln_b];
+        v.sdm.w_out = t[SDM_P_wo];
+        v.sdm.b_out = t[SDM_P_bo];
+        v.sdm.bank0 = t[SDM_P_bank];
+    } else {
+        v.attn.wq = at("attn.wq", 1);
+        v.attn.wk = at("attn.wk", 1);
+        v.attn.wv = at("attn.wv", 1);
+        v.attn.wg = at("attn.wg", m->attn[l].gated);
+        v.attn.wo = at("attn.wo", 1);
+    }
+    return v;
+}
+
+// The model's views (GmWeights or GmGrads) into `base`; block: [L] views, filled here.
+template <typename V, typename B>
+static inline V gm_view(const ModelDesc *m, const void *base, size_t es, B *block) {
+    typedef decltype(V::head) P;
+    V v;
+    v.tok_emb = gm_tensor<P>(m, base, es, -1, "tok_emb", 1);
+    v.norm = gm_tensor<P>(m, base, es, -1, "norm", 1);
+    P lm_head = gm_tensor<P>(m, base, es, -1, "lm_head", !m->tied);
+    v.head = m->tied ? v.tok_emb : lm_head;
+    for (int l = 0; l < m->n_layers; l++) block[l] = gm_block_view<B>(m, l, base, es);
+    v.block = block;
+    return v;
 }
 
 // row i of a per-layer activation stack of rows x width elements
 static inline void *gm_at(const GpuModel *g, void *stack, int layer, size_t width) {
     return (char *)stack + (size_t)layer * g->n * width * g->es;
-}
-
-static const char *const SDM_BIAS_NAMES[SDM_B_COUNT] = {"sdm.bk", "sdm.bq", "sdm.bv", "sdm.ba", "sdm.bb", "sdm.bg"};
-
-// The SDM layer's tensors of one layer as S (SdmLayerParams: working weights, or SdmLayerGrads: fp32 gradients),
-// each found by `at(name)`. The input weights wk..wg are adjacent in the table (one fused GEMM); the biases each
-// follow an alignment gap, so they are passed one by one.
-template <typename S, typename At> static inline S gm_sdm_tensors(At at) {
-    S t;
-    t.w_in = at("sdm.wk");
-    for (int i = 0; i < SDM_B_COUNT; i++) t.b_in[i] = at(SDM_BIAS_NAMES[i]);
-    t.A_log = at("sdm.A_log");
-    t.dt_bias = at("sdm.dt_bias");
-    t.ln_w = at("sdm.ln_w");
-    t.ln_b = at("sdm.ln_b");
-    t.w_out = at("sdm.wo");
-    t.b_out = at("sdm.bo");
-    t.bank0 = at("sdm.bank");
-    return t;
-}
-
-static inline SdmLayerParams gm_sdm_params(const GpuModel *g, int l) {
-    return gm_sdm_tensors<SdmLayerParams>([&](const char *name) { return (const void *)gm_weight(g, l, name); });
-}
-
-static inline SdmLayerGrads gm_sdm_grads(const GpuModel *g, int l) {
-    return gm_sdm_tensors<SdmLayerGrads>([&](const char *name) { return gm_grad(g, l, name); });
-}
-
-static inline AttnLayerParams gm_attn_params(const GpuModel *g, int l) {
-    AttnLayerParams p = {gm_weight(g, l, "attn.wq"), gm_weight(g, l, "attn.wk"), gm_weight(g, l, "attn.wv"),
-                         gm_weight(g, l, "attn.wg"), gm_weight(g, l, "attn.wo")};
-    return p;
-}
-
-static inline AttnLayerGrads gm_attn_grads(const GpuModel *g, int l) {
-    AttnLayerGrads d = {gm_grad(g, l, "attn.wq"), gm_grad(g, l, "attn.wk"), gm_grad(g, l, "attn.wv"),
-                        gm_grad(g, l, "attn.wg"), gm_grad(g, l, "attn.wo")};
-    return d;
 }
 
 // Tensors `second` directly after `first` in layer l (so one GEMM can read both), or die.
@@ -157,8 +198,12 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
 static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world) {
     for (int l = 0; l < m->n_layers; l++) {
         gm_require_adjacent(m, l, "ffn.w1", "ffn.w3");
-        const char *sdm_in[] = {"sdm.wk", "sdm.wq", "sdm.wv", "sdm.wa", "sdm.wb", "sdm.wg"};
-        for (int i = 0; i + 1 < 6; i++) gm_require_adjacent(m, l, sdm_in[i], sdm_in[i + 1]);
+        for (int i = SDM_P_wk; i < SDM_P_wg; i++) { // the fused input weights
+            char first[32], second[32];
+            snprintf(first, sizeof first, "sdm.%s", sdm_param_name(i));
+            snprintf(second, sizeof second, "sdm.%s", sdm_param_name(i + 1));
+            gm_require_adjacent(m, l, first, second);
+        }
     }
     memset(g, 0, sizeof *g);
     g->m = m;
@@ -175,15 +220,11 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->padded = shard_padded(m->storage, world);
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
 
-    g->master = (float *)gpu_alloc(P * 4);
     g->grads = (float *)gpu_alloc(P * 4);
-    g->adam_m = (float *)gpu_alloc(P * 4);
-    g->adam_v = (float *)gpu_alloc(P * 4);
     g->work = gpu_alloc(P * g->es);
-    cudaCheck(cudaMemset(g->master, 0, P * 4));
     cudaCheck(cudaMemset(g->grads, 0, P * 4));
-    cudaCheck(cudaMemset(g->adam_m, 0, P * 4));
-    cudaCheck(cudaMemset(g->adam_v, 0, P * 4));
+    g->weights = gm_view<GmWeights>(m, g->work, g->es, (GmBlockWeights *)sdm_calloc(L, sizeof(GmBlockWeights)));
+    g->grad = gm_view<GmGrads>(m, g->grads, 4, (GmBlockGrads *)sdm_calloc(L, sizeof(GmBlockGrads)));
 
     g->h = gpu_alloc((L + 1) * n * D * g->es);
     g->hmid = gpu_alloc(L * n * D * g->es);
@@ -205,10 +246,6 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->dh = gpu_alloc(n * D * g->es);
     g->dffn_h = gpu_alloc(n * F * g->es);
     g->norm_scratch = (float *)gpu_alloc(rmsnorm_backward_scratch_floats(g->n, g->D) * 4);
-    g->clip_sumsq = (float *)gpu_alloc(4);
-    g->clip_norm = (float *)gpu_alloc(4);
-    g->clip_scale = (float *)gpu_alloc(4);
-    g->norm_scratch2 = (float *)gpu_alloc(GRAD_NORM_SCRATCH * 4);
     embedding_backward_plan_create(&g->emb_plan, g->n, g->V, g->D);
 
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
@@ -226,119 +263,121 @@ static inline void gpu_model_destroy(GpuModel *g) {
     }
     free(g->sdm);
     free(g->attn);
+    free(g->weights.block);
+    free(g->grad.block);
     embedding_backward_plan_destroy(&g->emb_plan);
-    void *bufs[] = {g->master, g->grads, g->adam_m, g->adam_v, g->work, g->h, g->hmid, g->xmix, g->xffn,
-                    g->rstd_mix, g->rstd_ffn, g->ffn_ab, g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses,
-                    g->loss, g->tokens, g->targets, g->pred, g->branch, g->dh, g->dffn_h, g->norm_scratch,
-                    g->clip_sumsq, g->clip_norm, g->clip_scale, g->norm_scratch2};
+    void *bufs[] = {g->grads, g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
+                    g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses, g->loss, g->tokens, g->targets, g->pred,
+                    g->branch, g->dh, g->dffn_h, g->norm_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
 }
 
-// Master weights from host fp32 [m->storage], and the working copy from them.
+// The working weights from fp32 master weights on the device [padded] (the optimizer's, or a temporary copy).
+static inline void gpu_model_cast_params(GpuModel *g, const float *master) {
+    gm_cast_to_work(g->work, master, g->padded, g->ctype, 0);
+}
+
+// The working weights from host fp32 [m->storage], through a temporary device copy (inference keeps no master).
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
-    cudaCheck(cudaMemcpy(g->master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
-    gm_cast_to_work(g->work, g->master, g->padded, g->ctype, 0);
+    float *master = (float *)gpu_alloc(sizeof(float) * g->padded);
+    cudaCheck(cudaMemset(master, 0, sizeof(float) * g->padded)); // the padding
+    cudaCheck(cudaMemcpy(master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
+    gpu_model_cast_params(g, master);
+    cudaCheck(cudaFree(master));
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).
 static inline void gm_mixer_forward(GpuModel *g, int l, const void *x, void *y) {
-    if (g->m->kind[l] == LAYER_SDM) {
-        SdmLayerParams p = gm_sdm_params(g, l);
-        sdm_layer_forward(&g->sdm[l], &p, x, y, 0);
-    } else {
-        AttnLayerParams p = gm_attn_params(g, l);
-        attn_layer_forward(&g->attn[l], &p, x, y, 0);
-    }
+    const GmBlockWeights *w = &g->weights.block[l];
+    if (g->m->kind[l] == LAYER_SDM) sdm_layer_forward(&g->sdm[l], &w->sdm, x, y, 0);
+    else attn_layer_forward(&g->attn[l], &w->attn, x, y, 0);
 }
 
 // dx (overwritten) and the mixer's parameter gradients (+=) from dy.
 static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
-    if (g->m->kind[l] == LAYER_SDM) {
-        SdmLayerParams p = gm_sdm_params(g, l);
-        SdmLayerGrads d = gm_sdm_grads(g, l);
-        sdm_layer_backward(&g->sdm[l], &p, x, dy, dx, &d, 0);
-    } else {
-        AttnLayerParams p = gm_attn_params(g, l);
-        AttnLayerGrads d = gm_attn_grads(g, l);
-        attn_layer_backward(&g->attn[l], &p, &d, x, dy, dx, 0);
-    }
+    const GmBlockWeights *w = &g->weights.block[l];
+    const GmBlockGrads *d = &g->grad.block[l];
+    if (g->m->kind[l] == LAYER_SDM) sdm_layer_backward(&g->sdm[l], &w->sdm, x, dy, dx, &d->sdm, 0);
+    else attn_layer_backward(&g->attn[l], &w->attn, &d->attn, x, dy, dx, 0);
 }
 
-static inline const char *gm_head_name(const GpuModel *g) { return g->m->tied ? "tok_emb" : "lm_head"; }
-
-// SwiGLU FFN of layer l on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
+// SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
-static inline void gm_ffn_forward(const GpuModel *g, int l, const void *x, void *ab, void *hf, void *y, int n) {
+static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, void *ab, void *hf,
+                                  void *y, int n) {
     int D = g->D, F = g->F;
-    matmul_forward(ab, g->ctype, 2 * F, x, gm_weight(g, l, "ffn.w1"), NULL, g->ctype, n, 2 * F, D, 0);
+    matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, 0);
     swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
-    matmul_forward(y, g->ctype, D, hf, gm_weight(g, l, "ffn.w2"), NULL, g->ctype, n, D, F, 0);
+    matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, 0);
+}
+
+// The norm after block l: the next block's mixer norm, or the final norm after the last block.
+static inline const void *gm_next_norm(const GpuModel *g, int l) {
+    return l == g->L - 1 ? g->weights.norm : g->weights.block[l + 1].mixer_norm;
 }
 
 // Forward over tokens/targets (host int32 [n]). Leaves the mean loss in g->loss; with dscale != 0 the logits are
 // overwritten by dscale * d(sum of losses)/d(logits), ready for gpu_model_backward.
 static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *targets, float dscale) {
-    const ModelDesc *m = g->m;
+    const GmWeights *w = &g->weights;
     int n = g->n, D = g->D, F = g->F;
-    float eps = (float)m->norm_eps;
+    float eps = (float)g->m->norm_eps;
     cudaCheck(cudaMemcpy(g->tokens, tokens, sizeof(int) * n, cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(g->targets, targets, sizeof(int) * n, cudaMemcpyHostToDevice));
-    embedding_forward(g->h, gm_weight(g, -1, "tok_emb"), g->tokens, g->ctype, n, D, 0);
-    rmsnorm_forward(g->xmix, g->rstd_mix, g->h, gm_weight(g, 0, "mixer_norm"), g->ctype, n, D, eps, 0);
+    embedding_forward(g->h, w->tok_emb, g->tokens, g->ctype, n, D, 0);
+    rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
     for (int l = 0; l < g->L; l++) {
         void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D);
         void *xffn = gm_at(g, g->xffn, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F), *hf = gm_at(g, g->ffn_h, l, F);
         gm_mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
-        residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, gm_weight(g, l, "ffn_norm"),
+        residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, 0);
-        gm_ffn_forward(g, l, xffn, ab, hf, g->branch, n);
+        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
-                                 last ? gm_weight(g, -1, "norm") : gm_weight(g, l + 1, "mixer_norm"), g->ctype, n, D,
-                                 eps, 0);
+                                 gm_next_norm(g, l), g->ctype, n, D, eps, 0);
     }
-    matmul_forward(g->logits, g->ctype, g->Vp, g->xfinal, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n, g->V,
-                   D, 0);
+    matmul_forward(g->logits, g->ctype, g->Vp, g->xfinal, w->head, NULL, g->ctype, n, g->V, D, 0);
     cross_entropy_forward_backward(g->logits, g->Vp, g->targets, g->losses, g->ctype, n, g->V, dscale, 0);
     loss_mean(g->loss, g->losses, n, 0);
 }
 
 // Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0.
 static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
+    const GmWeights *w = &g->weights;
+    const GmGrads *d = &g->grad;
     int n = g->n, D = g->D, F = g->F;
     // LM head and final norm
-    matmul_backward_weight(gm_grad(g, -1, gm_head_name(g)), DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n,
-                           g->V, D, 1, 0);
-    matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, gm_weight(g, -1, gm_head_name(g)), g->ctype, n, g->V,
-                          D, 0, 0);
-    rmsnorm_backward(g->dh, gm_grad(g, -1, "norm"), g->norm_scratch, g->branch, gm_at(g, g->h, g->L, D),
-                     gm_weight(g, -1, "norm"), g->rstd_final, g->ctype, n, D, 0, 0);
+    matmul_backward_weight(d->head, DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n, g->V, D, 1, 0);
+    matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, w->head, g->ctype, n, g->V, D, 0, 0);
+    rmsnorm_backward(g->dh, d->norm, g->norm_scratch, g->branch, gm_at(g, g->h, g->L, D), w->norm, g->rstd_final,
+                     g->ctype, n, D, 0, 0);
     for (int l = g->L - 1; l >= 0; l--) {
+        const GmBlockWeights *wl = &w->block[l];
+        const GmBlockGrads *dl = &d->block[l];
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
-        matmul_backward_weight(gm_grad(g, l, "ffn.w2"), DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D,
-                               F, 1, 0);
-        matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, gm_weight(g, l, "ffn.w2"), g->ctype, n, D, F, 0, 0);
+        matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D, F, 1, 0);
+        matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, 0);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
-        matmul_backward_weight(gm_grad(g, l, "ffn.w1"), DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n,
-                               2 * F, D, 1, 0);
-        matmul_backward_input(g->branch, g->ctype, ab, 2 * F, gm_weight(g, l, "ffn.w1"), g->ctype, n, 2 * F, D, 0, 0);
-        rmsnorm_backward(g->dh, gm_grad(g, l, "ffn_norm"), g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D),
-                         gm_weight(g, l, "ffn_norm"), g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
+        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n, 2 * F, D, 1, 0);
+        matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, 0);
+        rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
+                         g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
         gm_mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
-        rmsnorm_backward(g->dh, gm_grad(g, l, "mixer_norm"), g->norm_scratch, g->branch, gm_at(g, g->h, l, D),
-                         gm_weight(g, l, "mixer_norm"), g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
+        rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
+                         g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
     }
     embedding_backward_plan_build(&g->emb_plan, tokens, 0);
-    embedding_backward(gm_grad(g, -1, "tok_emb"), g->dh, g->ctype, &g->emb_plan, 0);
+    embedding_backward(d->tok_emb, g->dh, g->ctype, &g->emb_plan, 0);
 }
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
 static inline void gpu_model_argmax(GpuModel *g) {
     DTYPE_DISPATCH(g->ctype, "argmax",
-                 core_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
+                 gm_argmax_kernel<T><<<ceil_div(g->n, 8), 256>>>(g->pred, (const T *)g->logits, g->Vp, g->V, g->n));
     cudaCheckLast();
 }
 
@@ -417,25 +456,20 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
 // Stream b (b < 0: every stream) starts afresh: its SDM banks become copies of M0 (or zeros), its position 0.
 static inline void gpu_infer_reset(GpuInferState *I, int b) {
     for (int l = 0; l < I->g->L; l++)
-        if (I->g->m->kind[l] == LAYER_SDM) {
-            SdmLayerParams p = gm_sdm_params(I->g, l);
-            sdm_infer_reset(&I->sdm[l], &p, b, 0);
-        }
+        if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_reset(&I->sdm[l], &I->g->weights.block[l].sdm, b, 0);
     for (int i = 0; i < I->streams; i++)
         if (b < 0 || i == b) I->pos[i] = 0;
 }
 
 // Mixer of layer l on the n rows of I->x into I->branch: a prefill of stream b (b >= 0), or a decode step.
 static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n) {
-    const GpuModel *g = I->g;
-    if (g->m->kind[l] == LAYER_SDM) {
-        SdmLayerParams p = gm_sdm_params(g, l);
-        if (b >= 0) sdm_infer_prefill(&I->sdm[l], &p, b, I->x, I->branch, n, 0);
-        else sdm_infer_decode(&I->sdm[l], &p, I->x, I->branch, 0);
+    const GmBlockWeights *w = &I->g->weights.block[l];
+    if (I->g->m->kind[l] == LAYER_SDM) {
+        if (b >= 0) sdm_infer_prefill(&I->sdm[l], &w->sdm, b, I->x, I->branch, n, 0);
+        else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, I->branch, 0);
     } else {
-        AttnLayerParams p = gm_attn_params(g, l);
-        if (b >= 0) attn_infer_prefill(&I->attn[l], &p, b, I->x, I->branch, n, 0);
-        else attn_infer_decode(&I->attn[l], &p, I->x, I->branch, I->pos_len, I->pos_len + I->streams, 0);
+        if (b >= 0) attn_infer_prefill(&I->attn[l], &w->attn, b, I->x, I->branch, n, 0);
+        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_len, I->pos_len + I->streams, 0);
     }
 }
 
@@ -445,19 +479,17 @@ static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_o
     const GpuModel *g = I->g;
     int D = g->D;
     float eps = (float)g->m->norm_eps;
-    embedding_forward(I->h, gm_weight(g, -1, "tok_emb"), I->tokens, g->ctype, n, D, 0);
-    rmsnorm_forward(I->x, I->rstd, I->h, gm_weight(g, 0, "mixer_norm"), g->ctype, n, D, eps, 0);
+    const GmWeights *w = &g->weights;
+    embedding_forward(I->h, w->tok_emb, I->tokens, g->ctype, n, D, 0);
+    rmsnorm_forward(I->x, I->rstd, I->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
     for (int l = 0; l < g->L; l++) {
         gpu_infer_mixer(I, l, b, n);
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_weight(g, l, "ffn_norm"), g->ctype, n, D,
-                                 eps, 0);
-        gm_ffn_forward(g, l, I->x, I->ab, I->hf, I->branch, n);
-        const void *next_norm = l == g->L - 1 ? gm_weight(g, -1, "norm") : gm_weight(g, l + 1, "mixer_norm");
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, next_norm, g->ctype, n, D, eps, 0);
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, w->block[l].ffn_norm, g->ctype, n, D, eps, 0);
+        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n);
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_next_norm(g, l), g->ctype, n, D, eps, 0);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
-    matmul_forward(I->logits, DT_FP32, g->Vp, last, gm_weight(g, -1, gm_head_name(g)), NULL, g->ctype, n_out, g->V,
-                   D, 0);
+    matmul_forward(I->logits, DT_FP32, g->Vp, last, w->head, NULL, g->ctype, n_out, g->V, D, 0);
     cudaCheck(cudaMemcpy(I->logits_host, I->logits, (size_t)n_out * g->Vp * 4, cudaMemcpyDeviceToHost));
     return I->logits_host;
 }

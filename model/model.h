@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "core/rng.h"
 #include "sdm/sdm_dims.h"
+#include "sdm/sdm_params.h"
 
 typedef enum { LAYER_ATTN = 0, LAYER_SWA, LAYER_SDM } LayerKind;
 static const char *const LAYER_KIND_NAMES[] = {"attn", "swa", "sdm"};
@@ -173,33 +174,17 @@ static inline void model_add_attention(ModelDesc *m, int l, const AttnDims *a, d
     model_add(m, l, "attn.wo", a->dim, q, INIT_TRUNC_NORMAL, s0 / phi, 3 * s0); // bound not scaled by phi
 }
 
+// The tensors of sdm/sdm_params.h present in this configuration; ss: the layer's std of the truncated normals.
 static inline void model_add_sdm(ModelDesc *m, int l, const SdmDims *s, double ss) {
-    long long D = s->dim, HK = (long long)s->heads * s->key_dim, H = s->heads;
-    model_add_tn(m, l, "sdm.wk", HK, D, ss);
-    model_add_tn(m, l, "sdm.wq", HK, D, ss);
-    model_add_tn(m, l, "sdm.wv", D, D, ss);
-    model_add_tn(m, l, "sdm.wa", H, D, ss);
-    model_add_tn(m, l, "sdm.wb", H, D, ss);
-    if (s->output_gate) model_add_tn(m, l, "sdm.wg", D, D, ss);
-    model_add(m, l, "sdm.bk", HK, 0, INIT_ZEROS, 0, 0);
-    model_add(m, l, "sdm.bq", HK, 0, INIT_ZEROS, 0, 0);
-    model_add(m, l, "sdm.bv", D, 0, INIT_ZEROS, 0, 0);
-    model_add(m, l, "sdm.ba", H, 0, INIT_ZEROS, 0, 0);
-    model_add(m, l, "sdm.bb", H, 0, INIT_ZEROS, 0, 0);
-    if (s->output_gate) model_add(m, l, "sdm.bg", D, 0, INIT_ZEROS, 0, 0);
-    model_add(m, l, "sdm.A_log", H, 0, INIT_A_LOG, 0, 0)->decay = 0;
-    model_add(m, l, "sdm.dt_bias", H, 0, INIT_DT_BIAS, 0, 0)->decay = 0;
-    if (s->normalize_readings) {
-        model_add(m, l, "sdm.ln_w", s->head_dim, 0, INIT_ONES, 0, 0);
-        model_add(m, l, "sdm.ln_b", s->head_dim, 0, INIT_ZEROS, 0, 0);
+#define MODEL_ADD_SDM(name, rows, cols, present, init, decay_flag)                                                  \
+    if (present) {                                                                                                 \
+        int tn = INIT_##init == INIT_TRUNC_NORMAL;                                                                 \
+        ParamSpec *p = model_add(m, l, "sdm." #name, rows, cols, INIT_##init, tn ? ss : 0, tn ? 3 * ss : 0);       \
+        p->decay = decay_flag;                                                                                     \
+        p->is_bank = SDM_P_##name == SDM_P_bank;                                                                   \
     }
-    model_add_tn(m, l, "sdm.wo", D, D, ss);
-    model_add(m, l, "sdm.bo", D, 0, INIT_ZEROS, 0, 0);
-    if (s->learned_bank) {
-        ParamSpec *b = model_add(m, l, "sdm.bank", H * s->slots, s->head_dim, INIT_TRUNC_NORMAL, ss, 3 * ss);
-        b->is_bank = 1;
-        m->n_bank += b->numel;
-    }
+    SDM_PARAMS(MODEL_ADD_SDM)
+#undef MODEL_ADD_SDM
 }
 
 // Build the model description from a validated config.
@@ -237,8 +222,10 @@ static inline void model_build(ModelDesc *m, const Config *c) {
     }
     model_add(m, -1, "norm", c->dim, 0, INIT_ONES, 0, 0);
     if (!m->tied) model_add(m, -1, "lm_head", c->vocab_size, c->dim, INIT_TRUNC_NORMAL, s0, 3 * s0)->is_embedding = 1;
-    for (int i = 0; i < m->n_params; i++)
+    for (int i = 0; i < m->n_params; i++) {
         if (m->params[i].is_embedding) m->n_embedding += m->params[i].numel;
+        if (m->params[i].is_bank) m->n_bank += m->params[i].numel;
+    }
     m->n_nonembedding = m->total - m->n_embedding - m->n_bank;
 }
 

@@ -26,14 +26,12 @@ static inline AttnRefGrads model_ref_attn(const ModelDesc *m, double *flat, int 
     return a;
 }
 
+// the tensors of sdm/sdm_params.h of layer l (NULL where the configuration has none)
 static inline SdmRefGrads model_ref_sdm(const ModelDesc *m, double *flat, int l) {
     SdmRefGrads s;
-#define SDM_TENSOR(field) s.field = model_ref_tensor(m, flat, l, "sdm." #field)
-    SDM_TENSOR(wk); SDM_TENSOR(bk); SDM_TENSOR(wq); SDM_TENSOR(bq); SDM_TENSOR(wv); SDM_TENSOR(bv);
-    SDM_TENSOR(wa); SDM_TENSOR(ba); SDM_TENSOR(wb); SDM_TENSOR(bb); SDM_TENSOR(wg); SDM_TENSOR(bg);
-    SDM_TENSOR(A_log); SDM_TENSOR(dt_bias); SDM_TENSOR(ln_w); SDM_TENSOR(ln_b); SDM_TENSOR(wo); SDM_TENSOR(bo);
-    SDM_TENSOR(bank);
-#undef SDM_TENSOR
+#define MODEL_REF_SDM(name, ...) s.name = model_ref_tensor(m, flat, l, "sdm." #name);
+    SDM_PARAMS(MODEL_REF_SDM)
+#undef MODEL_REF_SDM
     return s;
 }
 
@@ -44,8 +42,10 @@ static inline AttnRefParams model_ref_attn_params(AttnRefGrads g) {
 }
 
 static inline SdmRefParams model_ref_sdm_params(SdmRefGrads g) {
-    SdmRefParams p = {g.wk, g.bk, g.wq, g.bq, g.wv, g.bv, g.wa, g.ba, g.wb, g.bb, g.wg, g.bg,
-                      g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.wo, g.bo, g.bank};
+    SdmRefParams p;
+#define MODEL_REF_SDM_PARAM(name, ...) p.name = g.name;
+    SDM_PARAMS(MODEL_REF_SDM_PARAM)
+#undef MODEL_REF_SDM_PARAM
     return p;
 }
 

@@ -15,6 +15,7 @@
 #include "core/rng.h"
 #include "core/ref_ops.h"
 #include "sdm/sdm_dims.h"
+#include "sdm/sdm_params.h"
 
 // Offset of the (b, t, h) entry of a token-major [B,T,H,width] array.
 static inline size_t sdm_tok_off(int T, int H, int b, int t, int h, int width) {
@@ -340,60 +341,29 @@ static inline void sdm_layernorm_backward_ref(int d, const double *x, const doub
 
 // ---- the layer (docs/SDM.md#layer-overview) ----------------------------------------------------------------------
 
-typedef struct { const double *wk, *bk, *wq, *bq, *wv, *bv, *wa, *ba, *wb, *bb, *wg, *bg,
-                 *A_log, *dt_bias, *ln_w, *ln_b, *wo, *bo, *bank; } SdmRefParams;
-typedef struct { double *wk, *bk, *wq, *bq, *wv, *bv, *wa, *ba, *wb, *bb, *wg, *bg,
-                 *A_log, *dt_bias, *ln_w, *ln_b, *wo, *bo, *bank; } SdmRefGrads; // accumulated with +=
-// wk, wq [H*K, D]; bk, bq [H*K]; wv [D, D]; bv [D]; wa, wb [H, D]; ba, bb [H]; wg [D, D], bg [D] (NULL unless
-// output_gate); A_log, dt_bias [H]; ln_w, ln_b [d] (NULL unless normalize_readings); wo [D, D]; bo [D];
-// bank [H*N, d] (NULL unless learned_bank). (out, in) row-major: zK[b,t,:] = wk . x[b,t,:] + bk.
+#define SDM_REF_PARAM(name, ...) const double *name;
+#define SDM_REF_GRAD(name, ...) double *name;
+typedef struct { SDM_PARAMS(SDM_REF_PARAM) } SdmRefParams;
+typedef struct { SDM_PARAMS(SDM_REF_GRAD) } SdmRefGrads; // accumulated with +=
+#undef SDM_REF_PARAM
+#undef SDM_REF_GRAD
+// The tensors of sdm/sdm_params.h: wk, wq [H*K, D]; bk, bq [H*K]; wv [D, D]; bv [D]; wa, wb [H, D]; ba, bb [H];
+// wg [D, D], bg [D] (NULL unless output_gate); A_log, dt_bias [H]; ln_w, ln_b [d] (NULL unless normalize_readings);
+// wo [D, D]; bo [D]; bank [H*N, d] (NULL unless learned_bank). (out, in) row-major: zK[b,t,:] = wk . x[b,t,:] + bk.
 
-// The parameter tensors in struct order, for code that walks all of them (tests, initialisation, optimisers).
-enum { SDM_P_WK, SDM_P_BK, SDM_P_WQ, SDM_P_BQ, SDM_P_WV, SDM_P_BV, SDM_P_WA, SDM_P_BA, SDM_P_WB, SDM_P_BB,
-       SDM_P_WG, SDM_P_BG, SDM_P_A_LOG, SDM_P_DT_BIAS, SDM_P_LN_W, SDM_P_LN_B, SDM_P_WO, SDM_P_BO, SDM_P_BANK,
-       SDM_P_COUNT };
-
-static inline const char *sdm_ref_param_name(int which) {
-    static const char *names[SDM_P_COUNT] = {"wk", "bk", "wq", "bq", "wv", "bv", "wa", "ba", "wb", "bb", "wg", "bg",
-                                             "A_log", "dt_bias", "ln_w", "ln_b", "wo", "bo", "bank"};
-    return names[which];
-}
-
-// Element count of parameter tensor `which`; 0 when the configuration has no such tensor.
-static inline size_t sdm_ref_param_numel(const SdmDims *s, int which) {
-    size_t D = (size_t)s->dim, H = (size_t)s->heads, HK = H * (size_t)s->key_dim;
-    switch (which) {
-    case SDM_P_WK: case SDM_P_WQ: return HK * D;
-    case SDM_P_BK: case SDM_P_BQ: return HK;
-    case SDM_P_WV: case SDM_P_WO: return D * D;
-    case SDM_P_BV: case SDM_P_BO: return D;
-    case SDM_P_WA: case SDM_P_WB: return H * D;
-    case SDM_P_BA: case SDM_P_BB: case SDM_P_A_LOG: case SDM_P_DT_BIAS: return H;
-    case SDM_P_WG: return s->output_gate ? D * D : 0;
-    case SDM_P_BG: return s->output_gate ? D : 0;
-    case SDM_P_LN_W: case SDM_P_LN_B: return s->normalize_readings ? (size_t)s->head_dim : 0;
-    case SDM_P_BANK: return s->learned_bank ? H * (size_t)s->slots * s->head_dim : 0;
-    default: sdm_die("sdm_ref_param_numel: no parameter %d", which); return 0;
-    }
-}
-
-// Structs from an array of SDM_P_COUNT tensors in enum order (absent ones NULL).
+// Structs from an array of SDM_P_COUNT tensors in list order (absent ones NULL).
 static inline SdmRefParams sdm_ref_params_from(double *const *t) {
     SdmRefParams p;
-    p.wk = t[SDM_P_WK]; p.bk = t[SDM_P_BK]; p.wq = t[SDM_P_WQ]; p.bq = t[SDM_P_BQ]; p.wv = t[SDM_P_WV];
-    p.bv = t[SDM_P_BV]; p.wa = t[SDM_P_WA]; p.ba = t[SDM_P_BA]; p.wb = t[SDM_P_WB]; p.bb = t[SDM_P_BB];
-    p.wg = t[SDM_P_WG]; p.bg = t[SDM_P_BG]; p.A_log = t[SDM_P_A_LOG]; p.dt_bias = t[SDM_P_DT_BIAS];
-    p.ln_w = t[SDM_P_LN_W]; p.ln_b = t[SDM_P_LN_B]; p.wo = t[SDM_P_WO]; p.bo = t[SDM_P_BO]; p.bank = t[SDM_P_BANK];
+#define SDM_REF_FROM(name, ...) p.name = t[SDM_P_##name];
+    SDM_PARAMS(SDM_REF_FROM)
     return p;
 }
 
 static inline SdmRefGrads sdm_ref_grads_from(double *const *t) {
-    SdmRefGrads g;
-    g.wk = t[SDM_P_WK]; g.bk = t[SDM_P_BK]; g.wq = t[SDM_P_WQ]; g.bq = t[SDM_P_BQ]; g.wv = t[SDM_P_WV];
-    g.bv = t[SDM_P_BV]; g.wa = t[SDM_P_WA]; g.ba = t[SDM_P_BA]; g.wb = t[SDM_P_WB]; g.bb = t[SDM_P_BB];
-    g.wg = t[SDM_P_WG]; g.bg = t[SDM_P_BG]; g.A_log = t[SDM_P_A_LOG]; g.dt_bias = t[SDM_P_DT_BIAS];
-    g.ln_w = t[SDM_P_LN_W]; g.ln_b = t[SDM_P_LN_B]; g.wo = t[SDM_P_WO]; g.bo = t[SDM_P_BO]; g.bank = t[SDM_P_BANK];
-    return g;
+    SdmRefGrads p;
+    SDM_PARAMS(SDM_REF_FROM)
+#undef SDM_REF_FROM
+    return p;
 }
 
 // Every intermediate of one layer forward, for the backward and for stage-by-stage comparison with the GPU.

@@ -533,21 +533,21 @@ static void test_grad_norm(long long n, Rng *r) {
     double ss = 0;
     for (long long i = 0; i < n; i++) ss += g[i] * g[i];
     double norm_want = sqrt(ss);
-    float *d_g = (float *)dev_from(g, (size_t)n, DT_FP32), *d_scratch = (float *)dev_alloc(4 * GRAD_NORM_SCRATCH);
+    float *d_g = (float *)dev_from(g, (size_t)n, DT_FP32), *d_scratch = (float *)dev_alloc(4 * ADAMW_NORM_SCRATCH);
     float *d_out = (float *)dev_alloc(3 * sizeof(float)); // sumsq, norm, scale
 
     void *first = NULL;
     for (int run = 0; run < 2; run++) {
         poison(d_out, 3 * sizeof(float));
-        poison(d_scratch, 4 * GRAD_NORM_SCRATCH);
-        grad_sumsq(d_out, d_scratch, d_g, n, 0);
+        poison(d_scratch, 4 * ADAMW_NORM_SCRATCH);
+        adamw_grad_sumsq(d_out, d_scratch, d_g, n, 0);
         if (run == 0) first = snapshot(d_out, sizeof(float));
     }
     report_same_bits("sum of squares determinism", first, d_out, sizeof(float));
     const double clips[3] = {0.5 * norm_want, 2.0 * norm_want, 0.0}; // clipping, no clipping, off
     for (int c = 0; c < 3; c++) {
         poison(d_out + 1, 2 * sizeof(float));
-        grad_clip_scale(d_out + 1, d_out + 2, d_out, (float)clips[c], 0);
+        adamw_clip_scale(d_out + 1, d_out + 2, d_out, (float)clips[c], 0);
         double got[2], want[2] = {norm_want, clips[c] > 0 ? fmin(1.0, clips[c] / (norm_want + 1e-6)) : 1.0};
         download(got, d_out + 1, 2, DT_FP32);
         char what[160];

@@ -191,13 +191,17 @@ static void check_case(const Case *c, const char *dtype) {
     CHECK(loss2 == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: a repeated step differs", c->name, dtype);
 
     // a few AdamW steps on this batch must lower its loss
+    AdamWState opt;
+    adamw_state_create(&opt, g.padded);
+    cudaCheck(cudaMemcpy(opt.master, host, 4 * m->storage, cudaMemcpyHostToDevice));
     AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
     double first = loss2, last = loss2;
     for (int s = 1; s <= 20; s++) {
         hyper.t = s;
-        adamw_update_model(m, 0, m->storage, g.master, g.work, g.ctype, g.grads, g.adam_m, g.adam_v, &hyper, NULL, 0);
+        adamw_update_model(m, 0, m->storage, opt.master, g.work, g.ctype, g.grads, opt.m, opt.v, &hyper, NULL, 0);
         last = step_grads(&g, tokens, targets);
     }
+    adamw_state_destroy(&opt);
     printf("  20 AdamW steps on one batch: loss %.4f -> %.4f\n", first, last);
     CHECK(last < 0.8 * first, "%s [%s]: 20 AdamW steps took the loss only from %.4f to %.4f", c->name, dtype, first,
           last);

@@ -234,19 +234,19 @@ static double grid_value(Rng *r, double step) { return step * ((double)rng_below
 // bf16 mode: x, wk, wq, bk, bq on coarse grids so that the bf16 sub-key scores are exact.
 static void layer_random_params(Rng *rng, const SdmDims *s, int fp32, double **t) {
     for (int i = 0; i < SDM_P_COUNT; i++) {
-        size_t n = sdm_ref_param_numel(s, i);
+        size_t n = sdm_param_numel(s, i);
         t[i] = n ? hzeros(n) : NULL;
         if (!n) continue;
         double std = 1.0 / sqrt((double)s->dim);
         for (size_t j = 0; j < n; j++) {
             switch (i) {
-            case SDM_P_WK: case SDM_P_WQ: t[i][j] = fp32 ? 2.0 * std * rng_normal(rng) : grid_value(rng, 0.125); break;
-            case SDM_P_BK: case SDM_P_BQ: t[i][j] = fp32 ? 0.3 * rng_normal(rng) : grid_value(rng, 0.125); break;
-            case SDM_P_A_LOG: t[i][j] = log(rng_range(rng, 0.5, 4.0)); break;
-            case SDM_P_DT_BIAS: t[i][j] = rng_range(rng, -3.0, 0.5); break;
-            case SDM_P_LN_W: t[i][j] = 1.0 + 0.2 * rng_normal(rng); break;
-            case SDM_P_BANK: t[i][j] = 0.5 * rng_normal(rng); break;
-            case SDM_P_BA: case SDM_P_BB: case SDM_P_BV: case SDM_P_BG: case SDM_P_BO: case SDM_P_LN_B:
+            case SDM_P_wk: case SDM_P_wq: t[i][j] = fp32 ? 2.0 * std * rng_normal(rng) : grid_value(rng, 0.125); break;
+            case SDM_P_bk: case SDM_P_bq: t[i][j] = fp32 ? 0.3 * rng_normal(rng) : grid_value(rng, 0.125); break;
+            case SDM_P_A_log: t[i][j] = log(rng_range(rng, 0.5, 4.0)); break;
+            case SDM_P_dt_bias: t[i][j] = rng_range(rng, -3.0, 0.5); break;
+            case SDM_P_ln_w: t[i][j] = 1.0 + 0.2 * rng_normal(rng); break;
+            case SDM_P_bank: t[i][j] = 0.5 * rng_normal(rng); break;
+            case SDM_P_ba: case SDM_P_bb: case SDM_P_bv: case SDM_P_bg: case SDM_P_bo: case SDM_P_ln_b:
                 t[i][j] = 0.2 * rng_normal(rng); break;
             default: t[i][j] = std * rng_normal(rng); break;
             }
@@ -255,19 +255,19 @@ static void layer_random_params(Rng *rng, const SdmDims *s, int fp32, double **t
     }
 }
 
-static const int BIAS_IDS[SDM_B_COUNT] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
+// the i-th weight and bias of the fused input block (SDM_B_* order): the list's wk..wg and bk..bg
+static int w_in_id(int i) { return SDM_P_wk + i; }
+static int b_in_id(int i) { return SDM_P_bk + i; }
 
 // concatenation of the fused input block (rows of wk, wq, wv, wa, wb, wg or biases) in the model's order
 static double *fused_in(const SdmDims *s, double *const *t, int bias) {
-    static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
-    static const int bi[] = {SDM_P_BK, SDM_P_BQ, SDM_P_BV, SDM_P_BA, SDM_P_BB, SDM_P_BG};
     size_t total = 0;
-    for (int i = 0; i < 6; i++) total += sdm_ref_param_numel(s, bias ? bi[i] : wi[i]);
+    for (int i = 0; i < 6; i++) total += sdm_param_numel(s, bias ? b_in_id(i) : w_in_id(i));
     double *out = hzeros(total);
     size_t off = 0;
     for (int i = 0; i < 6; i++) {
-        int id = bias ? bi[i] : wi[i];
-        size_t n = sdm_ref_param_numel(s, id);
+        int id = bias ? b_in_id(i) : w_in_id(i);
+        size_t n = sdm_param_numel(s, id);
         if (n) memcpy(out + off, t[id], sizeof(double) * n);
         off += n;
     }
@@ -341,7 +341,7 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     double tol = tol_for(fp32);
     double *t[SDM_P_COUNT], *gr[SDM_P_COUNT];
     layer_random_params(rng, &s, fp32, t);
-    for (int i = 0; i < SDM_P_COUNT; i++) gr[i] = t[i] ? hzeros(sdm_ref_param_numel(&s, i)) : NULL;
+    for (int i = 0; i < SDM_P_COUNT; i++) gr[i] = t[i] ? hzeros(sdm_param_numel(&s, i)) : NULL;
     double *x = hzeros((size_t)n * D), *dy = hzeros((size_t)n * D);
     for (size_t i = 0; i < (size_t)n * D; i++) x[i] = fp32 ? rng_normal(rng) : grid_value(rng, 0.25);
     round_to_dtype(x, (size_t)n * D, fp32);
@@ -364,23 +364,23 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     memset(&p, 0, sizeof(p));
     p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
     for (int i = 0; i < SDM_B_COUNT; i++) // separate allocations: the layer must not assume consecutive biases
-        if (t[BIAS_IDS[i]]) p.b_in[i] = dev_upload(t[BIAS_IDS[i]], sdm_ref_param_numel(&s, BIAS_IDS[i]), fp32);
-    p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32);
-    p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
+        if (t[b_in_id(i)]) p.b_in[i] = dev_upload(t[b_in_id(i)], sdm_param_numel(&s, b_in_id(i)), fp32);
+    p.A_log = dev_upload(t[SDM_P_A_log], s.heads, fp32);
+    p.dt_bias = dev_upload(t[SDM_P_dt_bias], s.heads, fp32);
     if (s.normalize_readings) {
-        p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32);
-        p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
+        p.ln_w = dev_upload(t[SDM_P_ln_w], s.head_dim, fp32);
+        p.ln_b = dev_upload(t[SDM_P_ln_b], s.head_dim, fp32);
     }
-    p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32);
-    p.b_out = dev_upload(t[SDM_P_BO], D, fp32);
-    size_t nbank = sdm_ref_param_numel(&s, SDM_P_BANK);
-    if (s.learned_bank) p.bank0 = dev_upload(t[SDM_P_BANK], nbank, fp32);
+    p.w_out = dev_upload(t[SDM_P_wo], (size_t)D * D, fp32);
+    p.b_out = dev_upload(t[SDM_P_bo], D, fp32);
+    size_t nbank = sdm_param_numel(&s, SDM_P_bank);
+    if (s.learned_bank) p.bank0 = dev_upload(t[SDM_P_bank], nbank, fp32);
     SdmLayerGrads g;
     size_t gsz[] = {(size_t)L.n_in * D, (size_t)s.heads, (size_t)s.heads, (size_t)s.head_dim, (size_t)s.head_dim,
                     (size_t)D * D, (size_t)D, nbank ? nbank : 1, 0, 0, 0, 0, 0, 0};
     float **gp[] = {&g.w_in, &g.A_log, &g.dt_bias, &g.ln_w, &g.ln_b, &g.w_out, &g.b_out, &g.bank0, &g.b_in[0],
                     &g.b_in[1], &g.b_in[2], &g.b_in[3], &g.b_in[4], &g.b_in[5]};
-    for (int i = 0; i < SDM_B_COUNT; i++) gsz[8 + i] = SDM_MAX((size_t)1, sdm_ref_param_numel(&s, BIAS_IDS[i]));
+    for (int i = 0; i < SDM_B_COUNT; i++) gsz[8 + i] = SDM_MAX((size_t)1, sdm_param_numel(&s, b_in_id(i)));
     for (int i = 0; i < 14; i++) {
         cudaCheck(cudaMalloc(gp[i], sizeof(float) * gsz[i]));
         cudaCheck(cudaMemset(*gp[i], 0, sizeof(float) * gsz[i]));
@@ -426,30 +426,29 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         compare_grad("drho (op)", L.drho, P * s.reads, og.drho, tol);
         double *gw_in = fused_in(&s, gr, 0);
         // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
-        static const int wi[] = {SDM_P_WK, SDM_P_WQ, SDM_P_WV, SDM_P_WA, SDM_P_WB, SDM_P_WG};
         size_t woff = 0;
         double *dg_g = hzeros(P);
         compare_gate_terms(&L, &tr, &og, (size_t)n, s.heads, tol, dg_g);
         for (int i = 0; i < 6; i++) {
-            size_t nw = sdm_ref_param_numel(&s, wi[i]), nb = sdm_ref_param_numel(&s, BIAS_IDS[i]);
+            size_t nw = sdm_param_numel(&s, w_in_id(i)), nb = sdm_param_numel(&s, b_in_id(i));
             if (!nw) continue;
-            compare_grad(sdm_ref_param_name(wi[i]), g.w_in + woff, nw, gw_in + woff, tol);
+            compare_grad(sdm_param_name(w_in_id(i)), g.w_in + woff, nw, gw_in + woff, tol);
             if (i == SDM_B_A || i == SDM_B_B)
-                compare_token_sum(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], i == SDM_B_A ? og.da : og.dc, n,
+                compare_token_sum(sdm_param_name(b_in_id(i)), g.b_in[i], i == SDM_B_A ? og.da : og.dc, n,
                                   s.heads, tol);
-            else compare_grad(sdm_ref_param_name(BIAS_IDS[i]), g.b_in[i], nb, gr[BIAS_IDS[i]], tol);
+            else compare_grad(sdm_param_name(b_in_id(i)), g.b_in[i], nb, gr[b_in_id(i)], tol);
             woff += nw;
         }
         compare_token_sum("A_log", g.A_log, dg_g, n, s.heads, tol);
         compare_token_sum("dt_bias", g.dt_bias, og.da, n, s.heads, tol);
         free(dg_g);
         if (s.normalize_readings) {
-            compare_grad("ln_w", g.ln_w, s.head_dim, gr[SDM_P_LN_W], tol);
-            compare_grad("ln_b", g.ln_b, s.head_dim, gr[SDM_P_LN_B], tol);
+            compare_grad("ln_w", g.ln_w, s.head_dim, gr[SDM_P_ln_w], tol);
+            compare_grad("ln_b", g.ln_b, s.head_dim, gr[SDM_P_ln_b], tol);
         }
-        compare_grad("wo", g.w_out, (size_t)D * D, gr[SDM_P_WO], tol);
-        compare_grad("bo", g.b_out, D, gr[SDM_P_BO], tol);
-        if (s.learned_bank) compare_grad("bank M0", g.bank0, nbank, gr[SDM_P_BANK], tol);
+        compare_grad("wo", g.w_out, (size_t)D * D, gr[SDM_P_wo], tol);
+        compare_grad("bo", g.b_out, D, gr[SDM_P_bo], tol);
+        if (s.learned_bank) compare_grad("bank M0", g.bank0, nbank, gr[SDM_P_bank], tol);
         free(gw_in);
     }
     sdm_layer_destroy(&L);
@@ -472,18 +471,18 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 0);
     double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
     size_t boff[SDM_B_COUNT + 1] = {0};
-    for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_ref_param_numel(&s, BIAS_IDS[i]);
+    for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_param_numel(&s, b_in_id(i));
     fill_normal(rng, x, (size_t)n * D, 1.0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
     p.w_in = dev_upload(w_in, (size_t)L.n_in * D, fp32);
     void *bias = dev_upload(b_in, L.n_in, fp32);
     for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = dtype_elem_ptr(bias, boff[i], fp32 ? DT_FP32 : DT_BF16);
-    p.A_log = dev_upload(t[SDM_P_A_LOG], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_DT_BIAS], s.heads, fp32);
-    p.ln_w = dev_upload(t[SDM_P_LN_W], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_LN_B], s.head_dim, fp32);
-    p.w_out = dev_upload(t[SDM_P_WO], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_BO], D, fp32);
-    size_t nbank = sdm_ref_param_numel(&s, SDM_P_BANK);
-    p.bank0 = dev_upload(t[SDM_P_BANK], nbank, fp32);
+    p.A_log = dev_upload(t[SDM_P_A_log], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_dt_bias], s.heads, fp32);
+    p.ln_w = dev_upload(t[SDM_P_ln_w], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_ln_b], s.head_dim, fp32);
+    p.w_out = dev_upload(t[SDM_P_wo], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_bo], D, fp32);
+    size_t nbank = sdm_param_numel(&s, SDM_P_bank);
+    p.bank0 = dev_upload(t[SDM_P_bank], nbank, fp32);
     void *dxin = dev_upload(x, (size_t)n * D, fp32), *ddy = dev_upload(x, (size_t)n * D, fp32);
     void *y = dev_upload(x, (size_t)n * D, fp32), *dx = dev_upload(x, (size_t)n * D, fp32);
     // all gradients in one buffer: w_in, b_in, A_log, dt_bias, ln_w, ln_b, w_out, b_out, bank0

@@ -242,13 +242,13 @@ static LayerCase layer_case_make(const SdmDims *s, int B, int T, uint64_t seed) 
     c.s = *s; c.B = B; c.T = T; c.selection_changes = 0;
     Rng rng = rng_make(seed);
     for (int i = 0; i < SDM_P_COUNT; i++) {
-        size_t n = sdm_ref_param_numel(s, i);
-        double scale = (i == SDM_P_WK || i == SDM_P_WQ) ? 1.5 : 0.6;
+        size_t n = sdm_param_numel(s, i);
+        double scale = (i == SDM_P_wk || i == SDM_P_wq) ? 1.5 : 0.6;
         c.t[i] = n ? rand_array(&rng, n, -scale, scale) : NULL;
     }
     for (int h = 0; h < s->heads; h++) {
-        c.t[SDM_P_A_LOG][h] = model_init_A_log(&rng, 0.0, 16.0);
-        c.t[SDM_P_DT_BIAS][h] = model_init_dt_bias(&rng);
+        c.t[SDM_P_A_log][h] = model_init_A_log(&rng, 0.0, 16.0);
+        c.t[SDM_P_dt_bias][h] = model_init_dt_bias(&rng);
     }
     size_t n = (size_t)B * T * s->dim;
     c.x = rand_array(&rng, n, -1.0, 1.0);
@@ -296,7 +296,7 @@ static void test_layer_gradients(const char *name, const SdmDims *s, int B, int 
           name);
     double *grad[SDM_P_COUNT];
     for (int i = 0; i < SDM_P_COUNT; i++) {
-        size_t n = sdm_ref_param_numel(s, i);
+        size_t n = sdm_param_numel(s, i);
         grad[i] = n ? (double *)sdm_calloc(n, sizeof(double)) : NULL;
     }
     SdmRefGrads g = sdm_ref_grads_from(grad);
@@ -310,9 +310,9 @@ static void test_layer_gradients(const char *name, const SdmDims *s, int B, int 
     snprintf(what, sizeof what, "%s: dx", name);
     check_grad(what, layer_loss, &c, c.x, nx, dx);
     for (int i = 0; i < SDM_P_COUNT; i++) {
-        size_t n = sdm_ref_param_numel(s, i);
+        size_t n = sdm_param_numel(s, i);
         if (!n) continue;
-        snprintf(what, sizeof what, "%s: d%s", name, sdm_ref_param_name(i));
+        snprintf(what, sizeof what, "%s: d%s", name, sdm_param_name(i));
         check_grad(what, layer_loss, &c, c.t[i], n, grad[i]);
     }
     CHECK(c.selection_changes == 0, "%s: %d perturbed forwards changed the selection", name, c.selection_changes);
@@ -331,7 +331,7 @@ static void test_layer_gate_extremes(void) {
     const double A_log[2] = {60.0, -800.0};
     for (int e = 0; e < 2; e++) {
         LayerCase c = layer_case_make(&s, 2, 5, 21);
-        for (int h = 0; h < s.heads; h++) c.t[SDM_P_A_LOG][h] = A_log[e];
+        for (int h = 0; h < s.heads; h++) c.t[SDM_P_A_log][h] = A_log[e];
         SdmRefParams p = sdm_ref_params_from(c.t);
         SdmRefTrace tr = sdm_ref_trace_alloc(&s, c.B, c.T);
         sdm_layer_forward_trace_ref(&s, c.B, c.T, &p, c.x, &tr);
@@ -341,7 +341,7 @@ static void test_layer_gate_extremes(void) {
         CHECK(alpha_ok, "A_log %g: alpha not %s", A_log[e], e == 0 ? "0" : "1");
         double *grad[SDM_P_COUNT];
         for (int i = 0; i < SDM_P_COUNT; i++) {
-            size_t n = sdm_ref_param_numel(&s, i);
+            size_t n = sdm_param_numel(&s, i);
             grad[i] = n ? (double *)sdm_calloc(n, sizeof(double)) : NULL;
         }
         SdmRefGrads g = sdm_ref_grads_from(grad);
@@ -351,7 +351,7 @@ static void test_layer_gate_extremes(void) {
         int finite = 1;
         for (size_t i = 0; i < nx; i++) finite &= isfinite(tr.y[i]) && isfinite(dx[i]);
         for (int i = 0; i < SDM_P_COUNT; i++)
-            for (size_t j = 0; j < sdm_ref_param_numel(&s, i); j++) finite &= isfinite(grad[i][j]);
+            for (size_t j = 0; j < sdm_param_numel(&s, i); j++) finite &= isfinite(grad[i][j]);
         CHECK(finite, "A_log %g: non-finite output or gradient", A_log[e]);
         for (int i = 0; i < SDM_P_COUNT; i++) free(grad[i]);
         free(dx);
