@@ -15,11 +15,14 @@
 #include <string.h>
 
 #include "core/common.h"
+#include "core/file.h"
 
 #define CFG_MAX_LAYERS 256
 #define CFG_MAX_LIST 8
 #define CFG_STR 256
 #define CFG_ERR 512
+#define CFG_LINE 4096          // longest setting (a line without its comment)
+#define CFG_MAX_FILE (1 << 20) // a config file is at most this many bytes
 
 // A layer list: `all`, empty, or indices. all = 1 means every layer.
 typedef struct { int all; int n; int idx[CFG_MAX_LAYERS]; } LayerList;
@@ -222,7 +225,7 @@ static inline int cfg_in_range(const CfgField *f, double v) { return f->lo > f->
 
 // Parse a comma-separated list of numbers into out[0..max); returns the count or -1 on a bad entry.
 static inline int cfg_parse_numbers(const char *value, double *out, int max, char *err) {
-    char buf[4096];
+    char buf[CFG_LINE];
     snprintf(buf, sizeof buf, "%s", value);
     if (*cfg_trim(buf) == 0) return 0;
     int n = 0;
@@ -317,38 +320,88 @@ static inline void cfg_defaults(Config *c) {
             sdm_die("internal: default of %s: %s", CFG_FIELDS[i].key, err);
 }
 
+// Split `key = value` (line is modified) and find the key; NULL with err set (naming where) when malformed or unknown.
+static inline const CfgField *cfg_split(char *line, char **value, const char *where, char *err) {
+    char *eq = strchr(line, '=');
+    if (!eq) { snprintf(err, CFG_ERR, "%.400s: expected 'key = value'", where); return NULL; }
+    *eq = 0;
+    char *key = cfg_trim(line);
+    *value = cfg_trim(eq + 1);
+    const CfgField *f = cfg_find(key);
+    if (!f) snprintf(err, CFG_ERR, "%.200s: unknown key '%.200s' (see --help)", where, key);
+    return f;
+}
+
+static inline int cfg_set_at(Config *c, const CfgField *f, const char *value, const char *where, char *err) {
+    char msg[CFG_ERR];
+    if (cfg_set(c, f, value, msg)) return 1;
+    snprintf(err, CFG_ERR, "%.200s: key '%.64s': %.200s", where, f->key, msg);
+    return 0;
+}
+
 // Apply one `key = value` (or `key=value`) text; `where` names its origin for messages ("file:line", "argument 'x'").
 static inline int cfg_apply_line(Config *c, const char *line, const char *where, char *err) {
-    char buf[4096];
+    char buf[CFG_LINE], *value;
     if (strlen(line) >= sizeof buf) { snprintf(err, CFG_ERR, "%.400s: line too long", where); return 0; }
     strcpy(buf, line);
-    char *eq = strchr(buf, '=');
-    if (!eq) { snprintf(err, CFG_ERR, "%.400s: expected 'key = value'", where); return 0; }
-    *eq = 0;
-    char *key = cfg_trim(buf), *value = cfg_trim(eq + 1);
-    const CfgField *f = cfg_find(key);
-    if (!f) { snprintf(err, CFG_ERR, "%.200s: unknown key '%.200s' (see --help)", where, key); return 0; }
-    char msg[CFG_ERR];
-    if (!cfg_set(c, f, value, msg)) { snprintf(err, CFG_ERR, "%.200s: key '%.64s': %.200s", where, key, msg); return 0; }
+    const CfgField *f = cfg_split(buf, &value, where, err);
+    return f && cfg_set_at(c, f, value, where, err);
+}
+
+// Apply a config text (one `key = value` per line, `#` comments, blank lines) on top of what c holds; messages name
+// `name:line`. A key set twice in one text is refused with both lines (a later command-line argument still
+// overrides). Lines are read whole, so a long comment never spills into a setting. Returns 0 with err set.
+static inline int cfg_parse_text(Config *c, const char *text, const char *name, char *err) {
+    int first_line[CFG_N_FIELDS] = {0};
+    char line[CFG_LINE], where[256], *value;
+    int lineno = 0;
+    for (const char *p = text; *p;) {
+        const char *nl = strchr(p, '\n'), *next = nl ? nl + 1 : p + strlen(p);
+        const char *hash = (const char *)memchr(p, '#', (size_t)(next - p));
+        size_t len = (size_t)((hash ? hash : nl ? nl : next) - p);
+        snprintf(where, sizeof where, "%.240s:%d", name, ++lineno);
+        if (len >= sizeof line) {
+            snprintf(err, CFG_ERR, "%s: setting longer than %d characters", where, CFG_LINE - 1);
+            return 0;
+        }
+        memcpy(line, p, len);
+        line[len] = 0;
+        p = next;
+        if (*cfg_trim(line) == 0) continue;
+        const CfgField *f = cfg_split(line, &value, where, err);
+        if (!f) return 0;
+        int *first = &first_line[f - CFG_FIELDS];
+        if (*first) {
+            snprintf(err, CFG_ERR, "%s: key '%s' is set twice (first at %.180s:%d)", where, f->key, name, *first);
+            return 0;
+        }
+        *first = lineno;
+        if (!cfg_set_at(c, f, value, where, err)) return 0;
+    }
     return 1;
 }
 
-// Read a .cfg file into c (on top of what c holds). Returns 0 with err set on the first problem.
+// Read a .cfg file into c (on top of what c holds). Only a regular file is read (a FIFO would block forever), at
+// most CFG_MAX_FILE bytes, no NUL byte. Returns 0 with err set on the first problem.
 static inline int cfg_load_file(Config *c, const char *path, char *err) {
-    FILE *fp = fopen(path, "r");
-    if (!fp) { snprintf(err, CFG_ERR, "%s: cannot open config file", path); return 0; }
-    char line[4096], where[CFG_ERR];
-    int lineno = 0, ok = 1;
-    while (ok && fgets(line, sizeof line, fp)) {
-        lineno++;
-        char *hash = strchr(line, '#');
-        if (hash) *hash = 0;
-        char *t = cfg_trim(line);
-        if (*t == 0) continue;
-        snprintf(where, sizeof where, "%s:%d", path, lineno);
-        ok = cfg_apply_line(c, t, where, err);
-    }
+    char why[160];
+    FILE *fp = sdm_fopen_regular(path, why, sizeof why);
+    if (!fp) { snprintf(err, CFG_ERR, "%.300s: %s", path, why); return 0; }
+    char *text = (char *)sdm_malloc(CFG_MAX_FILE + 1);
+    size_t n = fread(text, 1, CFG_MAX_FILE + 1, fp);
+    int ok = !ferror(fp);
     fclose(fp);
+    text[SDM_MIN(n, (size_t)CFG_MAX_FILE)] = 0;
+    const char *nul = (const char *)memchr(text, 0, n);
+    if (!ok) snprintf(err, CFG_ERR, "%.300s: read error", path);
+    else if (n > CFG_MAX_FILE) snprintf(err, CFG_ERR, "%.300s: larger than %d bytes", path, CFG_MAX_FILE);
+    else if (nul) {
+        int line = 1;
+        for (const char *q = text; q < nul; q++) line += *q == '\n';
+        snprintf(err, CFG_ERR, "%.300s:%d: NUL byte", path, line);
+    }
+    ok = ok && n <= CFG_MAX_FILE && !nul && cfg_parse_text(c, text, path, err);
+    free(text);
     return ok;
 }
 
