@@ -8,6 +8,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -77,6 +78,9 @@ typedef struct {
     const char *help;
 } CfgField;
 
+// AdamW divides by sqrt(v) + eps: eps = 0 makes 0/0 for every zero gradient, and below 1e-12 a gradient whose fp32
+// square underflows (|g| < 1e-19) would step by g/eps, far beyond the learning rate.
+#define CFG_MIN_ADAM_EPS 1e-12
 #define CFG_OFF(f) offsetof(Config, f)
 #define CFG_ANY 1, 0
 static const CfgField CFG_FIELDS[] = {
@@ -95,7 +99,7 @@ static const CfgField CFG_FIELDS[] = {
     {"optim.weight_decay", CFG_FLOAT, CFG_OFF(weight_decay), "0.1", 0, 10, NULL, "AdamW decoupled weight decay"},
     {"optim.beta1", CFG_FLOAT, CFG_OFF(beta1), "0.9", 0, 0.999999, NULL, "AdamW beta1"},
     {"optim.beta2", CFG_FLOAT, CFG_OFF(beta2), "0.95", 0, 0.999999, NULL, "AdamW beta2"},
-    {"optim.eps", CFG_FLOAT, CFG_OFF(adam_eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
+    {"optim.eps", CFG_FLOAT, CFG_OFF(adam_eps), "1e-8", CFG_MIN_ADAM_EPS, 1, NULL, "AdamW epsilon"},
     {"optim.grad_acc_steps", CFG_INT, CFG_OFF(grad_acc_steps), "1", 1, 1024, NULL, "micro-batches per step"},
 
     {"distributed.model_dtype", CFG_CHOICE, CFG_OFF(model_dtype), "bf16", CFG_ANY, "bf16|fp32",
@@ -271,6 +275,11 @@ static inline int cfg_set(Config *c, const CfgField *f, const char *value, char 
     }
     case CFG_STRING:
         if (strlen(value) >= CFG_STR) { snprintf(err, CFG_ERR, "value longer than %d characters", CFG_STR - 1); return 0; }
+        for (const char *q = value; *q; q++)  // the dump must load back: no line break, no comment start
+            if (iscntrl((unsigned char)*q) || *q == '#') {
+                snprintf(err, CFG_ERR, "a control character or '#' at position %d of the value", (int)(q - value));
+                return 0;
+            }
         strcpy(base, value);
         return 1;
     case CFG_CHOICE: {
@@ -299,8 +308,8 @@ static inline int cfg_set(Config *c, const CfgField *f, const char *value, char 
         int n = cfg_parse_numbers(value, v, CFG_MAX_LAYERS, err);
         if (n < 0) return 0;
         for (int k = 0; k < n; k++) {
-            if (v[k] != floor(v[k]) || v[k] < 0) {
-                snprintf(err, CFG_ERR, "layer index '%g' is not a non-negative integer", v[k]);
+            if (v[k] != floor(v[k]) || v[k] < 0 || v[k] >= CFG_MAX_LAYERS) {
+                snprintf(err, CFG_ERR, "layer index '%g' is not an integer in [0, %d)", v[k], CFG_MAX_LAYERS);
                 return 0;
             }
             l->idx[k] = (int)v[k];
@@ -531,6 +540,11 @@ static inline int cfg_check_attention(const Config *c, char *err) {
 
 static inline int cfg_validate(const Config *c, char *err) {
     if (!cfg_check_layers(c, err)) return 0;
+    if ((long long)c->batch_size * (c->seq_len + 1) > INT_MAX) {  // a batch of B rows of T+1 tokens is int-indexed
+        snprintf(err, CFG_ERR, "keys 'data.batch_size', 'data.seq_len': B*(T+1) = %lld exceeds %d",
+                 (long long)c->batch_size * (c->seq_len + 1), INT_MAX);
+        return 0;
+    }
     if (!cfg_check_attention(c, err)) return 0;
     if (cfg_any_layer(c, &c->sdm_at) && !cfg_check_sdm(c, err)) return 0;
     if (c->vocab_size > 65535 && !strcmp(c->tokenizer, "bytes")) {

@@ -115,7 +115,7 @@ static void test_errors(void) {
     expect_error(SMALL "model.attn_at = 0,1,2\nmodel.sdm_at = 2,3\n", "layer 2 is assigned more than once");
     expect_error(SMALL "model.attn_at = 0,1,2,3,3\n", "layer 3 listed twice");
     expect_error(SMALL "model.attn_at = 0,1,2,3,7\n", "layer 7 out of range");
-    expect_error(SMALL "model.attn_at = 0,1.5,2,3\n", "not a non-negative integer");
+    expect_error(SMALL "model.attn_at = 0,1.5,2,3\n", "not an integer in [0, 256)");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\n", "key 'model.swa_window': must be > 0");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\nmodel.swa_window = 0\n", "must be > 0");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_writes = 300\n", "key 'sdm.num_writes': 300 exceeds slots_per_head 256");
@@ -152,7 +152,8 @@ static int load_with(const char *path, const char *arg, Config *c, char *err) {
     return cfg_from_args(c, arg ? 4 : 3, argv, err);
 }
 
-// Issue 9: lines of any length, duplicate keys, files that are not regular files.
+// Issue 9: lines of any length, values that would overflow, strings that would break the dump, duplicate keys,
+// files that are not regular files.
 static void test_edge_cases(void) {
     const char *path = "build/test_config_edge.cfg";
     char err[CFG_ERR] = "", text[3 * CFG_LINE];
@@ -171,6 +172,17 @@ static void test_edge_cases(void) {
                  "test_config_bad.cfg:6: key 'model.dim' is set twice (first at build/test_config_bad.cfg:1)");
     write_text(path, SMALL "model.attn_at = all\nsteps = 5\n", strlen(SMALL) + 30);
     CHECK(load_with(path, "steps=9", &c, err) && c.steps == 9, "argument override: steps %d (%s)", c.steps, err);
+    expect_error(SMALL "model.attn_at = 0,1,2,3,2147483648\n", "test_config_bad.cfg:5: key 'model.attn_at': layer "
+                 "index '2.14748e+09' is not an integer in [0, 256)");
+    expect_error(SMALL "model.attn_at = all\noptim.eps = 0\n", "test_config_bad.cfg:6: key 'optim.eps': 0 is out of range");
+    expect_error(SMALL "model.attn_at = all\noptim.eps = 1e-13\n", "key 'optim.eps': 1e-13 is out of range");
+    expect_error(SMALL "model.attn_at = all\ndata.batch_size = 128\ndata.seq_len = 16777215\n",  // B*T fits, B*(T+1) not
+                 "B*(T+1) = 2147483648 exceeds");
+    CHECK(!load_with("configs/debug_sdm.cfg", "name=a#b", &c, err) && strstr(err, "argument 'name=a#b'") &&
+          strstr(err, "'#'"), "'#' in a string: %s", err);
+    CHECK(!load_with("configs/debug_sdm.cfg", "run_dir=a\nsteps = 3", &c, err) && strstr(err, "key 'run_dir'"),
+          "a newline in a string: %s", err);
+    CHECK(load_with("configs/debug_sdm.cfg", "run_dir=runs/a b", &c, err), "a space in a string: %s", err);
     write_text(path, "steps = 5\nname = a\0b\n", 20);
     CHECK(!load_with(path, NULL, &c, err) && strstr(err, "test_config_edge.cfg:2: NUL byte"), "NUL: %s", err);
     remove(path);
