@@ -238,6 +238,11 @@ static void test_default_dataset(void) {
     RecallConfig bad = recall_default_config();
     bad.max_gap = 10;
     CHECK(recall_dataset_write(sub, &bad, err) != 0 && strstr(err, "min_gap"), "bad config accepted: %s", err);
+    bad.min_gap = bad.max_gap = 1000000000;  // documents of a GB each: refused, nothing written
+    CHECK(recall_dataset_write(sub, &bad, err) != 0 && strstr(err, "max_gap <= 1048576"), "gap 1e9 accepted: %s", err);
+    bad.min_gap = 256;
+    bad.max_gap = RECALL_MAX_GAP + 1;
+    CHECK(recall_config_check(&bad, err) != 0, "max_gap %d accepted", bad.max_gap);
     free(batch);
     test_rmdir(dir);
 }
