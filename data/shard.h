@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/common.h"
+#include "core/file.h"
 
 #define DATA_ERR_LEN 512
 #define SHARD_MAGIC 0x544D4453u         // "SDMT" read as a little-endian uint32
@@ -143,10 +144,12 @@ static inline int shard_validate_buffer(const uint8_t *buf, size_t len, const ch
     return 0;
 }
 
-// Open a shard file, parse its header and check its size. On success *out is open, positioned after the header.
+// Open a shard file (a regular file: a FIFO would block), parse its header and check its size. On success *out is
+// open, positioned after the header.
 static inline int shard_open(const char *path, ShardHeader *h, FILE **out, char *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return data_fail(err, "%s: cannot open: %s", path, strerror(errno));
+    char why[160];
+    FILE *f = sdm_fopen_regular(path, why, sizeof why);
+    if (!f) return data_fail(err, "%s: %s", path, why);
     uint8_t hdr[SHARD_HEADER_BYTES];
     size_t got = fread(hdr, 1, sizeof hdr, f);
     if (ferror(f)) { fclose(f); return data_fail(err, "%s: read error at offset 0: %s", path, strerror(errno)); }

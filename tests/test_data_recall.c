@@ -215,7 +215,7 @@ static void test_default_dataset(void) {
     snprintf(pattern, sizeof pattern, "%s/%s", sub, DATASET_VAL_PATTERN);
     DataLoader val;
     const int B = 4, T = 4096;
-    CHECK(dataloader_open(&val, pattern, B, T, 0, 1, 0, 0, err) == 0, "open %s: %s", pattern, err);
+    CHECK(dataloader_open(&val, pattern, B, T, 0, 1, 0, 0, TOK_BYTES_VOCAB, err) == 0, "open %s: %s", pattern, err);
     int32_t *batch = (int32_t *)sdm_malloc((size_t)B * (T + 1) * sizeof(int32_t));
     GapScore s;
     recall_score_init(&s);
