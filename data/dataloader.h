@@ -93,6 +93,7 @@ static inline int loader_add_shard(DataLoader *dl, const char *path, char *err) 
     if (s.h.vocab > dl->max_vocab)  // its tokens are checked against its vocab on every read: bound that by the model's
         return data_fail(err, "%s: offset 12: vocab %u exceeds the model's vocabulary %u", path, s.h.vocab,
                          dl->max_vocab);
+    if (shard_manifest_check(path, &s.h, err)) return -1;  // only shards of a complete set
     if (dl->num_shards > 0 && (s.h.vocab != dl->vocab || s.h.tokenizer != dl->tokenizer))
         return data_fail(err, "%s: offset 12: vocab %u / tokenizer %u differ from %s (vocab %u / tokenizer %u)", path,
                          s.h.vocab, s.h.tokenizer, dl->shards[0].path, dl->vocab, dl->tokenizer);

@@ -3,6 +3,9 @@
 // words); the scorer gives 100% on the true answers, about chance (10% per digit) on answers shuffled between
 // queries, 0% on wrong ones; the default dataset is generated on first use and loads through the dataloader.
 #define _POSIX_C_SOURCE 200809L
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "data/dataloader.h"
 #include "data/dataset.h"
 #include "data/recall.h"
@@ -247,6 +250,32 @@ static void test_default_dataset(void) {
     test_rmdir(dir);
 }
 
+// Several ranks on first use at once: each must return with a complete set it can load (under the directory's lock
+// the first generates, the others wait and find its stamp), never see another rank's half-written set.
+static void test_concurrent_first_use(void) {
+    char dir[TEST_PATH_LEN], pattern[2 * TEST_PATH_LEN + 64];
+    test_tmpdir(dir);
+    snprintf(pattern, sizeof pattern, "%s/%s,%s/%s", dir, DATASET_TRAIN_PATTERN, dir, DATASET_VAL_PATTERN);
+    pid_t pids[3];
+    for (int k = 0; k < 3; k++)
+        if ((pids[k] = fork()) == 0) {
+            char err[DATA_ERR_LEN];
+            DataLoader dl;
+            int rc = dataset_ensure_default(dir, err) || dataloader_open(&dl, pattern, 4, 4096, 0, 1, 1, 1, 258, err);
+            if (rc) printf("rank %d: %s\n", k, err);
+            fflush(stdout);
+            _exit(rc ? 3 : 0);
+        }
+    int failed = 0;
+    for (int k = 0; k < 3; k++) {
+        int status = 0;
+        waitpid(pids[k], &status, 0);
+        failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    }
+    CHECK(failed == 0, "%d of 3 concurrent first uses failed", failed);
+    test_rmdir(dir);
+}
+
 int main(void) {
     test_determinism();
     test_generator_promises();
@@ -254,5 +283,6 @@ int main(void) {
     test_scorer();
     test_scorer_document_boundary();
     test_default_dataset();
+    test_concurrent_first_use();
     return test_summary();
 }
