@@ -27,7 +27,8 @@ static void usage(void) {
           "  recall: --min-facts F --max-facts F --queries-per-fact Q   (defaults: the embedded default dataset)\n"
           "  mqar:   --seq-len T --pairs P        copy: --seq-len T --copy-len L\n"
           "          (documents of exactly T tokens = data.seq_len; --max-gap 0: as far as the row allows)\n"
-          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (tasks: DIR/TASK_train_*, TASK_val_*)\n",
+          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (tasks: DIR/TASK_train_*, TASK_val_*), and\n"
+          "         their manifests (DIR/train.manifest ...), written last: the loader takes only listed shards\n",
           stderr);
     exit(2);
 }
