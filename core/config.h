@@ -2,7 +2,9 @@
 // `key = value` .cfg files and command-line overrides, validation, --help, and the resolved-config dump.
 //
 // Format: one `key = value` per line, `#` starts a comment, lists are comma separated (`3,7,11`), layer lists are
-// also `all` or empty. Errors name file:line (or the command-line argument) and the key.
+// also `all` or empty; a key at most once per file, string values without control characters or `#` (so the dump
+// loads back). cfg_load_file reads a file, cfg_parse_text a text in memory (checkpoints, tests). Errors name
+// file:line (or the command-line argument) and the key.
 #ifndef SDM_CORE_CONFIG_H
 #define SDM_CORE_CONFIG_H
 
