@@ -2,12 +2,15 @@
 // `key = value` .cfg files and command-line overrides, validation, --help, and the resolved-config dump.
 //
 // Format: one `key = value` per line, `#` starts a comment, lists are comma separated (`3,7,11`), layer lists are
-// also `all` or empty. Errors name file:line (or the command-line argument) and the key.
+// also `all` or empty; a key at most once per file, string values without control characters or `#` (so the dump
+// loads back). cfg_load_file reads a file, cfg_parse_text a text in memory (checkpoints, tests). Errors name
+// file:line (or the command-line argument) and the key.
 #ifndef SDM_CORE_CONFIG_H
 #define SDM_CORE_CONFIG_H
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -15,11 +18,14 @@
 #include <string.h>
 
 #include "core/common.h"
+#include "core/file.h"
 
 #define CFG_MAX_LAYERS 256
 #define CFG_MAX_LIST 8
 #define CFG_STR 256
 #define CFG_ERR 512
+#define CFG_LINE 4096          // longest setting (a line without its comment)
+#define CFG_MAX_FILE (1 << 20) // a config file is at most this many bytes
 
 // A layer list: `all`, empty, or indices. all = 1 means every layer.
 typedef struct { int all; int n; int idx[CFG_MAX_LAYERS]; } LayerList;
@@ -74,6 +80,9 @@ typedef struct {
     const char *help;
 } CfgField;
 
+// AdamW divides by sqrt(v) + eps: eps = 0 makes 0/0 for every zero gradient, and below 1e-12 a gradient whose fp32
+// square underflows (|g| < 1e-19) would step by g/eps, far beyond the learning rate.
+#define CFG_MIN_ADAM_EPS 1e-12
 #define CFG_OFF(f) offsetof(Config, f)
 #define CFG_ANY 1, 0
 static const CfgField CFG_FIELDS[] = {
@@ -92,7 +101,7 @@ static const CfgField CFG_FIELDS[] = {
     {"optim.weight_decay", CFG_FLOAT, CFG_OFF(weight_decay), "0.1", 0, 10, NULL, "AdamW decoupled weight decay"},
     {"optim.beta1", CFG_FLOAT, CFG_OFF(beta1), "0.9", 0, 0.999999, NULL, "AdamW beta1"},
     {"optim.beta2", CFG_FLOAT, CFG_OFF(beta2), "0.95", 0, 0.999999, NULL, "AdamW beta2"},
-    {"optim.eps", CFG_FLOAT, CFG_OFF(adam_eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
+    {"optim.eps", CFG_FLOAT, CFG_OFF(adam_eps), "1e-8", CFG_MIN_ADAM_EPS, 1, NULL, "AdamW epsilon"},
     {"optim.grad_acc_steps", CFG_INT, CFG_OFF(grad_acc_steps), "1", 1, 1024, NULL, "micro-batches per step"},
 
     {"distributed.model_dtype", CFG_CHOICE, CFG_OFF(model_dtype), "bf16", CFG_ANY, "bf16|fp32",
@@ -222,7 +231,7 @@ static inline int cfg_in_range(const CfgField *f, double v) { return f->lo > f->
 
 // Parse a comma-separated list of numbers into out[0..max); returns the count or -1 on a bad entry.
 static inline int cfg_parse_numbers(const char *value, double *out, int max, char *err) {
-    char buf[4096];
+    char buf[CFG_LINE];
     snprintf(buf, sizeof buf, "%s", value);
     if (*cfg_trim(buf) == 0) return 0;
     int n = 0;
@@ -268,6 +277,11 @@ static inline int cfg_set(Config *c, const CfgField *f, const char *value, char 
     }
     case CFG_STRING:
         if (strlen(value) >= CFG_STR) { snprintf(err, CFG_ERR, "value longer than %d characters", CFG_STR - 1); return 0; }
+        for (const char *q = value; *q; q++)  // the dump must load back: no line break, no comment start
+            if (iscntrl((unsigned char)*q) || *q == '#') {
+                snprintf(err, CFG_ERR, "a control character or '#' at position %d of the value", (int)(q - value));
+                return 0;
+            }
         strcpy(base, value);
         return 1;
     case CFG_CHOICE: {
@@ -296,8 +310,8 @@ static inline int cfg_set(Config *c, const CfgField *f, const char *value, char 
         int n = cfg_parse_numbers(value, v, CFG_MAX_LAYERS, err);
         if (n < 0) return 0;
         for (int k = 0; k < n; k++) {
-            if (v[k] != floor(v[k]) || v[k] < 0) {
-                snprintf(err, CFG_ERR, "layer index '%g' is not a non-negative integer", v[k]);
+            if (v[k] != floor(v[k]) || v[k] < 0 || v[k] >= CFG_MAX_LAYERS) {
+                snprintf(err, CFG_ERR, "layer index '%g' is not an integer in [0, %d)", v[k], CFG_MAX_LAYERS);
                 return 0;
             }
             l->idx[k] = (int)v[k];
@@ -317,38 +331,88 @@ static inline void cfg_defaults(Config *c) {
             sdm_die("internal: default of %s: %s", CFG_FIELDS[i].key, err);
 }
 
+// Split `key = value` (line is modified) and find the key; NULL with err set (naming where) when malformed or unknown.
+static inline const CfgField *cfg_split(char *line, char **value, const char *where, char *err) {
+    char *eq = strchr(line, '=');
+    if (!eq) { snprintf(err, CFG_ERR, "%.400s: expected 'key = value'", where); return NULL; }
+    *eq = 0;
+    char *key = cfg_trim(line);
+    *value = cfg_trim(eq + 1);
+    const CfgField *f = cfg_find(key);
+    if (!f) snprintf(err, CFG_ERR, "%.200s: unknown key '%.200s' (see --help)", where, key);
+    return f;
+}
+
+static inline int cfg_set_at(Config *c, const CfgField *f, const char *value, const char *where, char *err) {
+    char msg[CFG_ERR];
+    if (cfg_set(c, f, value, msg)) return 1;
+    snprintf(err, CFG_ERR, "%.200s: key '%.64s': %.200s", where, f->key, msg);
+    return 0;
+}
+
 // Apply one `key = value` (or `key=value`) text; `where` names its origin for messages ("file:line", "argument 'x'").
 static inline int cfg_apply_line(Config *c, const char *line, const char *where, char *err) {
-    char buf[4096];
+    char buf[CFG_LINE], *value;
     if (strlen(line) >= sizeof buf) { snprintf(err, CFG_ERR, "%.400s: line too long", where); return 0; }
     strcpy(buf, line);
-    char *eq = strchr(buf, '=');
-    if (!eq) { snprintf(err, CFG_ERR, "%.400s: expected 'key = value'", where); return 0; }
-    *eq = 0;
-    char *key = cfg_trim(buf), *value = cfg_trim(eq + 1);
-    const CfgField *f = cfg_find(key);
-    if (!f) { snprintf(err, CFG_ERR, "%.200s: unknown key '%.200s' (see --help)", where, key); return 0; }
-    char msg[CFG_ERR];
-    if (!cfg_set(c, f, value, msg)) { snprintf(err, CFG_ERR, "%.200s: key '%.64s': %.200s", where, key, msg); return 0; }
+    const CfgField *f = cfg_split(buf, &value, where, err);
+    return f && cfg_set_at(c, f, value, where, err);
+}
+
+// Apply a config text (one `key = value` per line, `#` comments, blank lines) on top of what c holds; messages name
+// `name:line`. A key set twice in one text is refused with both lines (a later command-line argument still
+// overrides). Lines are read whole, so a long comment never spills into a setting. Returns 0 with err set.
+static inline int cfg_parse_text(Config *c, const char *text, const char *name, char *err) {
+    int first_line[CFG_N_FIELDS] = {0};
+    char line[CFG_LINE], where[256], *value;
+    int lineno = 0;
+    for (const char *p = text; *p;) {
+        const char *nl = strchr(p, '\n'), *next = nl ? nl + 1 : p + strlen(p);
+        const char *hash = (const char *)memchr(p, '#', (size_t)(next - p));
+        size_t len = (size_t)((hash ? hash : nl ? nl : next) - p);
+        snprintf(where, sizeof where, "%.240s:%d", name, ++lineno);
+        if (len >= sizeof line) {
+            snprintf(err, CFG_ERR, "%s: setting longer than %d characters", where, CFG_LINE - 1);
+            return 0;
+        }
+        memcpy(line, p, len);
+        line[len] = 0;
+        p = next;
+        if (*cfg_trim(line) == 0) continue;
+        const CfgField *f = cfg_split(line, &value, where, err);
+        if (!f) return 0;
+        int *first = &first_line[f - CFG_FIELDS];
+        if (*first) {
+            snprintf(err, CFG_ERR, "%s: key '%s' is set twice (first at %.180s:%d)", where, f->key, name, *first);
+            return 0;
+        }
+        *first = lineno;
+        if (!cfg_set_at(c, f, value, where, err)) return 0;
+    }
     return 1;
 }
 
-// Read a .cfg file into c (on top of what c holds). Returns 0 with err set on the first problem.
+// Read a .cfg file into c (on top of what c holds). Only a regular file is read (a FIFO would block forever), at
+// most CFG_MAX_FILE bytes, no NUL byte. Returns 0 with err set on the first problem.
 static inline int cfg_load_file(Config *c, const char *path, char *err) {
-    FILE *fp = fopen(path, "r");
-    if (!fp) { snprintf(err, CFG_ERR, "%s: cannot open config file", path); return 0; }
-    char line[4096], where[CFG_ERR];
-    int lineno = 0, ok = 1;
-    while (ok && fgets(line, sizeof line, fp)) {
-        lineno++;
-        char *hash = strchr(line, '#');
-        if (hash) *hash = 0;
-        char *t = cfg_trim(line);
-        if (*t == 0) continue;
-        snprintf(where, sizeof where, "%s:%d", path, lineno);
-        ok = cfg_apply_line(c, t, where, err);
-    }
+    char why[160];
+    FILE *fp = sdm_fopen_regular(path, why, sizeof why);
+    if (!fp) { snprintf(err, CFG_ERR, "%.300s: %s", path, why); return 0; }
+    char *text = (char *)sdm_malloc(CFG_MAX_FILE + 1);
+    size_t n = fread(text, 1, CFG_MAX_FILE + 1, fp);
+    int ok = !ferror(fp);
     fclose(fp);
+    text[SDM_MIN(n, (size_t)CFG_MAX_FILE)] = 0;
+    const char *nul = (const char *)memchr(text, 0, n);
+    if (!ok) snprintf(err, CFG_ERR, "%.300s: read error", path);
+    else if (n > CFG_MAX_FILE) snprintf(err, CFG_ERR, "%.300s: larger than %d bytes", path, CFG_MAX_FILE);
+    else if (nul) {
+        int line = 1;
+        for (const char *q = text; q < nul; q++) line += *q == '\n';
+        snprintf(err, CFG_ERR, "%.300s:%d: NUL byte", path, line);
+    }
+    ok = ok && n <= CFG_MAX_FILE && !nul && cfg_parse_text(c, text, path, err);
+    free(text);
     return ok;
 }
 
@@ -478,6 +542,11 @@ static inline int cfg_check_attention(const Config *c, char *err) {
 
 static inline int cfg_validate(const Config *c, char *err) {
     if (!cfg_check_layers(c, err)) return 0;
+    if ((long long)c->batch_size * (c->seq_len + 1) > INT_MAX) {  // a batch of B rows of T+1 tokens is int-indexed
+        snprintf(err, CFG_ERR, "keys 'data.batch_size', 'data.seq_len': B*(T+1) = %lld exceeds %d",
+                 (long long)c->batch_size * (c->seq_len + 1), INT_MAX);
+        return 0;
+    }
     if (!cfg_check_attention(c, err)) return 0;
     if (cfg_any_layer(c, &c->sdm_at) && !cfg_check_sdm(c, err)) return 0;
     if (c->vocab_size > 65535 && !strcmp(c->tokenizer, "bytes")) {

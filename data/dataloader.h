@@ -45,6 +45,7 @@ typedef struct {
 
 typedef struct {
     int B, T, rank, world, shuffle;
+    uint32_t max_vocab;          // the model's vocabulary: a shard with a larger one is refused
     uint32_t vocab, tokenizer;   // common to every shard
     uint64_t seed, epoch, position, total_rows;
     int num_shards;
@@ -89,6 +90,10 @@ static inline int loader_add_shard(DataLoader *dl, const char *path, char *err) 
     if (strlen(path) >= sizeof s.path) return data_fail(err, "%s: path too long", path);
     if (shard_open(path, &s.h, &f, err)) return -1;
     fclose(f);
+    if (s.h.vocab > dl->max_vocab)  // its tokens are checked against its vocab on every read: bound that by the model's
+        return data_fail(err, "%s: offset 12: vocab %u exceeds the model's vocabulary %u", path, s.h.vocab,
+                         dl->max_vocab);
+    if (shard_manifest_check(path, &s.h, err)) return -1;  // only shards of a complete set
     if (dl->num_shards > 0 && (s.h.vocab != dl->vocab || s.h.tokenizer != dl->tokenizer))
         return data_fail(err, "%s: offset 12: vocab %u / tokenizer %u differ from %s (vocab %u / tokenizer %u)", path,
                          s.h.vocab, s.h.tokenizer, dl->shards[0].path, dl->vocab, dl->tokenizer);
@@ -138,13 +143,15 @@ static inline void dataloader_close(DataLoader *dl) {
 }
 
 // Open the shards matching patterns for rank `rank` of `world`, B rows of T+1 tokens per batch.
-// shuffle = 1 for training, 0 for validation (every row in file order).
+// shuffle = 1 for training, 0 for validation (every row in file order). Shards whose vocab exceeds max_vocab (the
+// model's) are refused, so every token handed out is < max_vocab.
 static inline int dataloader_open(DataLoader *dl, const char *patterns, int B, int T, int rank, int world,
-                                  uint64_t seed, int shuffle, char *err) {
+                                  uint64_t seed, int shuffle, uint32_t max_vocab, char *err) {
     memset(dl, 0, sizeof *dl);
     if (B < 1 || T < 1 || world < 1 || rank < 0 || rank >= world)
         return data_fail(err, "dataloader: bad shape B=%d T=%d rank=%d world=%d", B, T, rank, world);
     dl->B = B; dl->T = T; dl->rank = rank; dl->world = world; dl->seed = seed; dl->shuffle = shuffle != 0;
+    dl->max_vocab = max_vocab;
     dl->f_shard = -1;
     dl->order_epoch = UINT64_MAX;
     if (loader_add_patterns(dl, patterns, err)) { dataloader_close(dl); return -1; }

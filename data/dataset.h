@@ -6,6 +6,7 @@
 #define SDM_DATA_DATASET_H
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -19,11 +20,12 @@
 #define DATASET_VAL_PATTERN "recall_val_*.bin"
 #define DATASET_STAMP "recall_dataset.txt"           // written last: the dataset is complete when it matches
 #define DATASET_SHARD_TOKENS (8u << 20)
+#define DATASET_LOCK ".sdm_data.lock"                // taken by every writer of shards into the directory
 
 // The stamp describes what was generated; a different config (or generator version) means regenerate.
 static inline void dataset_stamp_text(const RecallConfig *c, char *out, size_t cap) {
     snprintf(out, cap,
-             "sdm.c associative-recall dataset, generator version 1\n"
+             "sdm.c associative-recall dataset, generator version 2 (manifests)\n"
              "seed %llu\ntrain_tokens %llu\nval_tokens %llu\nmin_gap %d\nmax_gap %d\nmin_facts %d\nmax_facts %d\n"
              "queries_per_fact %d\nshard_tokens %u\n",
              (unsigned long long)c->seed, (unsigned long long)c->train_tokens, (unsigned long long)c->val_tokens,
@@ -44,6 +46,26 @@ static inline int dataset_make_dir(const char *dir, char *err) {
         if (c == 0) return 0;
     }
 }
+
+// An exclusive lock on {dir}/DATASET_LOCK (fcntl, so the kernel releases it when the process ends, however it
+// ends): writers into one directory take turns, and dataset_ensure_default waits for a writer before it reads the
+// stamp. *fd holds it until dataset_unlock.
+static inline int dataset_lock(const char *dir, int *fd, char *err) {
+    char path[SHARD_PATH_LEN + 32];
+    snprintf(path, sizeof path, "%s/%s", dir, DATASET_LOCK);
+    *fd = open(path, O_RDWR | O_CREAT, 0644);
+    if (*fd < 0) return data_fail(err, "%s: cannot open: %s", path, strerror(errno));
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    int rc;
+    while ((rc = fcntl(*fd, F_SETLKW, &l)) != 0 && errno == EINTR) {}
+    if (rc != 0) { close(*fd); return data_fail(err, "%s: cannot lock: %s", path, strerror(errno)); }
+    return 0;
+}
+
+static inline void dataset_unlock(int fd) { close(fd); }
 
 static inline int dataset_stamp_matches(const char *dir, const char *want) {
     char path[SHARD_PATH_LEN + 64], have[1024];
@@ -68,8 +90,8 @@ static inline int recall_dataset_write(const char *dir, const RecallConfig *c, c
     for (int split = 0; split < 2; split++) {
         if (shard_writer_open(&w, dir, prefixes[split], TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, DATASET_SHARD_TOKENS, err))
             return -1;
-        int rc = recall_write_split(c, (uint64_t)split, sizes[split], &w, err);
-        if (shard_writer_close(&w, rc ? NULL : err) || rc) return -1;
+        if (recall_write_split(c, (uint64_t)split, sizes[split], &w, err)) { shard_writer_abort(&w); return -1; }
+        if (shard_writer_close(&w, err)) return -1;
     }
     char tmp[SHARD_PATH_LEN + 96];
     snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
@@ -82,14 +104,20 @@ static inline int recall_dataset_write(const char *dir, const RecallConfig *c, c
 }
 
 // Make sure the default dataset exists in dir (normally DATASET_DEFAULT_DIR); generates it (a few seconds) when
-// missing or made by another generator version. Returns 0, or -1 with a message in err.
+// missing or made by another generator version. Safe when several ranks call it at once: under the directory's
+// lock the first generates, the others find its stamp. Returns 0, or -1 with a message in err.
 static inline int dataset_ensure_default(const char *dir, char *err) {
     RecallConfig c = recall_default_config();
     char stamp[1024];
+    int lock, rc = 0;
     dataset_stamp_text(&c, stamp, sizeof stamp);
-    if (dataset_stamp_matches(dir, stamp)) return 0;
-    fprintf(stderr, "sdm: generating the default recall dataset in %s (once)\n", dir);
-    return recall_dataset_write(dir, &c, err);
+    if (dataset_make_dir(dir, err) || dataset_lock(dir, &lock, err)) return -1;
+    if (!dataset_stamp_matches(dir, stamp)) {
+        fprintf(stderr, "sdm: generating the default recall dataset in %s (once)\n", dir);
+        rc = recall_dataset_write(dir, &c, err);
+    }
+    dataset_unlock(lock);
+    return rc;
 }
 
 #endif

@@ -29,12 +29,18 @@ static inline void bytebuf_reserve(ByteBuf *b, size_t extra) {
 }
 
 static inline void bytebuf_append(ByteBuf *b, const void *src, size_t n) {
+    if (n == 0) return;  // an empty string may meet a buffer never allocated (memcpy must not see NULL)
     bytebuf_reserve(b, n);
     memcpy(b->data + b->len, src, n);
     b->len += n;
 }
 
 static inline void bytebuf_free(ByteBuf *b) { free(b->data); memset(b, 0, sizeof *b); }
+
+// b holds exactly the characters of s (an empty b may have no buffer at all).
+static inline int bytebuf_equals(const ByteBuf *b, const char *s) {
+    return b->len == strlen(s) && (b->len == 0 || memcmp(b->data, s, b->len) == 0);
+}
 
 typedef struct {
     ByteBuf text;  // the decoded field of the last line parsed
@@ -178,7 +184,7 @@ static inline int json_container(JsonlParser *jp, int depth, const char *field, 
             if (jp->p == jp->end || *jp->p != '"') return json_fail(jp, "member name (a string) expected");
             jp->key.len = 0;
             if (json_string(jp, &jp->key)) return -1;
-            wanted = depth == 1 && jp->key.len == strlen(field) && memcmp(jp->key.data, field, jp->key.len) == 0;
+            wanted = depth == 1 && bytebuf_equals(&jp->key, field);
             json_skip_ws(jp);
             if (jp->p == jp->end || *jp->p != ':') return json_fail(jp, "':' expected after member name");
             jp->p++;

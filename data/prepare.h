@@ -177,16 +177,31 @@ static inline int preparer_add_file(Preparer *pp, const char *path, PrepUnit uni
     return rc;
 }
 
-// Finish the shards. An input with no documents at all is an error: there would be nothing to train on.
-static inline int preparer_close(Preparer *pp, char *err) {
-    int rc = shard_writer_close(&pp->train, err);
-    if (shard_writer_close(&pp->val, rc ? NULL : err)) rc = -1;
-    if (rc == 0 && pp->docs == pp->val_docs)
-        rc = data_fail(err, "no training documents in the input (%llu read, %llu skipped)",
-                       (unsigned long long)pp->docs, (unsigned long long)pp->skipped);
+static inline void preparer_free(Preparer *pp) {
     bytebuf_free(&pp->block);
     bytebuf_free(&pp->doc);
     jsonl_parser_free(&pp->jp);
+}
+
+// After a failure: drop the shards being written and write no manifest (the output is incomplete).
+static inline void preparer_abort(Preparer *pp) {
+    shard_writer_abort(&pp->train);
+    shard_writer_abort(&pp->val);
+    preparer_free(pp);
+}
+
+// Finish the shards and their manifests. An input with no documents at all is an error: there would be nothing to
+// train on.
+static inline int preparer_close(Preparer *pp, char *err) {
+    if (pp->docs == pp->val_docs) {
+        data_fail(err, "no training documents in the input (%llu read, %llu skipped)", (unsigned long long)pp->docs,
+                  (unsigned long long)pp->skipped);
+        preparer_abort(pp);
+        return -1;
+    }
+    int rc = shard_writer_close(&pp->train, err);
+    if (shard_writer_close(&pp->val, rc ? NULL : err)) rc = -1;
+    preparer_free(pp);
     return rc;
 }
 

@@ -27,7 +27,8 @@ static void usage(void) {
           "  recall: --min-facts F --max-facts F --queries-per-fact Q   (defaults: the embedded default dataset)\n"
           "  mqar:   --seq-len T --pairs P        copy: --seq-len T --copy-len L\n"
           "          (documents of exactly T tokens = data.seq_len; --max-gap 0: as far as the row allows)\n"
-          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (tasks: DIR/TASK_train_*, TASK_val_*)\n",
+          "outputs: DIR/train_000000.bin ... and DIR/val_000000.bin ... (tasks: DIR/TASK_train_*, TASK_val_*), and\n"
+          "         their manifests (DIR/train.manifest ...), written last: the loader takes only listed shards\n",
           stderr);
     exit(2);
 }
@@ -143,23 +144,28 @@ int main(int argc, char **argv) {
     if (!dir) usage();
     if (strcmp(format, "auto") && strcmp(format, "text") && strcmp(format, "jsonl"))
         sdm_die("--format: expected auto, text or jsonl, got \"%s\"", format);
+    if (task && num_inputs > 0) sdm_die("--task %s takes no input files", task);
+    if (!task && num_inputs == 0) sdm_die("no input files (see prepare_data with no arguments for usage)");
+    char err[DATA_ERR_LEN];
+    int lock;  // one writer at a time in dir; released when the process ends
+    if (dataset_make_dir(dir, err) || dataset_lock(dir, &lock, err)) sdm_die("%s", err);
     if (task) {
-        if (num_inputs > 0) sdm_die("--task %s takes no input files", task);
         run_task(dir, task, &rc, &sc);
         return 0;
     }
-    if (num_inputs == 0) sdm_die("no input files (see prepare_data with no arguments for usage)");
 
-    char err[DATA_ERR_LEN];
     Preparer pp;
     g_start = now_seconds();
-    if (dataset_make_dir(dir, err) || preparer_open(&pp, dir, shard_tokens, err)) fail(err);
+    if (preparer_open(&pp, dir, shard_tokens, err)) fail(err);
     pp.val_every = val_every;
     pp.skip_bad = skip_bad;
     pp.field = field;
     pp.progress = quiet ? NULL : print_progress;
     for (int i = 0; i < num_inputs; i++)
-        if (preparer_add_file(&pp, inputs[i], input_unit(inputs[i], format, text_unit), err)) fail(err);
+        if (preparer_add_file(&pp, inputs[i], input_unit(inputs[i], format, text_unit), err)) {
+            preparer_abort(&pp);
+            fail(err);
+        }
     uint64_t train_tokens = pp.train.total_tokens, val_tokens = pp.val.total_tokens;
     int train_shards = pp.train.num_shards + (pp.train.f != NULL), val_shards = pp.val.num_shards + (pp.val.f != NULL);
     uint64_t docs = pp.docs, val_docs = pp.val_docs, skipped = pp.skipped, bytes = pp.bytes_read;

@@ -28,6 +28,7 @@
 
 #define RECALL_VALUE_DIGITS 5
 #define RECALL_MAX_FACTS 64
+#define RECALL_MAX_GAP (1 << 20)  // a document is about 1.5 max_gap bytes: --min-gap 1e9 would write GBs per document
 #define RECALL_MAX_OVERSHOOT 400  // > the longest filler sentence plus the query text before its answer
 #define RECALL_QUERY_PREFIX "Question: what is the "
 #define RECALL_QUERY_MID "? Answer: "
@@ -56,8 +57,9 @@ static inline RecallConfig recall_default_config(void) {
 }
 
 static inline int recall_config_check(const RecallConfig *c, char *err) {
-    if (c->min_gap < 1 || c->max_gap < c->min_gap)
-        return data_fail(err, "recall: need 1 <= min_gap <= max_gap (got %d, %d)", c->min_gap, c->max_gap);
+    if (c->min_gap < 1 || c->max_gap < c->min_gap || c->max_gap > RECALL_MAX_GAP)
+        return data_fail(err, "recall: need 1 <= min_gap <= max_gap <= %d (got %d, %d)", RECALL_MAX_GAP, c->min_gap,
+                         c->max_gap);
     if (c->min_facts < 1 || c->max_facts < c->min_facts || c->max_facts > RECALL_MAX_FACTS)
         return data_fail(err, "recall: need 1 <= min_facts <= max_facts <= %d (got %d, %d)", RECALL_MAX_FACTS,
                          c->min_facts, c->max_facts);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/common.h"
+#include "core/file.h"
 
 #define DATA_ERR_LEN 512
 #define SHARD_MAGIC 0x544D4453u         // "SDMT" read as a little-endian uint32
@@ -143,10 +144,12 @@ static inline int shard_validate_buffer(const uint8_t *buf, size_t len, const ch
     return 0;
 }
 
-// Open a shard file, parse its header and check its size. On success *out is open, positioned after the header.
+// Open a shard file (a regular file: a FIFO would block), parse its header and check its size. On success *out is
+// open, positioned after the header.
 static inline int shard_open(const char *path, ShardHeader *h, FILE **out, char *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return data_fail(err, "%s: cannot open: %s", path, strerror(errno));
+    char why[160];
+    FILE *f = sdm_fopen_regular(path, why, sizeof why);
+    if (!f) return data_fail(err, "%s: %s", path, why);
     uint8_t hdr[SHARD_HEADER_BYTES];
     size_t got = fread(hdr, 1, sizeof hdr, f);
     if (ferror(f)) { fclose(f); return data_fail(err, "%s: read error at offset 0: %s", path, strerror(errno)); }
@@ -175,12 +178,55 @@ static inline int shard_read_tokens(FILE *f, const ShardHeader *h, const char *n
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Manifest: {dir}/{prefix}.manifest lists the shards of a complete set, one `NAME TOKENS BYTES` line each after
+// the line SHARD_MANIFEST_HEADER. A writer removes it before touching any shard of the prefix and writes it last
+// (.tmpPID, then rename), so a shard set is complete iff its manifest exists; the dataloader refuses shards it
+// does not list with their size. A failed or killed run over an older set thus leaves nothing loadable.
+
+#define SHARD_MANIFEST_HEADER "sdm.c shard manifest 1\n"
+#define SHARD_PATH_LEN 1024
+
+// {dir}/{prefix}.manifest of the shard at path ({dir}/{prefix}_NNNNNN.bin); -1 when path is not named that way.
+static inline int shard_manifest_of(const char *path, char *out, size_t cap, const char **name, char *err) {
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    size_t n = strlen(base), digits = 0;
+    while (n >= 4 + digits + 1 && base[n - 5 - digits] >= '0' && base[n - 5 - digits] <= '9') digits++;
+    if (n < 4 || strcmp(base + n - 4, ".bin") || digits == 0 || n < digits + 6 || base[n - 5 - digits] != '_')
+        return data_fail(err, "%s: not named PREFIX_NNNNNN.bin, so no PREFIX.manifest can list it", path);
+    *name = base;
+    snprintf(out, cap, "%.*s.manifest", (int)(base - path + n - 5 - digits), path);
+    return 0;
+}
+
+// The shard at path (header h, size checked) must be listed in its manifest with its token count and size.
+static inline int shard_manifest_check(const char *path, const ShardHeader *h, char *err) {
+    char manifest[SHARD_PATH_LEN + 16], line[SHARD_PATH_LEN + 64], why[160], listed[SHARD_PATH_LEN];
+    const char *name;
+    if (shard_manifest_of(path, manifest, sizeof manifest, &name, err)) return -1;
+    FILE *f = sdm_fopen_regular(manifest, why, sizeof why);
+    if (!f)
+        return data_fail(err, "%s: no complete shard set: %s: %s (it is written last; the set is incomplete, being "
+                         "written, or older than manifests: run prepare_data again)", path, manifest, why);
+    int ok = fgets(line, sizeof line, f) && !strcmp(line, SHARD_MANIFEST_HEADER), found = 0;
+    unsigned long long tokens = 0, bytes = 0;
+    while (ok && !found && fgets(line, sizeof line, f))
+        found = sscanf(line, "%1023s %llu %llu", listed, &tokens, &bytes) == 3 && !strcmp(listed, name);
+    fclose(f);
+    if (!ok) return data_fail(err, "%s: not a shard manifest (first line)", manifest);
+    if (!found) return data_fail(err, "%s: not listed in %s: not part of the complete shard set", path, manifest);
+    if (tokens != h->count || bytes != shard_expected_size(h))
+        return data_fail(err, "%s: %s lists %llu tokens (%llu bytes), the file holds %llu: another run's shard",
+                         path, manifest, tokens, bytes, (unsigned long long)h->count);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // ShardWriter: appends a token stream to {dir}/{prefix}_000000.bin, _000001.bin, ... with at most shard_limit
 // tokens each. Each shard is written under a per-process .tmpPID name and renamed when complete, so a crash
 // never leaves a file that looks finished, and processes writing the same (deterministic) data do not collide.
-// Stale shards of the same prefix beyond the last one written are removed on close.
+// Opening removes the prefix's manifest; a successful close removes stale shards of the prefix beyond the last
+// one written and writes the manifest; shard_writer_abort (any failure) removes the temporary file only.
 
-#define SHARD_PATH_LEN 1024
 #define SHARD_WRITE_BUF (1 << 20)
 
 typedef struct {
@@ -211,6 +257,10 @@ static inline int shard_writer_open(ShardWriter *w, const char *dir, const char 
     w->h.tokenizer = tokenizer;
     w->h.bytes_per_token = shard_bytes_per_token_for(vocab);
     w->shard_limit = shard_limit;
+    char manifest[SHARD_PATH_LEN + 160];
+    snprintf(manifest, sizeof manifest, "%s/%s.manifest", dir, prefix);
+    if (remove(manifest) != 0 && errno != ENOENT)  // the old set stops being complete before any shard changes
+        return data_fail(err, "%s: cannot remove: %s", manifest, strerror(errno));
     w->buf = (uint8_t *)sdm_malloc(SHARD_WRITE_BUF);
     return 0;
 }
@@ -306,7 +356,26 @@ static inline int shard_writer_append_bytes(ShardWriter *w, const uint8_t *bytes
     return 0;
 }
 
-// Finish the last shard and delete stale {prefix}_N.bin files left by an earlier, longer run.
+// {dir}/{prefix}.manifest listing the shards written (all full but the last), via .tmpPID and rename.
+static inline int shard_writer_manifest(ShardWriter *w, char *err) {
+    char path[SHARD_PATH_LEN + 160], tmp[SHARD_PATH_LEN + 192];
+    snprintf(path, sizeof path, "%s/%s.manifest", w->dir, w->prefix);
+    snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return data_fail(err, "%s: cannot create: %s", tmp, strerror(errno));
+    int bad = fputs(SHARD_MANIFEST_HEADER, f) < 0;
+    for (int i = 0; i < w->num_shards; i++) {
+        ShardHeader h = w->h;
+        h.count = i + 1 < w->num_shards ? w->shard_limit : w->total_tokens - w->shard_limit * (uint64_t)i;
+        bad |= fprintf(f, "%s_%06d.bin %llu %llu\n", w->prefix, i, (unsigned long long)h.count,
+                       (unsigned long long)shard_expected_size(&h)) < 0;
+    }
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) { remove(tmp); return data_fail(err, "%s: write failed", path); }
+    return 0;
+}
+
+// Finish the last shard, delete stale {prefix}_N.bin files left by an earlier, longer run, write the manifest.
 static inline int shard_writer_close(ShardWriter *w, char *err) {
     int rc = w->f ? shard_writer_finish(w, err) : 0;
     for (int i = w->num_shards; rc == 0; i++) {
@@ -314,9 +383,18 @@ static inline int shard_writer_close(ShardWriter *w, char *err) {
         shard_path(stale, sizeof stale, w->dir, w->prefix, i);
         if (remove(stale) != 0) break;
     }
+    if (rc == 0) rc = shard_writer_manifest(w, err);
     free(w->buf);
     w->buf = NULL;
     return rc;
+}
+
+// After a failure: drop the shard being written; no manifest, so the prefix's set stays incomplete.
+static inline void shard_writer_abort(ShardWriter *w) {
+    if (w->f) { fclose(w->f); remove(w->tmp_path); }
+    w->f = NULL;
+    free(w->buf);
+    w->buf = NULL;
 }
 
 #endif

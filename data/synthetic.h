@@ -185,8 +185,8 @@ static inline int syn_dataset_write(const char *dir, const SynConfig *c, uint64_
         ShardWriter w;
         snprintf(prefix, sizeof prefix, "%s_%s", syn_task_name(c->task), splits[split]);
         if (shard_writer_open(&w, dir, prefix, TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, shard, err)) return -1;
-        int rc = syn_write_split(c, (uint64_t)split, sizes[split], &w, dropped, err);
-        if (shard_writer_close(&w, rc ? NULL : err) || rc) return -1;
+        if (syn_write_split(c, (uint64_t)split, sizes[split], &w, dropped, err)) { shard_writer_abort(&w); return -1; }
+        if (shard_writer_close(&w, err)) return -1;
     }
     return 0;
 }

@@ -283,13 +283,10 @@ static inline int ckpt_get(FILE *fp, void *dst, size_t n, uint64_t *hash, const 
 // and check that the table describes exactly that model.
 static inline int ckpt_check_model(const char *path, char *text, const CkptTensor *table, uint64_t n_tensors,
                                    Config *c, ModelDesc *m, char *err) {
-    char where[CKPT_ERR], msg[CFG_ERR];
-    int lineno = 0;
+    char name[CKPT_ERR], msg[CFG_ERR];
     cfg_defaults(c);
-    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) { // one `key = value` per line
-        snprintf(where, sizeof where, "%.600s: config line %d", path, ++lineno);
-        if (!cfg_apply_line(c, line, where, msg)) { snprintf(err, CKPT_ERR, "%s", msg); return 0; }
-    }
+    snprintf(name, sizeof name, "%.600s (config text)", path);
+    if (!cfg_parse_text(c, text, name, msg)) { snprintf(err, CKPT_ERR, "%s", msg); return 0; }
     if (!cfg_validate(c, msg)) { snprintf(err, CKPT_ERR, "%.400s: stored config: %.300s", path, msg); return 0; }
     model_build(m, c);
     if ((uint64_t)m->n_params != n_tensors) {

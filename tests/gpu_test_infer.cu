@@ -44,15 +44,7 @@ static const char *MODEL_LINES =
 static void build_model(Config *cfg, ModelDesc *m, const char *dtype) {
     char err[CFG_ERR], line[256];
     cfg_defaults(cfg);
-    const char *p = MODEL_LINES;
-    while (*p) {
-        const char *nl = strchr(p, '\n');
-        size_t len = (size_t)(nl - p);
-        memcpy(line, p, len);
-        line[len] = 0;
-        if (!cfg_apply_line(cfg, line, "test", err)) sdm_die("%s", err);
-        p = nl + 1;
-    }
+    if (!cfg_parse_text(cfg, MODEL_LINES, "test", err)) sdm_die("%s", err);
     snprintf(line, sizeof line, "distributed.model_dtype = %s", dtype);
     if (!cfg_apply_line(cfg, line, "test", err) || !cfg_validate(cfg, err)) sdm_die("%s", err);
     model_build(m, cfg);

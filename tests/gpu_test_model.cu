@@ -44,15 +44,7 @@ static const Case CASES[] = {
 static int build_case(const Case *c, Config *cfg, const char *dtype) {
     char err[CFG_ERR], line[512];
     cfg_defaults(cfg);
-    const char *p = c->lines;
-    while (*p) {
-        const char *nl = strchr(p, '\n');
-        size_t len = nl ? (size_t)(nl - p) : strlen(p);
-        memcpy(line, p, len);
-        line[len] = 0;
-        if (!cfg_apply_line(cfg, line, "case", err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
-        p += len + (nl ? 1 : 0);
-    }
+    if (!cfg_parse_text(cfg, c->lines, "case", err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
     snprintf(line, sizeof line, "distributed.model_dtype = %s", dtype);
     if (!cfg_apply_line(cfg, line, "case", err) || !cfg_validate(cfg, err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
     model_build(&g_desc, cfg);

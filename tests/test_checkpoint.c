@@ -10,14 +10,11 @@ typedef struct { uint64_t a, b; } LoaderRecord; // stands in for the dataloader'
 
 static void build_model(Config *c) {
     char err[CFG_ERR];
-    const char *lines[] = {"model.dim = 16", "model.n_layers = 2", "model.n_heads = 2", "model.vocab_size = 11",
-                           "model.multiple_of = 16", "model.attn_at = 0", "model.sdm_at = 1",
-                           "sdm.slots_per_head = 16", "sdm.num_writes = 2", "sdm.num_reads = 2",
-                           "sdm.output_gate = true", "optim.lr = 0.00123"};
+    const char *text = "model.dim = 16\nmodel.n_layers = 2\nmodel.n_heads = 2\nmodel.vocab_size = 11\n"
+                       "model.multiple_of = 16\nmodel.attn_at = 0\nmodel.sdm_at = 1\nsdm.slots_per_head = 16\n"
+                       "sdm.num_writes = 2\nsdm.num_reads = 2\nsdm.output_gate = true\noptim.lr = 0.00123\n";
     cfg_defaults(c);
-    for (size_t i = 0; i < sizeof lines / sizeof lines[0]; i++)
-        if (!cfg_apply_line(c, lines[i], "test", err)) sdm_die("%s", err);
-    if (!cfg_validate(c, err)) sdm_die("%s", err);
+    if (!cfg_parse_text(c, text, "test", err) || !cfg_validate(c, err)) sdm_die("%s", err);
     model_build(&g_model, c);
 }
 

@@ -1,5 +1,8 @@
 // tests/test_config.c: the config parser, its error messages, and the parameter counts of every shipped config
 // against docs/MODEL.md#shipped-configs (the figures there were derived independently from the reference code).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "core/config.h"
 #include "model/model.h"
 #include "tests/test.h"
@@ -102,7 +105,8 @@ static void expect_error(const char *text, const char *needle) {
 
 static void test_errors(void) {
     expect_error(SMALL "model.attn_at = all\nmodel.bogus = 3\n", "test_config_bad.cfg:6: unknown key 'model.bogus'");
-    expect_error(SMALL "model.attn_at = all\nmodel.dim = 6x4\n", "test_config_bad.cfg:6: key 'model.dim': '6x4' is not an integer");
+    expect_error(SMALL "model.attn_at = all\nmodel.n_kv_heads = 6x4\n",
+                 "test_config_bad.cfg:6: key 'model.n_kv_heads': '6x4' is not an integer");
     expect_error(SMALL "model.attn_at = all\noptim.lr = -1\n", "key 'optim.lr': -1 is out of range");
     expect_error(SMALL "model.attn_at = all\nsdm.output_gate = yes\n", "not a boolean");
     expect_error(SMALL "model.attn_at = all\nsdm.write_act = relu\n", "not one of softmax|l2_normalize");
@@ -111,13 +115,13 @@ static void test_errors(void) {
     expect_error(SMALL "model.attn_at = 0,1,2\nmodel.sdm_at = 2,3\n", "layer 2 is assigned more than once");
     expect_error(SMALL "model.attn_at = 0,1,2,3,3\n", "layer 3 listed twice");
     expect_error(SMALL "model.attn_at = 0,1,2,3,7\n", "layer 7 out of range");
-    expect_error(SMALL "model.attn_at = 0,1.5,2,3\n", "not a non-negative integer");
+    expect_error(SMALL "model.attn_at = 0,1.5,2,3\n", "not an integer in [0, 256)");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\n", "key 'model.swa_window': must be > 0");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\nmodel.swa_window = 0\n", "must be > 0");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_writes = 300\n", "key 'sdm.num_writes': 300 exceeds slots_per_head 256");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_reads = 257\n", "key 'sdm.num_reads': 257 exceeds");
     expect_error("model.dim = 64\nmodel.n_layers = 2\nmodel.sdm_at = all\n", "'sdm.slots_per_head': required");
-    expect_error(SMALL "model.sdm_at = all\nsdm.slots_per_head = 200\n", "not a perfect square");
+    expect_error("model.dim = 64\nmodel.n_layers = 4\nmodel.sdm_at = all\nsdm.slots_per_head = 200\n", "not a perfect square");
     expect_error(SMALL "model.sdm_at = all\nsdm.product_key_factor_dims = 4,8\n", "product 32 != slots_per_head 256");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_heads = 3\n", "3 does not divide model.dim 64");
     expect_error(SMALL "model.attn_at = all\nmodel.n_kv_heads = 3\n", "3 does not divide n_heads 4");
@@ -135,6 +139,62 @@ static void test_errors(void) {
     char *flag[] = {(char *)"test", (char *)"--bogus"};
     CHECK(!cfg_from_args(&c, 2, flag, err), "accepted an unknown flag");
     CHECK(strstr(err, "'--bogus'") != NULL, "message '%s' does not name the flag", err);
+}
+
+static void write_text(const char *path, const char *text, size_t n) {
+    FILE *fp = fopen(path, "wb");
+    if (!fp || fwrite(text, 1, n, fp) != n || fclose(fp) != 0) sdm_die("cannot write %s", path);
+}
+
+// cfg_from_args on `-c path` plus one optional key=value argument.
+static int load_with(const char *path, const char *arg, Config *c, char *err) {
+    char *argv[] = {(char *)"test", (char *)"-c", (char *)path, (char *)arg};
+    return cfg_from_args(c, arg ? 4 : 3, argv, err);
+}
+
+// Issue 9: lines of any length, values that would overflow, strings that would break the dump, duplicate keys,
+// files that are not regular files.
+static void test_edge_cases(void) {
+    const char *path = "build/test_config_edge.cfg";
+    char err[CFG_ERR] = "", text[3 * CFG_LINE];
+    Config c;
+    // a comment of 4095 bytes then `steps = 7`: a 4096-byte line buffer would apply the tail as a setting
+    size_t n = (size_t)snprintf(text, sizeof text, "#%0*d", CFG_LINE - 2, 0);
+    n += (size_t)snprintf(text + n, sizeof text - n, "steps = 7\n" SMALL "model.attn_at = all\n");
+    write_text(path, text, n);
+    CHECK(load_with(path, NULL, &c, err) && c.steps == 1000, "a long comment set steps to %d (%s)", c.steps, err);
+    memset(text, ' ', CFG_LINE + 10);  // a setting itself longer than CFG_LINE is refused, not split
+    memcpy(text + CFG_LINE + 10, "steps = 7\n", 11);
+    write_text(path, text, strlen(text));
+    CHECK(!load_with(path, NULL, &c, err) && strstr(err, "test_config_edge.cfg:1: setting longer"), "long: %s", err);
+    // a key twice in one file is refused with both lines; an argument still overrides the file
+    expect_error(SMALL "model.attn_at = all\nmodel.dim = 32\n",
+                 "test_config_bad.cfg:6: key 'model.dim' is set twice (first at build/test_config_bad.cfg:1)");
+    write_text(path, SMALL "model.attn_at = all\nsteps = 5\n", strlen(SMALL) + 30);
+    CHECK(load_with(path, "steps=9", &c, err) && c.steps == 9, "argument override: steps %d (%s)", c.steps, err);
+    expect_error(SMALL "model.attn_at = 0,1,2,3,2147483648\n", "test_config_bad.cfg:5: key 'model.attn_at': layer "
+                 "index '2.14748e+09' is not an integer in [0, 256)");
+    expect_error(SMALL "model.attn_at = all\noptim.eps = 0\n", "test_config_bad.cfg:6: key 'optim.eps': 0 is out of range");
+    expect_error(SMALL "model.attn_at = all\noptim.eps = 1e-13\n", "key 'optim.eps': 1e-13 is out of range");
+    expect_error(SMALL "model.attn_at = all\ndata.batch_size = 128\ndata.seq_len = 16777215\n",  // B*T fits, B*(T+1) not
+                 "B*(T+1) = 2147483648 exceeds");
+    CHECK(!load_with("configs/debug_sdm.cfg", "name=a#b", &c, err) && strstr(err, "argument 'name=a#b'") &&
+          strstr(err, "'#'"), "'#' in a string: %s", err);
+    CHECK(!load_with("configs/debug_sdm.cfg", "run_dir=a\nsteps = 3", &c, err) && strstr(err, "key 'run_dir'"),
+          "a newline in a string: %s", err);
+    CHECK(load_with("configs/debug_sdm.cfg", "run_dir=runs/a b", &c, err), "a space in a string: %s", err);
+    write_text(path, "steps = 5\nname = a\0b\n", 20);
+    CHECK(!load_with(path, NULL, &c, err) && strstr(err, "test_config_edge.cfg:2: NUL byte"), "NUL: %s", err);
+    remove(path);
+    // a FIFO must be refused at once, not block until a writer appears (the alarm turns a hang into a failure)
+    const char *fifo = "build/test_config_fifo.cfg";
+    remove(fifo);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    alarm(20);
+    CHECK(!load_with(fifo, NULL, &c, err) && strstr(err, "test_config_fifo.cfg: cannot open: not a regular file"),
+          "FIFO: %s", err);
+    alarm(0);
+    remove(fifo);
 }
 
 // Factor widths, slot counts and decay flags of the SDM description.
@@ -215,6 +275,7 @@ int main(void) {
     test_shipped_configs();
     test_dump_round_trip();
     test_errors();
+    test_edge_cases();
     test_sdm_description();
     test_init();
     test_init_threads();

@@ -3,11 +3,15 @@
 // G = world*B only); save/restore reproduces the exact next batches (across epochs and world sizes);
 // shuffling is deterministic per seed; the validation loader reads rows in file order.
 #define _POSIX_C_SOURCE 200809L
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "data/dataloader.h"
 #include "tests/test.h"
 #include "tests/test_data_util.h"
 
 #define T 16
+#define VOCAB 65536  // of the test shards, and the model's
 #define NSHARDS 4
 static const size_t shard_tokens[NSHARDS] = {1000, 517, 2000, 33};
 static char g_dir[TEST_PATH_LEN], g_pattern[TEST_PATH_LEN + 32];
@@ -23,7 +27,7 @@ static void write_shards(void) {
         snprintf(prefix, sizeof prefix, "s%d", s);
         int32_t *t = (int32_t *)sdm_malloc(shard_tokens[s] * sizeof(int32_t));
         for (size_t i = 0; i < shard_tokens[s]; i++) t[i] = value++;
-        if (shard_writer_open(&w, g_dir, prefix, 65536, SHARD_TOKENIZER_EXTERNAL, 1u << 20, err) ||
+        if (shard_writer_open(&w, g_dir, prefix, VOCAB, SHARD_TOKENIZER_EXTERNAL, 1u << 20, err) ||
             shard_writer_append(&w, t, shard_tokens[s], err) || shard_writer_close(&w, err))
             sdm_die("%s", err);
         free(t);
@@ -35,7 +39,7 @@ static void write_shards(void) {
 static DataLoader open_loader(int B, int rank, int world, uint64_t seed, int shuffle) {
     DataLoader dl;
     char err[DATA_ERR_LEN];
-    if (dataloader_open(&dl, g_pattern, B, T, rank, world, seed, shuffle, err)) sdm_die("%s", err);
+    if (dataloader_open(&dl, g_pattern, B, T, rank, world, seed, shuffle, VOCAB, err)) sdm_die("%s", err);
     return dl;
 }
 
@@ -153,7 +157,7 @@ static void test_save_restore(int at) {
     bad.magic = 0;
     CHECK(dataloader_set_state(&c, &bad, err) != 0 && strstr(err, "magic"), "state with bad magic accepted: %s", err);
     DataLoader other_T;
-    if (dataloader_open(&other_T, g_pattern, B, T + 1, 0, 1, 7, 1, err)) sdm_die("%s", err);
+    if (dataloader_open(&other_T, g_pattern, B, T + 1, 0, 1, 7, 1, VOCAB, err)) sdm_die("%s", err);
     CHECK(dataloader_set_state(&other_T, &saved, err) != 0 && strstr(err, "seq_len"), "state for another T accepted: %s", err);
     dataloader_close(&other_T);
     dataloader_close(&a);
@@ -249,13 +253,39 @@ static void test_pattern_list(void) {
     char list[3 * TEST_PATH_LEN], err[DATA_ERR_LEN] = "";
     snprintf(list, sizeof list, "%s/s0_000000.bin,%s/s2_*.bin", g_dir, g_dir);
     DataLoader dl;
-    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, err) == 0 && dl.num_shards == 2 &&
+    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, VOCAB, err) == 0 && dl.num_shards == 2 &&
           dl.total_rows == (shard_tokens[0] - 1) / T + (shard_tokens[2] - 1) / T, "comma-separated list: %s", err);
     if (dl.shards) dataloader_close(&dl);
     snprintf(list, sizeof list, "%s/s0_000000.bin,%s/nothing_*.bin", g_dir, g_dir);
-    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, err) != 0 && strstr(err, "nothing_") && strstr(err, "no file"),
+    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, VOCAB, err) != 0 && strstr(err, "nothing_") && strstr(err, "no file"),
           "a pattern matching nothing: %s", err);
-    CHECK(dataloader_open(&dl, g_pattern, 2, T, 2, 2, 1, 1, err) != 0 && strstr(err, "rank"), "rank >= world: %s", err);
+    CHECK(dataloader_open(&dl, g_pattern, 2, T, 2, 2, 1, 1, VOCAB, err) != 0 && strstr(err, "rank"), "rank >= world: %s", err);
+}
+
+// Issue 9: a shard's vocab above the model's is refused (unsigned: 0x80000000 is no negative number), so tokens of a
+// million never reach the embedding; a FIFO named like a shard is refused at once instead of blocking.
+static void test_refusals(void) {
+    char err[DATA_ERR_LEN] = "", pattern[TEST_PATH_LEN + 32];
+    const uint32_t huge = 0x80000000u;
+    int32_t tokens[200];
+    for (int i = 0; i < 200; i++) tokens[i] = 1000000 + i;
+    ShardWriter w;
+    if (shard_writer_open(&w, g_dir, "huge", huge, SHARD_TOKENIZER_EXTERNAL, 1000, err) ||
+        shard_writer_append(&w, tokens, 200, err) || shard_writer_close(&w, err))
+        sdm_die("%s", err);
+    snprintf(pattern, sizeof pattern, "%s/huge_*.bin", g_dir);
+    DataLoader dl;
+    CHECK(dataloader_open(&dl, pattern, 2, T, 0, 1, 1, 1, 258, err) != 0 && strstr(err, "huge_000000.bin: offset 12") &&
+          strstr(err, "vocab 2147483648 exceeds the model's vocabulary 258"), "vocab 0x80000000 accepted: %s", err);
+    CHECK(dataloader_open(&dl, pattern, 2, T, 0, 1, 1, 1, huge, err) == 0, "the shard's own vocab refused: %s", err);
+    if (dl.shards) dataloader_close(&dl);
+    snprintf(pattern, sizeof pattern, "%s/fifo_000000.bin", g_dir);
+    CHECK(mkfifo(pattern, 0600) == 0, "mkfifo %s", pattern);
+    alarm(20);  // a hang becomes a failure
+    CHECK(dataloader_open(&dl, pattern, 2, T, 0, 1, 1, 1, VOCAB, err) != 0 && strstr(err, pattern) &&
+          strstr(err, "not a regular file"), "FIFO: %s", err);
+    alarm(0);
+    remove(pattern);
 }
 
 int main(void) {
@@ -277,6 +307,7 @@ int main(void) {
     test_shard_order_shuffled();
     test_validation_order();
     test_pattern_list();
+    test_refusals();
     test_rmdir(g_dir);
     return test_summary();
 }

@@ -1,8 +1,16 @@
 // The prepare pipeline end to end: text and JSONL files -> shards -> tokens -> documents, compared with the
 // documents the test expects (text units file/para/line, JSON escapes, train/validation split, tiny shards so
 // documents straddle shard boundaries), and the reports of bad input: file:line for invalid UTF-8 and malformed
-// JSONL (refused, or skipped with --skip-bad), empty and unreadable files, no documents at all.
+// JSONL (refused, or skipped with --skip-bad), empty and unreadable files, no documents at all; manifests: a failed
+// or killed run over an older set leaves nothing the loader takes, and the loader takes only listed shards.
 #define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "data/dataloader.h"
 #include "data/prepare.h"
 #include "tests/test.h"
 #include "tests/test_data_util.h"
@@ -117,7 +125,7 @@ static int run_bad(const char *name, PrepUnit unit, int skip_bad, char *msg, uin
     *docs = pp.docs;
     *skipped = pp.skipped;
     if (rc == 0) rc = preparer_close(&pp, err);
-    else preparer_close(&pp, NULL);
+    else preparer_abort(&pp);
     size_t got = 0;
     if (skip_bad && rc == 0) {
         rewind(report);
@@ -192,11 +200,88 @@ static void test_long_line(void) {
     free(text);
 }
 
+// Prepare `input` (lines) into sub, in shards of 100 tokens; returns the preparer's result. kill: SIGKILL itself
+// after the input, before the shards are closed (a forked child).
+static int prepare_into(const char *sub, const char *input, int kill_before_close, char *err) {
+    char dir[TEST_PATH_LEN + 64];
+    Preparer pp;
+    input_path(dir, sub);
+    mkdir(dir, 0755);
+    if (preparer_open(&pp, dir, 100, err)) return -1;
+    pp.report = NULL;
+    if (add(&pp, input, PREP_TEXT_LINE, err)) { preparer_abort(&pp); return -1; }
+    if (kill_before_close) raise(SIGKILL);
+    return preparer_close(&pp, err);
+}
+
+// The loader on sub/train_*.bin: 0 when it takes the shards.
+static int load_train(const char *sub, char *err) {
+    char pattern[TEST_PATH_LEN + 96];
+    DataLoader dl;
+    snprintf(pattern, sizeof pattern, "%s/%s/train_*.bin", g_dir, sub);
+    if (dataloader_open(&dl, pattern, 1, 8, 0, 1, 1, 1, TOK_BYTES_VOCAB, err)) return -1;
+    dataloader_close(&dl);
+    return 0;
+}
+
+static int count_files_containing(const char *sub, const char *needle) {
+    char dir[TEST_PATH_LEN + 64];
+    input_path(dir, sub);
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d)) != NULL;) n += strstr(e->d_name, needle) != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
+static void copy_file(const char *from, const char *to) {
+    size_t n;
+    uint8_t *buf = test_read_file(from, &n);
+    test_write_file(to, buf, n);
+    free(buf);
+}
+
+// Issue 9: corpus A (15 shards), then corpus B failing after its first shard, into the same folder: the old code
+// left B's shard 0 beside A's shards 1-10 and the loader took the mix. Likewise after a kill -9.
+static void test_manifest(void) {
+    char a[2200] = "", b[400] = "", err[DATA_ERR_LEN] = "", path[TEST_PATH_LEN + 64], other[TEST_PATH_LEN + 64];
+    for (int i = 0; i < 99; i++) strcat(a, "corpus A line\n");  // 99 documents of 15 tokens: 15 shards, the last 85
+    for (int i = 0; i < 20; i++) strcat(b, "corpus B line\n");
+    strcat(b, "bad \xFF byte\n");
+    write_input("a.txt", a, strlen(a));
+    write_input("b.txt", b, strlen(b));
+    CHECK(prepare_into("mix", "a.txt", 0, err) == 0 && load_train("mix", err) == 0, "corpus A: %s", err);
+    CHECK(count_files_containing("mix", "train_0000") == 15, "corpus A: %d shards", count_files_containing("mix", "train_0000"));
+    CHECK(prepare_into("mix", "b.txt", 0, err) != 0, "corpus B's bad line accepted");
+    CHECK(load_train("mix", err) != 0 && strstr(err, "no complete shard set") && strstr(err, "train.manifest"),
+          "a failed run left a loadable mix: %s", err);
+    CHECK(count_files_containing("mix", ".tmp") == 0, "the failed run left a temporary file");
+    // the manifest lists every shard with its size: an unlisted or a replaced shard is refused
+    CHECK(prepare_into("mix", "a.txt", 0, err) == 0 && load_train("mix", err) == 0, "corpus A again: %s", err);
+    snprintf(path, sizeof path, "%s/mix/train_000001.bin", g_dir);
+    snprintf(other, sizeof other, "%s/mix/train_000099.bin", g_dir);
+    copy_file(path, other);
+    CHECK(load_train("mix", err) != 0 && strstr(err, "train_000099.bin: not listed"), "unlisted shard: %s", err);
+    remove(other);
+    snprintf(other, sizeof other, "%s/mix/train_000014.bin", g_dir);  // the last, shorter shard
+    copy_file(other, path);
+    CHECK(load_train("mix", err) != 0 && strstr(err, "train_000001.bin: ") && strstr(err, "lists 100 tokens"),
+          "replaced shard: %s", err);
+    // kill -9 after some shards were renamed into place: no manifest, nothing loadable
+    pid_t pid = fork();
+    if (pid == 0) _exit(prepare_into("killed", "a.txt", 1, err) == 0 ? 0 : 3);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status) && count_files_containing("killed", "train_0000") > 0, "the child was not killed mid-run");
+    CHECK(load_train("killed", err) != 0 && strstr(err, "no complete shard set"), "killed run loadable: %s", err);
+}
+
 int main(void) {
     test_tmpdir(g_dir);
     test_round_trip();
     test_bad_input();
     test_long_line();
+    test_manifest();
     test_rmdir(g_dir);
     return test_summary();
 }

@@ -3,6 +3,9 @@
 // words); the scorer gives 100% on the true answers, about chance (10% per digit) on answers shuffled between
 // queries, 0% on wrong ones; the default dataset is generated on first use and loads through the dataloader.
 #define _POSIX_C_SOURCE 200809L
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "data/dataloader.h"
 #include "data/dataset.h"
 #include "data/recall.h"
@@ -215,7 +218,7 @@ static void test_default_dataset(void) {
     snprintf(pattern, sizeof pattern, "%s/%s", sub, DATASET_VAL_PATTERN);
     DataLoader val;
     const int B = 4, T = 4096;
-    CHECK(dataloader_open(&val, pattern, B, T, 0, 1, 0, 0, err) == 0, "open %s: %s", pattern, err);
+    CHECK(dataloader_open(&val, pattern, B, T, 0, 1, 0, 0, TOK_BYTES_VOCAB, err) == 0, "open %s: %s", pattern, err);
     int32_t *batch = (int32_t *)sdm_malloc((size_t)B * (T + 1) * sizeof(int32_t));
     GapScore s;
     recall_score_init(&s);
@@ -238,7 +241,38 @@ static void test_default_dataset(void) {
     RecallConfig bad = recall_default_config();
     bad.max_gap = 10;
     CHECK(recall_dataset_write(sub, &bad, err) != 0 && strstr(err, "min_gap"), "bad config accepted: %s", err);
+    bad.min_gap = bad.max_gap = 1000000000;  // documents of a GB each: refused, nothing written
+    CHECK(recall_dataset_write(sub, &bad, err) != 0 && strstr(err, "max_gap <= 1048576"), "gap 1e9 accepted: %s", err);
+    bad.min_gap = 256;
+    bad.max_gap = RECALL_MAX_GAP + 1;
+    CHECK(recall_config_check(&bad, err) != 0, "max_gap %d accepted", bad.max_gap);
     free(batch);
+    test_rmdir(dir);
+}
+
+// Several ranks on first use at once: each must return with a complete set it can load (under the directory's lock
+// the first generates, the others wait and find its stamp), never see another rank's half-written set.
+static void test_concurrent_first_use(void) {
+    char dir[TEST_PATH_LEN], pattern[2 * TEST_PATH_LEN + 64];
+    test_tmpdir(dir);
+    snprintf(pattern, sizeof pattern, "%s/%s,%s/%s", dir, DATASET_TRAIN_PATTERN, dir, DATASET_VAL_PATTERN);
+    pid_t pids[3];
+    for (int k = 0; k < 3; k++)
+        if ((pids[k] = fork()) == 0) {
+            char err[DATA_ERR_LEN];
+            DataLoader dl;
+            int rc = dataset_ensure_default(dir, err) || dataloader_open(&dl, pattern, 4, 4096, 0, 1, 1, 1, 258, err);
+            if (rc) printf("rank %d: %s\n", k, err);
+            fflush(stdout);
+            _exit(rc ? 3 : 0);
+        }
+    int failed = 0;
+    for (int k = 0; k < 3; k++) {
+        int status = 0;
+        waitpid(pids[k], &status, 0);
+        failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    }
+    CHECK(failed == 0, "%d of 3 concurrent first uses failed", failed);
     test_rmdir(dir);
 }
 
@@ -249,5 +283,6 @@ int main(void) {
     test_scorer();
     test_scorer_document_boundary();
     test_default_dataset();
+    test_concurrent_first_use();
     return test_summary();
 }

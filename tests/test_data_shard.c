@@ -72,7 +72,7 @@ static void test_writer_refuses_out_of_vocab(void) {
     int32_t bad[2] = {5, TOK_BYTES_VOCAB};
     CHECK(shard_writer_open(&w, g_dir, "oov", TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, 100, err) == 0, "%s", err);
     CHECK(shard_writer_append(&w, bad, 2, err) != 0 && strstr(err, "258"), "token 258 written: %s", err);
-    shard_writer_close(&w, NULL);
+    shard_writer_abort(&w);
 }
 
 // A valid bytes-tokenizer shard file of n tokens; returns its path in path.
@@ -89,7 +89,7 @@ static void expect_refused(const char *what, const char *path, int offset_expect
     DataLoader dl;
     char err[DATA_ERR_LEN] = "";
     int32_t *batch = (int32_t *)sdm_malloc(2 * (size_t)(T + 1) * sizeof(int32_t));
-    int rc = dataloader_open(&dl, path, 2, T, 0, 1, 7, 1, err);
+    int rc = dataloader_open(&dl, path, 2, T, 0, 1, 7, 1, TOK_BYTES_VOCAB, err);
     for (int i = 0; rc == 0 && i < 4; i++) rc = dataloader_next_batch(&dl, batch, err);
     if (dl.shards) dataloader_close(&dl);
     CHECK(rc != 0, "%s: accepted", what);
@@ -234,7 +234,7 @@ static void test_fuzz_files(void) {
         test_write_file(path, work, len);
         DataLoader dl;
         char err[DATA_ERR_LEN] = "";
-        int rc = dataloader_open(&dl, path, 2, 16, 0, 1, (uint64_t)it, 1, err);
+        int rc = dataloader_open(&dl, path, 2, 16, 0, 1, (uint64_t)it, 1, TOK_BYTES_VOCAB, err);
         for (int b = 0; rc == 0 && b < 12; b++) {
             rc = dataloader_next_batch(&dl, batch, err);
             for (int i = 0; rc == 0 && i < 2 * 17; i++) out_of_vocab += batch[i] < 0 || batch[i] >= TOK_BYTES_VOCAB;

@@ -157,7 +157,7 @@ static void test_rows_are_documents(void) {
     CHECK(syn_dataset_write(dir, &c, &dropped, err) == 0, "%s", err);
     snprintf(pattern, sizeof pattern, "%s/mqar_train_*.bin", dir);
     DataLoader dl;
-    CHECK(dataloader_open(&dl, pattern, B, T, 0, 1, 3, 1, err) == 0, "%s", err);
+    CHECK(dataloader_open(&dl, pattern, B, T, 0, 1, 3, 1, TOK_BYTES_VOCAB, err) == 0, "%s", err);
     CHECK(dl.num_shards == 2, "%d shards", dl.num_shards);
     int32_t *batch = (int32_t *)sdm_malloc((size_t)B * (T + 1) * sizeof(int32_t));
     GapScore s;

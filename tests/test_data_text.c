@@ -145,6 +145,24 @@ static void test_jsonl_malformed(void) {
     jsonl_parser_free(&jp);
 }
 
+// Empty strings reach a parser whose buffers were never allocated: an empty member name, an empty document, and an
+// empty field name (each parsed by a fresh parser, so that a memcpy or memcmp of a NULL buffer shows under UBSan).
+static void test_jsonl_empty_strings(void) {
+    static const struct { const char *line, *field, *text; } cases[] = {
+        {"{\"\": 1, \"text\": \"a\"}", "text", "a"}, {"{\"text\": \"\"}", "text", ""}, {"{\"\": \"doc\"}", "", "doc"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        JsonlParser jp;
+        char err[DATA_ERR_LEN] = "";
+        memset(&jp, 0, sizeof jp);
+        int rc = jsonl_parse_line(&jp, (const uint8_t *)cases[c].line, strlen(cases[c].line), cases[c].field, err);
+        CHECK(rc == 0 && jp.text.len == strlen(cases[c].text) &&
+              (jp.text.len == 0 || memcmp(jp.text.data, cases[c].text, jp.text.len) == 0),
+              "%s (field \"%s\"): %s", cases[c].line, cases[c].field, err);
+        jsonl_parser_free(&jp);
+    }
+}
+
 // Random mutations of a valid line: never a crash; an accepted line never decodes to more bytes than it has.
 static void test_jsonl_fuzz(void) {
     const char base[] = "{\"id\": 12, \"text\": \"Hi \\\"you\\\"\\n caf\\u00e9 \\ud83d\\ude00 \xC3\xA9!\", \"m\": {\"k\": [1, 2.5e3, null]}}";
@@ -185,6 +203,7 @@ int main(void) {
     test_utf8();
     test_jsonl_valid();
     test_jsonl_malformed();
+    test_jsonl_empty_strings();
     test_jsonl_fuzz();
     return test_summary();
 }

@@ -41,20 +41,12 @@ static const Case CASES[] = {
 };
 
 static int build_case(const Case *c, Config *cfg) {
-    char err[CFG_ERR], line[512], where[64];
+    char err[CFG_ERR];
     cfg_defaults(cfg);
-    const char *p = c->lines;
-    int lineno = 0;
-    while (*p) {
-        const char *nl = strchr(p, '\n');
-        size_t len = nl ? (size_t)(nl - p) : strlen(p);
-        memcpy(line, p, len);
-        line[len] = 0;
-        snprintf(where, sizeof where, "case line %d", ++lineno);
-        if (!cfg_apply_line(cfg, line, where, err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
-        p += len + (nl ? 1 : 0);
+    if (!cfg_parse_text(cfg, c->lines, "case", err) || !cfg_validate(cfg, err)) {
+        CHECK(0, "%s: %s", c->name, err);
+        return 0;
     }
-    if (!cfg_validate(cfg, err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
     model_build(&g_model, cfg);
     return 1;
 }
