@@ -680,12 +680,12 @@ static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want,
     ckpt_step_dir(dir, sizeof dir, run_dir, r->id.step, "");
     CkptId mine = r->id;
     ckpt_identify(run_dir, r->id.step, &mine);
-    int ok = ckpt_load_resume(dir, want, wm, loader, loader_bytes, r, err);
-    if (ok && (mine.model_checksum != r->id.model_checksum || mine.state_checksum != r->id.state_checksum)) {
+    int same = mine.model_checksum == r->id.model_checksum && mine.state_checksum == r->id.state_checksum, ok = 0;
+    if (!same && mine.model_checksum && mine.state_checksum) // both readable, yet not rank 0's: no need to load
         snprintf(err, CKPT_ERR, "%.300s holds other bytes than rank 0's checkpoint of that step (checksums differ)",
                  dir);
-        ok = 0;
-    }
+    else // the same headers (the load verifies the bodies against them), or an unreadable one: the load says why
+        ok = ckpt_load_resume(dir, want, wm, loader, loader_bytes, r, err);
     snprintf(what, sizeof what, "cannot load step_%08llu, the checkpoint rank 0 resumes from (every rank needs it in "
              "its run_dir: a shared folder, or a copy)", (unsigned long long)r->id.step);
     if (ckpt_all_ranks_ok(comm, ok, what, err)) return 1;
