@@ -83,8 +83,9 @@ static void resolve_checkpoint(const char *arg, char *path, size_t size) {
     struct stat sb;
     if (stat(arg, &sb) != 0) sdm_die("%s: no such file or folder", arg);
     if (!S_ISDIR(sb.st_mode)) { snprintf(path, size, "%s", arg); return; }
-    uint64_t step;
-    if (ckpt_list(arg, &step, 1) == 0) sdm_die("%s: no complete checkpoint (step_*/ with DONE) in this folder", arg);
+    uint64_t step = 0;
+    if (!ckpt_newest(arg, &step))
+        sdm_die("%s: no complete checkpoint (step_<8 digits>/ with DONE, model.bin, state.bin) in this folder", arg);
     char dir[1024];
     ckpt_step_dir(dir, sizeof dir, arg, step, "");
     snprintf(path, size, "%s/model.bin", dir);
@@ -104,8 +105,12 @@ static uint8_t *read_prompt(const Options *o, size_t *n) {
     size_t cap = 4096, len = 0, got;
     uint8_t *b = (uint8_t *)sdm_malloc(cap);
     while ((got = fread(b + len, 1, cap - len, f)) > 0)
-        if ((len += got) == cap) b = (uint8_t *)realloc(b, cap *= 2);
-    if (!b || ferror(f)) sdm_die("--prompt-file %s: read error", o->prompt_file);
+        if ((len += got) == cap) {
+            uint8_t *grown = (uint8_t *)realloc(b, cap *= 2);
+            if (!grown) sdm_die("--prompt-file %s: out of memory after %zu bytes", o->prompt_file, len);
+            b = grown;
+        }
+    if (ferror(f)) sdm_die("--prompt-file %s: read error", o->prompt_file);
     fclose(f);
     *n = len;
     return b;
@@ -140,6 +145,7 @@ int main(int argc, char **argv) {
            fp32 ? "all-fp32" : "bf16");
 
     // 2. the model on the GPU and a one-stream inference state sized for the context
+    cuda_require_gpu();
     GpuModel g;
     gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1);
     gpu_model_set_params(&g, params);

@@ -7,11 +7,13 @@
 // Read top to bottom: the run (config, data, the model of model/gpu_model.cuh), one optimizer step (micro-batches,
 // ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without data.train the
 // embedded recall dataset is generated on first use. A run resumes from the newest complete checkpoint in its run_dir.
-#include <sys/stat.h>
+// SIGTERM or SIGINT stops it after the current step with a checkpoint (a second one at once); a non-finite loss or
+// gradient norm stops it without one.
 #include <time.h>
 
 #include "core/config.h"
 #include "core/dist.cuh"
+#include "core/stop_signal.h"
 #include "core/optim.h"
 #include "data/dataloader.h"
 #include "data/dataset.h"
@@ -175,36 +177,66 @@ static inline void save_checkpoint(Run *r) {
     free(vv);
 }
 
-// Continue from the newest complete checkpoint of run_dir, if any. The stored model must match this config's.
+// The collectives of model/checkpoint.h's CkptComm over this run's ranks, through the device (no-ops on one rank).
+static void run_broadcast0(void *ctx, void *buf, size_t bytes) { dist_broadcast_host((Dist *)ctx, buf, bytes, 0); }
+
+static void run_sum(void *ctx, float *x, size_t n) {
+    Dist *d = (Dist *)ctx;
+    if (d->world == 1) return;
+    float *dev = NULL;
+    cudaCheck(cudaMalloc(&dev, sizeof(float) * n));
+    cudaCheck(cudaMemcpy(dev, x, sizeof(float) * n, cudaMemcpyHostToDevice));
+    dist_all_reduce_sum(d, dev, n, 0);
+    cudaCheck(cudaMemcpy(x, dev, sizeof(float) * n, cudaMemcpyDeviceToHost)); // legacy default stream: waits
+    cudaCheck(cudaFree(dev));
+}
+
+// Continue from the newest complete checkpoint of rank 0's run_dir, if any, on every rank: each rank must find that
+// checkpoint in its run_dir, with the configured model's architecture, or every rank stops (model/checkpoint.h).
 static inline void resume(Run *r) {
-    uint64_t steps[1];
-    if (ckpt_list(r->cfg.run_dir, steps, 1) == 0) return;
-    char dir[1024], path[1100], err[CKPT_ERR];
-    ckpt_step_dir(dir, sizeof dir, r->cfg.run_dir, steps[0], "");
-    Config stored;
-    ModelDesc *sm = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
-    float *params = NULL;
-    uint64_t step, rng;
-    snprintf(path, sizeof path, "%s/model.bin", dir);
-    if (!ckpt_load_model(path, &stored, sm, &params, &step, err)) sdm_die("%s", err);
-    if (sm->storage != r->m->storage || sm->n_params != r->m->n_params)
-        sdm_die("%s: the checkpoint's model differs from the configured one (delete run_dir or fix the config)", path);
-    size_t n = (size_t)r->m->storage;
-    float *mm = (float *)sdm_malloc(4 * n), *vv = (float *)sdm_malloc(4 * n);
+    CkptComm comm = {r->dist.rank, r->dist.world, &r->dist, run_broadcast0, run_sum};
+    CkptResume cr;
     DataLoaderState ls;
-    snprintf(path, sizeof path, "%s/state.bin", dir);
-    if (!ckpt_load_state(path, n, mm, vv, &ls, sizeof ls, &step, &rng, err)) sdm_die("%s", err);
-    char derr[DATA_ERR_LEN];
-    if (dataloader_set_state(&r->train, &ls, derr)) sdm_die("%s: %s", path, derr);
-    set_params(r, params);
-    cudaCheck(cudaMemcpy(r->opt.m, mm, 4 * n, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(r->opt.v, vv, 4 * n, cudaMemcpyHostToDevice));
-    r->step = (long long)step;
-    say(r, "resumed from %s at step %lld\n", dir, r->step);
-    free(params);
-    free(mm);
-    free(vv);
-    free(sm);
+    char err[CKPT_ERR], derr[DATA_ERR_LEN];
+    if (!ckpt_resume_all_ranks(r->cfg.run_dir, &r->cfg, r->m, &ls, sizeof ls, &comm, &cr, err)) sdm_die("%s", err);
+    if (!cr.id.found) return;
+    int ok = dataloader_set_state(&r->train, &ls, derr) == 0;
+    if (!ok)
+        snprintf(err, sizeof err, "%.300s/step_%08llu/state.bin: %.300s", r->cfg.run_dir,
+                 (unsigned long long)cr.id.step, derr);
+    if (!ckpt_all_ranks_ok(&comm, ok, "cannot restore the dataloader position", err)) sdm_die("%s", err);
+    size_t n = (size_t)r->m->storage;
+    set_params(r, cr.params);
+    cudaCheck(cudaMemcpy(r->opt.m, cr.adam_m, 4 * n, cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(r->opt.v, cr.adam_v, 4 * n, cudaMemcpyHostToDevice));
+    r->step = (long long)cr.id.step;
+    say(r, "resumed from %s/step_%08lld at step %lld\n", r->cfg.run_dir, r->step, r->step);
+    ckpt_resume_free(&cr);
+}
+
+// Rank 0 prepares run_dir before anything else can fail late: the folder (checkpoint.h), train.log, config.cfg.
+static inline void open_run_dir(Run *r) {
+    const Config *c = &r->cfg;
+    char path[CFG_STR + 32], err[CKPT_ERR];
+    if (!ckpt_prepare_run_dir(c->run_dir, err)) sdm_die("%s", err);
+    snprintf(path, sizeof path, "%s/train.log", c->run_dir);
+    if (!(r->log = fopen(path, "a"))) sdm_die("%s: cannot append: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/config.cfg", c->run_dir);
+    FILE *fp = fopen(path, "w");
+    int ok = fp != NULL;
+    if (fp) {
+        cfg_dump(c, fp);
+        ok = !ferror(fp);
+        ok &= fclose(fp) == 0;
+    }
+    if (!ok) sdm_die("%s: cannot write: %s", path, strerror(errno));
+}
+
+// A stop signal on any rank (core/stop_signal.h) stops every rank after the same step.
+static inline int stop_requested(Run *r) {
+    float stop = (float)(stop_signal_received() != 0);
+    run_sum(&r->dist, &stop, 1);
+    return stop > 0;
 }
 
 static void usage(void) {
@@ -219,6 +251,7 @@ static void usage(void) {
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { usage(); return 0; }
+    stop_signal_install();
 
     // 1. configuration, the process layout, the model description
     Run r;
@@ -229,17 +262,10 @@ int main(int argc, char **argv) {
     r.m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
     model_build(r.m, c);
     BootConfig boot = boot_from_env();
+    if (boot.rank == 0) open_run_dir(&r);
+    cuda_require_gpu();
     dist_init(&r.dist, &boot, r.m->storage);
-    if (r.dist.rank == 0) {
-        mkdir(c->run_dir, 0755);
-        char path[CFG_STR + 32];
-        snprintf(path, sizeof path, "%s/train.log", c->run_dir);
-        r.log = fopen(path, "a");
-        snprintf(path, sizeof path, "%s/config.cfg", c->run_dir);
-        FILE *fp = fopen(path, "w");
-        if (fp) { cfg_dump(c, fp); fclose(fp); }
-        model_print_summary(r.m, c, stdout);
-    }
+    if (r.dist.rank == 0) model_print_summary(r.m, c, stdout);
     char unimplemented[512];
     cfg_unimplemented(c, unimplemented, sizeof unimplemented);
     if (unimplemented[0]) say(&r, "note: accepted but not implemented yet (no effect on results): %s\n", unimplemented);
@@ -262,11 +288,12 @@ int main(int argc, char **argv) {
     long long first_step = r.step;
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
     while (r.step < c->steps) {
-        float loss = mean_over_ranks(&r, train_step(&r));
-        if (!isfinite(loss)) sdm_die("step %lld: loss is %f; stopping (the last checkpoint is intact)", r.step, loss);
+        float loss = mean_over_ranks(&r, train_step(&r)), norm;
+        cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
+        if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
+            sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
+                    isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, c->run_dir);
         if (r.step % c->log_freq == 0 || r.step == c->steps) {
-            float norm;
-            cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
             say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s\n", r.step,
@@ -275,6 +302,11 @@ int main(int argc, char **argv) {
         if ((c->eval_every && r.step % c->eval_every == 0) || (c->probe_freq && r.step % c->probe_freq == 0))
             evaluate(&r);
         if (c->dump_every && r.step % c->dump_every == 0) save_checkpoint(&r);
+        if (r.step < c->steps && stop_requested(&r)) {
+            say(&r, "stop signal: stopping after step %lld%s\n", r.step,
+                c->dump_every ? "" : " (checkpoint.dump_every = 0: no checkpoint)");
+            break;
+        }
     }
     if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
     say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);

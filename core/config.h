@@ -614,6 +614,20 @@ static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
              strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (optimizer state is sharded) ");
 }
 
+// Architecture keys: those that change which tensors a model has or what it computes from them, so a checkpoint
+// resumes only under the same values (model/checkpoint.h). They are the model.* and sdm.* keys except these, which
+// only set the initial weights or how the same function is computed (speed, memory, precision knobs).
+static const char *const CFG_NOT_ARCHITECTURE[] = {"model.init_base_std", "model.init_std_factor", "sdm.A_init_range",
+                                                   "sdm.chunk_size", "sdm.snapshot_quant", "sdm.bank_dtype",
+                                                   "sdm.cuda_graph"};
+
+static inline int cfg_is_architecture(const char *key) {
+    if (strncmp(key, "model.", 6) != 0 && strncmp(key, "sdm.", 4) != 0) return 0;
+    for (size_t i = 0; i < sizeof CFG_NOT_ARCHITECTURE / sizeof CFG_NOT_ARCHITECTURE[0]; i++)
+        if (!strcmp(key, CFG_NOT_ARCHITECTURE[i])) return 0;
+    return 1;
+}
+
 // Parse command-line arguments: `-c file.cfg` (loaded first), then `key=value` overrides in order.
 // Returns 0 with err set on any problem; other flags are left to the caller via is_flag.
 static inline int cfg_from_args(Config *c, int argc, char **argv, char *err) {

@@ -1,7 +1,8 @@
 // core/cuda_common.cuh: CUDA / cuBLAS error checking with file:line, the precision vocabulary (core/dtype.cuh), and
 // the deterministic warp and block sums shared by every CUDA module. Every CUDA and cuBLAS call in sdm.c goes through
 // cudaCheck / cublasCheck; kernel launches are followed by cudaCheckLast() so a bad launch is reported where it
-// happened.
+// happened. Programs call cuda_require_gpu() before their first CUDA call, so a machine without a usable GPU gets
+// a plain message rather than the runtime's first error.
 #ifndef SDM_CORE_CUDA_COMMON_CUH
 #define SDM_CORE_CUDA_COMMON_CUH
 
@@ -23,6 +24,17 @@ static inline void cublas_check_at(cublasStatus_t st, const char *file, int line
 #define cudaCheck(call) cuda_check_at((call), __FILE__, __LINE__)
 #define cublasCheck(call) cublas_check_at((call), __FILE__, __LINE__)
 #define cudaCheckLast() cuda_check_at(cudaGetLastError(), __FILE__, __LINE__)
+
+// Stop with a plain message unless a GPU and a driver that runs this CUDA runtime are visible. Without a driver the
+// runtime says "CUDA driver version is insufficient for CUDA runtime version", which hides the actual problem.
+static inline void cuda_require_gpu(void) {
+    int devices = 0;
+    cudaError_t err = cudaGetDeviceCount(&devices);
+    if (err == cudaSuccess && devices > 0) return;
+    sdm_die("no usable GPU or GPU driver found (CUDA: %s). sdm.c runs on NVIDIA GPUs: check that nvidia-smi lists one "
+            "and that CUDA_VISIBLE_DEVICES does not hide it",
+            err == cudaSuccess ? "no device" : cudaGetErrorString(err));
+}
 
 static inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 

@@ -4,9 +4,12 @@
 //   model.bin  header | resolved config text | tensor table | fp32 parameters in table order
 //   state.bin  header | AdamW m | AdamW v (fp32, global table order: resumable on any number of GPUs) | loader state
 //   DONE       written last: a folder without it is incomplete and ignored
-// Every file carries a 64-bit checksum of all its bytes (body first, then the header with the checksum zeroed). A checkpoint is written into
-// step_<n>.tmp/ (each file fsync'ed), then renamed into place, so a crash never leaves a half-written checkpoint
-// under a valid name and never touches the last good one; older checkpoints are deleted only afterwards.
+// Every file carries a 64-bit checksum of all its bytes (body first, then the header with the checksum zeroed). A
+// checkpoint is written into step_<n>.tmp/ (each file fsync'ed), then renamed into place, so a crash never leaves a
+// half-written checkpoint under a valid name and never touches the last good one; older checkpoints are deleted only
+// afterwards, DONE first, so a crash while deleting leaves an incomplete folder, never a complete-looking one.
+// ckpt_save refuses non-finite values. A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks, on every
+// rank, and refuses one whose architecture keys or tensor table differ from the requested model's.
 // infer_sdm needs model.bin alone: its config text rebuilds the model description.
 #ifndef SDM_CORE_CHECKPOINT_H
 #define SDM_CORE_CHECKPOINT_H
@@ -14,6 +17,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -177,90 +181,211 @@ static inline void ckpt_step_dir(char *out, size_t size, const char *run_dir, ui
     snprintf(out, size, "%s/step_%08llu%s", run_dir, (unsigned long long)step, suffix);
 }
 
-// Remove a checkpoint folder and the files this module writes into it.
+// A folder name of this module: "step_", exactly 8 digits, then suffix ("" or ".tmp"). Strict, because sscanf's %llu
+// would also take a sign or spaces ("step_-0000001" as step 2^64 - 1).
+static inline int ckpt_parse_step_name(const char *name, const char *suffix, uint64_t *step) {
+    if (strncmp(name, "step_", 5) != 0) return 0;
+    uint64_t v = 0;
+    for (int i = 5; i < 13; i++) {
+        if (name[i] < '0' || name[i] > '9') return 0;
+        v = 10 * v + (uint64_t)(name[i] - '0');
+    }
+    if (strcmp(name + 13, suffix) != 0) return 0;
+    *step = v;
+    return 1;
+}
+
+static const char *const CKPT_FILES[] = {"DONE", "model.bin", "state.bin"};
+
+// Remove a checkpoint folder and the files this module writes into it, DONE first: a removal cut short leaves a
+// folder that no longer counts as complete.
 static inline void ckpt_remove_dir(const char *dir) {
-    const char *files[] = {"model.bin", "state.bin", "DONE"};
     char path[1024];
     for (int i = 0; i < 3; i++) {
-        snprintf(path, sizeof path, "%.900s/%s", dir, files[i]);
+        snprintf(path, sizeof path, "%.900s/%s", dir, CKPT_FILES[i]);
         remove(path);
     }
     rmdir(dir);
 }
 
-// Complete checkpoints in run_dir, newest first: steps[0..return) (at most max).
+// A folder of run_dir is a complete checkpoint iff its name parses (ckpt_parse_step_name) and it holds DONE,
+// model.bin and state.bin.
+static inline int ckpt_is_complete(const char *run_dir, const char *name, uint64_t *step) {
+    if (!ckpt_parse_step_name(name, "", step)) return 0;
+    char path[1024];
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%.800s/%.32s/%s", run_dir, name, CKPT_FILES[i]);
+        if (access(path, F_OK) != 0) return 0;
+    }
+    return 1;
+}
+
+// The number of complete checkpoints in run_dir; the newest min(that, max) of them go to steps[], newest first.
 static inline int ckpt_list(const char *run_dir, uint64_t *steps, int max) {
     DIR *d = opendir(run_dir);
     if (!d) return 0;
-    int n = 0;
+    int count = 0, n = 0;
+    uint64_t step;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        unsigned long long step;
-        char rest[8], done[1024];
-        if (sscanf(e->d_name, "step_%8llu%7s", &step, rest) != 1 || strlen(e->d_name) != 13) continue;
-        snprintf(done, sizeof done, "%.700s/%.32s/DONE", run_dir, e->d_name);
-        if (access(done, F_OK) != 0 || n == max) continue;
-        int i = n++;
+        if (!ckpt_is_complete(run_dir, e->d_name, &step)) continue;
+        count++;
+        if (n == max && (max == 0 || step <= steps[max - 1])) continue; // not among the newest max
+        int i = SDM_MIN(n, max - 1); // the next free slot, or the oldest's when full; then sorted in
+        if (n < max) n++;
         for (; i > 0 && steps[i - 1] < step; i--) steps[i] = steps[i - 1];
         steps[i] = step;
     }
     closedir(d);
-    return n;
+    return count;
 }
 
-// Write step's checkpoint atomically, then keep only the newest `keep` complete checkpoints.
+// The newest complete checkpoint of run_dir: 1 with its step, 0 when there is none. train_sdm resumes from it,
+// infer_sdm reads it when given a run folder.
+static inline int ckpt_newest(const char *run_dir, uint64_t *step) { return ckpt_list(run_dir, step, 1) > 0; }
+
+// Remove run_dir's folders named step_<8 digits><suffix> of a step below `below`: older checkpoints than the ones
+// kept (suffix ""), or the .tmp folders of saves that died half way (suffix ".tmp"). Other names are not ours.
+static inline void ckpt_remove_below(const char *run_dir, const char *suffix, uint64_t below) {
+    DIR *d = opendir(run_dir);
+    if (!d) return;
+    uint64_t step;
+    char dir[1024];
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (ckpt_parse_step_name(e->d_name, suffix, &step) && step < below) {
+            snprintf(dir, sizeof dir, "%.800s/%.32s", run_dir, e->d_name);
+            ckpt_remove_dir(dir);
+        }
+    closedir(d);
+}
+
+// mkdir -p: path and its missing parents. 0 with err when one cannot be made or path is not a writable folder.
+static inline int ckpt_make_dirs(const char *path, char *err) {
+    char buf[1024];
+    if (!path[0] || strlen(path) > 800) {
+        snprintf(err, CKPT_ERR, "run folder '%.300s': empty or longer than 800 characters", path);
+        return 0;
+    }
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1;; p++) {
+        if (*p != '/' && *p != 0) continue;
+        char end = *p;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) {
+            snprintf(err, CKPT_ERR, "run folder %.300s: cannot create %.300s: %s", path, buf, strerror(errno));
+            return 0;
+        }
+        if (!(*p = end)) break;
+    }
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        snprintf(err, CKPT_ERR, "run folder %.300s: exists and is not a folder", path);
+        return 0;
+    }
+    if (access(path, W_OK | X_OK) != 0) {
+        snprintf(err, CKPT_ERR, "run folder %.300s: not writable: %s", path, strerror(errno));
+        return 0;
+    }
+    return 1;
+}
+
+// Make run_dir ready for a run: created with its parents, writable, stale .tmp folders of earlier saves removed.
+static inline int ckpt_prepare_run_dir(const char *run_dir, char *err) {
+    if (!ckpt_make_dirs(run_dir, err)) return 0;
+    ckpt_remove_below(run_dir, ".tmp", UINT64_MAX);
+    return 1;
+}
+
+// 1 when the fp32 array x [m->storage] is finite; else 0 with err naming the tensor and index of the first bad value.
+static inline int ckpt_check_finite(const ModelDesc *m, const float *x, const char *what, uint64_t step, char *err) {
+    for (long long i = 0; i < m->storage; i++) {
+        if (isfinite(x[i])) continue;
+        const char *name = "alignment gap";
+        long long at = i;
+        for (int k = 0; k < m->n_params; k++)
+            if (i >= m->params[k].offset && i < m->params[k].offset + m->params[k].numel) {
+                name = m->params[k].name;
+                at = i - m->params[k].offset;
+            }
+        snprintf(err, CKPT_ERR, "step %llu: %s %s[%lld] is %g: refusing to write a checkpoint of non-finite values",
+                 (unsigned long long)step, what, name, at, x[i]);
+        return 0;
+    }
+    return 1;
+}
+
+// model.bin, state.bin, then DONE into the folder dir, each fsync'ed, then the folder.
+static inline int ckpt_write_files(const char *dir, const ModelDesc *m, const Config *c, const float *params,
+                                   const CkptTrainState *s, char *err) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/model.bin", dir);
+    if (!ckpt_write_model(path, m, c, params, s->step, err)) return 0;
+    snprintf(path, sizeof path, "%s/state.bin", dir);
+    if (!ckpt_write_state(path, (uint64_t)m->storage, s, err)) return 0;
+    snprintf(path, sizeof path, "%s/DONE", dir);
+    FILE *fp = fopen(path, "w");
+    int ok = fp && fprintf(fp, "step %llu\n", (unsigned long long)s->step) > 0 && fflush(fp) == 0 &&
+             fsync(fileno(fp)) == 0;
+    if (fp) ok &= fclose(fp) == 0;
+    if (!ok) { snprintf(err, CKPT_ERR, "%.300s: cannot write: %s", path, strerror(errno)); return 0; }
+    ckpt_fsync_dir(dir);
+    return 1;
+}
+
+// Write step's checkpoint atomically, then keep only the newest `keep` complete checkpoints. Refuses non-finite
+// parameters or moments; a failed write (a full disk) removes its .tmp folder and leaves the older ones as they were.
 static inline int ckpt_save(const char *run_dir, const ModelDesc *m, const Config *c, const float *params,
                             const CkptTrainState *s, int keep, char *err) {
-    char tmp[900], final_dir[900], path[1024];
-    if (strlen(run_dir) > 800) { snprintf(err, CKPT_ERR, "run folder name longer than 800 characters"); return 0; }
-    mkdir(run_dir, 0755);
+    char tmp[900], final_dir[900];
+    if (!ckpt_check_finite(m, params, "parameter", s->step, err) ||
+        !ckpt_check_finite(m, s->adam_m, "AdamW m of", s->step, err) ||
+        !ckpt_check_finite(m, s->adam_v, "AdamW v of", s->step, err) || !ckpt_make_dirs(run_dir, err))
+        return 0;
     ckpt_step_dir(tmp, sizeof tmp, run_dir, s->step, ".tmp");
     ckpt_step_dir(final_dir, sizeof final_dir, run_dir, s->step, "");
     ckpt_remove_dir(tmp); // leftovers of a crashed earlier attempt
     if (mkdir(tmp, 0755) != 0) { snprintf(err, CKPT_ERR, "%.300s: cannot create: %s", tmp, strerror(errno)); return 0; }
-    snprintf(path, sizeof path, "%s/model.bin", tmp);
-    if (!ckpt_write_model(path, m, c, params, s->step, err)) return 0;
-    snprintf(path, sizeof path, "%s/state.bin", tmp);
-    if (!ckpt_write_state(path, (uint64_t)m->storage, s, err)) return 0;
-    snprintf(path, sizeof path, "%s/DONE", tmp);
-    FILE *fp = fopen(path, "w");
-    if (!fp || fprintf(fp, "step %llu\n", (unsigned long long)s->step) < 0 || fflush(fp) != 0 || fsync(fileno(fp)) != 0) {
-        snprintf(err, CKPT_ERR, "%.300s: cannot write", path);
-        if (fp) fclose(fp);
-        return 0;
-    }
-    fclose(fp);
-    ckpt_fsync_dir(tmp);
-    ckpt_remove_dir(final_dir); // a checkpoint of this very step (a re-run): replaced only now that its successor is whole
+    if (!ckpt_write_files(tmp, m, c, params, s, err)) { ckpt_remove_dir(tmp); return 0; }
+    ckpt_remove_dir(final_dir); // this very step's checkpoint (a re-run): replaced only now that its successor is whole
     if (rename(tmp, final_dir) != 0) {
         snprintf(err, CKPT_ERR, "%.300s: cannot rename to %.300s: %s", tmp, final_dir, strerror(errno));
         return 0;
     }
     ckpt_fsync_dir(run_dir);
-    uint64_t steps[1024];
-    int n = ckpt_list(run_dir, steps, 1024);
-    for (int i = keep; i < n; i++) {
-        ckpt_step_dir(final_dir, sizeof final_dir, run_dir, steps[i], "");
-        ckpt_remove_dir(final_dir);
-    }
+    uint64_t *kept = (uint64_t *)sdm_malloc(sizeof(uint64_t) * (size_t)keep);
+    if (keep >= 1 && ckpt_list(run_dir, kept, keep) > keep) ckpt_remove_below(run_dir, "", kept[keep - 1]);
+    free(kept);
     return 1;
 }
 
 // ---- reading ----------------------------------------------------------------------------------------------------
 
-// Read and check a file's header against its size and magic; leaves fp positioned after the header.
+// Read and check a file's header against its size and magic; leaves fp positioned after the header. Opened without
+// blocking and refused unless a regular file, so a FIFO or a device given as a checkpoint cannot hang the reader.
 static inline FILE *ckpt_open(const char *path, const char *magic, CkptHeader *h, char *err) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) { snprintf(err, CKPT_ERR, "%.300s: cannot open: %s", path, strerror(errno)); return NULL; }
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) { snprintf(err, CKPT_ERR, "%.300s: cannot open: %s", path, strerror(errno)); return NULL; }
     struct stat st;
-    const char *why = NULL;
-    if (fstat(fileno(fp), &st) != 0 || (uint64_t)st.st_size < sizeof *h || fread(h, sizeof *h, 1, fp) != 1)
-        why = "shorter than its 128-byte header";
-    else if (memcmp(h->magic, magic, 8) != 0) why = "wrong magic at offset 0 (not a checkpoint file of this kind)";
-    else if (h->version != CKPT_VERSION) why = "unsupported version at offset 8";
-    else if (h->header_bytes != sizeof *h) why = "wrong header size at offset 12";
-    else if ((uint64_t)st.st_size != sizeof *h + h->body_bytes) why = "file size does not match its header (truncated?)";
-    if (why) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(err, CKPT_ERR, "%.300s: not a regular file (offset 0)", path);
+        close(fd);
+        return NULL;
+    }
+    FILE *fp = fdopen(fd, "rb");
+    if (!fp) { snprintf(err, CKPT_ERR, "%.300s: cannot open: %s", path, strerror(errno)); close(fd); return NULL; }
+    char why[300] = "";
+    if ((uint64_t)st.st_size < sizeof *h || fread(h, sizeof *h, 1, fp) != 1)
+        snprintf(why, sizeof why, "%lld bytes, shorter than its 128-byte header at offset 0", (long long)st.st_size);
+    else if (memcmp(h->magic, magic, 8) != 0)
+        snprintf(why, sizeof why, "wrong magic at offset 0 (not a %.8s checkpoint file)", magic);
+    else if (h->version != CKPT_VERSION) snprintf(why, sizeof why, "unsupported version %u at offset 8", h->version);
+    else if (h->header_bytes != sizeof *h)
+        snprintf(why, sizeof why, "wrong header size %u at offset 12", h->header_bytes);
+    else if ((uint64_t)st.st_size - sizeof *h != h->body_bytes)
+        snprintf(why, sizeof why, "file is %lld bytes, body_bytes at offset 32 says 128 + %llu (truncated?)",
+                 (long long)st.st_size, (unsigned long long)h->body_bytes);
+    if (why[0]) {
         snprintf(err, CKPT_ERR, "%.300s: %s", path, why);
         fclose(fp);
         return NULL;
@@ -279,28 +404,38 @@ static inline int ckpt_get(FILE *fp, void *dst, size_t n, uint64_t *hash, const 
     return 1;
 }
 
+static inline void ckpt_checksum_error(const char *path, const CkptHeader *h, char *err) {
+    snprintf(err, CKPT_ERR, "%.300s: checksum mismatch: bytes between offset 0 and %llu are not the ones written "
+             "(corrupt file)", path, (unsigned long long)(sizeof *h + h->body_bytes));
+}
+
 // The config text and tensor table of a model.bin: rebuild the model description from the text (into c and m)
 // and check that the table describes exactly that model.
-static inline int ckpt_check_model(const char *path, char *text, const CkptTensor *table, uint64_t n_tensors,
-                                   Config *c, ModelDesc *m, char *err) {
+static inline int ckpt_check_model(const char *path, char *text, size_t text_bytes, const CkptTensor *table,
+                                   uint64_t n_tensors, Config *c, ModelDesc *m, char *err) {
     char name[CKPT_ERR], msg[CFG_ERR];
     cfg_defaults(c);
-    snprintf(name, sizeof name, "%.600s (config text)", path);
+    snprintf(name, sizeof name, "%.600s (config text from offset %zu)", path, sizeof(CkptHeader));
     if (!cfg_parse_text(c, text, name, msg)) { snprintf(err, CKPT_ERR, "%s", msg); return 0; }
-    if (!cfg_validate(c, msg)) { snprintf(err, CKPT_ERR, "%.400s: stored config: %.300s", path, msg); return 0; }
+    if (!cfg_validate(c, msg)) {
+        snprintf(err, CKPT_ERR, "%.400s: stored config at offset %zu: %.300s", path, sizeof(CkptHeader), msg);
+        return 0;
+    }
     model_build(m, c);
     if ((uint64_t)m->n_params != n_tensors) {
-        snprintf(err, CKPT_ERR, "%.300s: %llu tensors in the table, its config describes %d", path,
+        snprintf(err, CKPT_ERR, "%.300s: n_tensors at offset 48 says %llu, its config describes %d", path,
                  (unsigned long long)n_tensors, m->n_params);
         return 0;
     }
+    size_t table_at = sizeof(CkptHeader) + text_bytes;
     for (int i = 0; i < m->n_params; i++) {
         const ParamSpec *p = &m->params[i];
         const CkptTensor *t = &table[i];
         if (strncmp(t->name, p->name, sizeof t->name) || t->shape[0] != (uint64_t)p->shape[0] ||
-            t->shape[1] != (uint64_t)p->shape[1] || t->offset != (uint64_t)p->offset || t->numel != (uint64_t)p->numel) {
-            snprintf(err, CKPT_ERR, "%.300s: tensor %d ('%.64s') does not match the model its config describes ('%s')",
-                     path, i, t->name, p->name);
+            t->shape[1] != (uint64_t)p->shape[1] || t->offset != (uint64_t)p->offset ||
+            t->numel != (uint64_t)p->numel) {
+            snprintf(err, CKPT_ERR, "%.300s: tensor %d at offset %zu ('%.64s') does not match the model its config "
+                     "describes ('%s')", path, i, table_at + sizeof *t * i, t->name, p->name);
             return 0;
         }
     }
@@ -318,17 +453,19 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
     *params = NULL;
     int ok = h.config_bytes <= body && h.n_tensors <= MODEL_MAX_PARAMS && h.n_params <= body / 4 &&
              h.config_bytes + sizeof(CkptTensor) * h.n_tensors + 4 * h.n_params == body;
-    if (!ok) snprintf(err, CKPT_ERR, "%.300s: header sizes are inconsistent with the file", path);
+    if (!ok)
+        snprintf(err, CKPT_ERR, "%.300s: the sizes at offsets 40, 48 and 56 do not add up to body_bytes at offset 32",
+                 path);
     char *text = ok ? (char *)sdm_malloc(h.config_bytes + 1) : NULL;
     CkptTensor *table = ok ? (CkptTensor *)sdm_malloc(sizeof(CkptTensor) * (h.n_tensors + 1)) : NULL;
     ok = ok && ckpt_get(fp, text, h.config_bytes, &hash, path, err) &&
          ckpt_get(fp, table, sizeof(CkptTensor) * h.n_tensors, &hash, path, err);
     if (ok) {
         text[h.config_bytes] = 0;
-        ok = ckpt_check_model(path, text, table, h.n_tensors, c, m, err);
+        ok = ckpt_check_model(path, text, h.config_bytes, table, h.n_tensors, c, m, err);
     }
     if (ok && (uint64_t)m->storage != h.n_params) {
-        snprintf(err, CKPT_ERR, "%.300s: %llu parameter values, its config describes %lld", path,
+        snprintf(err, CKPT_ERR, "%.300s: n_params at offset 56 says %llu values, its config describes %lld", path,
                  (unsigned long long)h.n_params, m->storage);
         ok = 0;
     }
@@ -337,7 +474,7 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
         ok = ckpt_get(fp, *params, sizeof(float) * (size_t)m->storage, &hash, path, err);
     }
     if (ok && ckpt_file_checksum(hash, &h) != h.checksum) {
-        snprintf(err, CKPT_ERR, "%.300s: checksum mismatch (corrupt file)", path);
+        ckpt_checksum_error(path, &h, err);
         ok = 0;
     }
     if (ok) *step = h.step;
@@ -358,21 +495,194 @@ static inline int ckpt_load_state(const char *path, uint64_t n_params, float *ad
     uint64_t hash = CKPT_HASH_SEED;
     int ok = 0;
     if (h.n_params != n_params) {
-        snprintf(err, CKPT_ERR, "%.300s: optimizer state for %llu values, the model has %llu", path,
-                 (unsigned long long)h.n_params, (unsigned long long)n_params);
+        snprintf(err, CKPT_ERR, "%.300s: n_params at offset 56: optimizer state for %llu values, the model has %llu",
+                 path, (unsigned long long)h.n_params, (unsigned long long)n_params);
     } else if (h.loader_bytes != loader_bytes || h.body_bytes != 8 * n_params + loader_bytes) {
-        snprintf(err, CKPT_ERR, "%.300s: dataloader record of %llu bytes, expected %llu", path,
-                 (unsigned long long)h.loader_bytes, (unsigned long long)loader_bytes);
+        snprintf(err, CKPT_ERR, "%.300s: loader_bytes at offset 72: a dataloader record of %llu bytes, expected %llu "
+                 "(body_bytes at offset 32: %llu)", path, (unsigned long long)h.loader_bytes,
+                 (unsigned long long)loader_bytes, (unsigned long long)h.body_bytes);
     } else if (ckpt_get(fp, adam_m, 4 * n_params, &hash, path, err) &&
                ckpt_get(fp, adam_v, 4 * n_params, &hash, path, err) &&
                ckpt_get(fp, loader, loader_bytes, &hash, path, err)) {
-        if (ckpt_file_checksum(hash, &h) != h.checksum) snprintf(err, CKPT_ERR, "%.300s: checksum mismatch (corrupt file)", path);
+        if (ckpt_file_checksum(hash, &h) != h.checksum) ckpt_checksum_error(path, &h, err);
         else ok = 1;
     }
     fclose(fp);
     *step = h.step;
     *rng_state = h.rng_state;
     return ok;
+}
+
+// ---- resuming ---------------------------------------------------------------------------------------------------
+
+// Append " key: saved X vs requested Y;" to err for each architecture key (cfg_is_architecture) whose values differ;
+// returns how many. Layer lists compare by the layers they name, so `all` equals `0,1` on two layers.
+static inline int ckpt_architecture_diff(const Config *saved, const Config *want, char *err, size_t *pos) {
+    char a[1200], b[1200];
+    int diffs = 0;
+    for (int i = 0; i < CFG_N_FIELDS; i++) {
+        const CfgField *f = &CFG_FIELDS[i];
+        if (!cfg_is_architecture(f->key)) continue;
+        cfg_format(saved, f, a, sizeof a);
+        cfg_format(want, f, b, sizeof b);
+        int same = !strcmp(a, b);
+        if (f->type == CFG_LAYERS) {
+            const LayerList *ls = (const LayerList *)((const char *)saved + f->offset);
+            const LayerList *lw = (const LayerList *)((const char *)want + f->offset);
+            same = 1;
+            for (int l = 0; l < SDM_MAX(saved->n_layers, want->n_layers); l++)
+                same &= cfg_layer_in(ls, l) == cfg_layer_in(lw, l);
+        }
+        if (same) continue;
+        diffs++;
+        if (*pos < CKPT_ERR) *pos += snprintf(err + *pos, CKPT_ERR - *pos, " %s: saved %.100s vs requested %.100s;",
+                                              f->key, a, b);
+    }
+    return diffs;
+}
+
+// Resuming needs the requested model (want, wm) to be the saved one (saved, sm) of checkpoint file `path`: every
+// architecture key and every tensor (name, shape, offset; all are fp32) must agree. Returns 0 with err naming what
+// differs. Non-architecture keys (learning rate, steps, precision, speed knobs) may change on resume.
+static inline int ckpt_check_same_model(const char *path, const Config *saved, const ModelDesc *sm, const Config *want,
+                                        const ModelDesc *wm, char *err) {
+    size_t pos = (size_t)snprintf(err, CKPT_ERR, "%.300s: the checkpoint's model differs from the requested one "
+                                  "(delete run_dir or fix the config):", path);
+    if (ckpt_architecture_diff(saved, want, err, &pos)) return 0;
+    if (sm->n_params != wm->n_params || sm->storage != wm->storage) {
+        snprintf(err + pos, CKPT_ERR - pos, " %d tensors of %lld values vs requested %d of %lld", sm->n_params,
+                 sm->storage, wm->n_params, wm->storage);
+        return 0;
+    }
+    for (int i = 0; i < sm->n_params; i++) {
+        const ParamSpec *s = &sm->params[i], *w = &wm->params[i];
+        if (strcmp(s->name, w->name) || s->shape[0] != w->shape[0] || s->shape[1] != w->shape[1] ||
+            s->offset != w->offset) {
+            snprintf(err + pos, CKPT_ERR - pos, " tensor %d: saved %s [%lld, %lld] vs requested %s [%lld, %lld]", i,
+                     s->name, s->shape[0], s->shape[1], w->name, w->shape[0], w->shape[1]);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+// What identifies a checkpoint across ranks: rank 0 picks it (found = 0: start afresh), every rank loads the same.
+typedef struct { uint64_t found, step, model_checksum, state_checksum; } CkptId;
+
+// A checkpoint loaded for resuming: parameters and AdamW moments, malloc'ed fp32 [storage] each.
+typedef struct {
+    CkptId id;
+    float *params, *adam_m, *adam_v;
+    uint64_t rng_state;
+} CkptResume;
+
+static inline void ckpt_resume_free(CkptResume *r) {
+    free(r->params);
+    free(r->adam_m);
+    free(r->adam_v);
+    r->params = r->adam_m = r->adam_v = NULL;
+}
+
+// The checksums of step's files in run_dir into id (left 0 where a header cannot be read: loading names why).
+static inline void ckpt_identify(const char *run_dir, uint64_t step, CkptId *id) {
+    const char *names[2] = {"model.bin", "state.bin"}, *magics[2] = {CKPT_MODEL_MAGIC, CKPT_STATE_MAGIC};
+    uint64_t *sums[2] = {&id->model_checksum, &id->state_checksum};
+    char dir[1024], path[1100], err[CKPT_ERR];
+    ckpt_step_dir(dir, sizeof dir, run_dir, step, "");
+    for (int k = 0; k < 2; k++) {
+        CkptHeader h;
+        snprintf(path, sizeof path, "%s/%s", dir, names[k]);
+        FILE *fp = ckpt_open(path, magics[k], &h, err);
+        *sums[k] = fp ? h.checksum : 0;
+        if (fp) fclose(fp);
+    }
+}
+
+// Load checkpoint folder dir to resume the model (want, wm): model.bin must hold the same model
+// (ckpt_check_same_model), state.bin its optimizer state at the same step and a loader record of loader_bytes
+// (into loader). Returns 0 with err naming the file and problem.
+static inline int ckpt_load_resume(const char *dir, const Config *want, const ModelDesc *wm, void *loader,
+                                   uint64_t loader_bytes, CkptResume *r, char *err) {
+    char path[1100];
+    Config saved;
+    ModelDesc *sm = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    uint64_t step, state_step;
+    snprintf(path, sizeof path, "%s/model.bin", dir);
+    int ok = ckpt_load_model(path, &saved, sm, &r->params, &step, err) &&
+             ckpt_check_same_model(path, &saved, sm, want, wm, err);
+    free(sm);
+    if (!ok) return 0;
+    size_t n = (size_t)wm->storage;
+    r->adam_m = (float *)sdm_malloc(4 * n);
+    r->adam_v = (float *)sdm_malloc(4 * n);
+    snprintf(path, sizeof path, "%s/state.bin", dir);
+    if (!ckpt_load_state(path, n, r->adam_m, r->adam_v, loader, loader_bytes, &state_step, &r->rng_state, err))
+        return 0;
+    if (state_step != step) {
+        snprintf(err, CKPT_ERR, "%.300s: step %llu at offset 16, model.bin says %llu", path,
+                 (unsigned long long)state_step, (unsigned long long)step);
+        return 0;
+    }
+    return 1;
+}
+
+// The collectives a resume needs, over every rank of the run: core/dist.cuh's on GPUs, core/loopback.h's in tests.
+typedef struct {
+    int rank, world;
+    void *ctx;
+    void (*broadcast0)(void *ctx, void *buf, size_t bytes); // rank 0's bytes to every rank
+    void (*sum)(void *ctx, float *x, size_t n);             // in place, over ranks
+} CkptComm;
+
+// 1 on every rank when every rank passes ok; otherwise 0 on every rank with err: a failed rank's own message
+// prefixed by "rank R <what>: ", elsewhere the failed ranks named. No rank stops alone, waiting for the others.
+static inline int ckpt_all_ranks_ok(const CkptComm *c, int ok, const char *what, char *err) {
+    float *failed = (float *)sdm_calloc((size_t)c->world, sizeof(float));
+    failed[c->rank] = (float)!ok;
+    c->sum(c->ctx, failed, (size_t)c->world);
+    char ranks[256] = "";
+    int n = 0;
+    size_t pos = 0;
+    for (int q = 0; q < c->world; q++)
+        if (failed[q] != 0 && pos < sizeof ranks)
+            pos += snprintf(ranks + pos, sizeof ranks - pos, "%s%d", n++ ? ", " : "", q);
+    free(failed);
+    if (n == 0) return 1;
+    char own[CKPT_ERR];
+    snprintf(own, sizeof own, "%s", err);
+    if (ok) snprintf(err, CKPT_ERR, "rank%s %.200s %.400s; stopping every rank", n > 1 ? "s" : "", ranks, what);
+    else snprintf(err, CKPT_ERR, "rank %d %.300s: %.400s", c->rank, what, own);
+    return 0;
+}
+
+// Resume on every rank from the newest complete checkpoint of rank 0's run_dir: rank 0 picks it and broadcasts its
+// step and checksums; every rank must load that very checkpoint from its own run_dir (a shared folder, or a copy).
+// Returns 1 with r->id.found = 0 (start afresh) or r loaded; 0 on every rank, with err naming the ranks, when any
+// rank cannot load it (missing, corrupt, another model, other bytes than rank 0's).
+static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want, const ModelDesc *wm, void *loader,
+                                        uint64_t loader_bytes, const CkptComm *comm, CkptResume *r, char *err) {
+    memset(r, 0, sizeof *r);
+    if (comm->rank == 0 && ckpt_newest(run_dir, &r->id.step)) {
+        r->id.found = 1;
+        ckpt_identify(run_dir, r->id.step, &r->id);
+    }
+    comm->broadcast0(comm->ctx, &r->id, sizeof r->id);
+    if (!r->id.found) return 1;
+    char dir[1024], what[CKPT_ERR];
+    ckpt_step_dir(dir, sizeof dir, run_dir, r->id.step, "");
+    CkptId mine = r->id;
+    ckpt_identify(run_dir, r->id.step, &mine);
+    int same = mine.model_checksum == r->id.model_checksum && mine.state_checksum == r->id.state_checksum, ok = 0;
+    if (!same && mine.model_checksum && mine.state_checksum) // both readable, yet not rank 0's: no need to load
+        snprintf(err, CKPT_ERR, "%.300s holds other bytes than rank 0's checkpoint of that step (checksums differ)",
+                 dir);
+    else // the same headers (the load verifies the bodies against them), or an unreadable one: the load says why
+        ok = ckpt_load_resume(dir, want, wm, loader, loader_bytes, r, err);
+    snprintf(what, sizeof what, "cannot load step_%08llu, the checkpoint rank 0 resumes from (every rank needs it in "
+             "its run_dir: a shared folder, or a copy)", (unsigned long long)r->id.step);
+    if (ckpt_all_ranks_ok(comm, ok, what, err)) return 1;
+    ckpt_resume_free(r);
+    return 0;
 }
 
 #endif

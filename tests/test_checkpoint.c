@@ -1,5 +1,18 @@
-// tests/test_checkpoint.c: checkpoint round trips, refusal of every corruption with a message (never a crash, never
-// a silent wrong load), atomic replacement and keep-last-N.
+// tests/test_checkpoint.c: checkpoint round trips; a fuzzer (random flips, overwrites, truncations, extensions of
+// real model.bin and state.bin files must be refused with a message naming the file and an offset, never a crash
+// under ASan, never a silent wrong load); atomic replacement and keep-last-N; the newest of many checkpoints; strict
+// folder names; stale .tmp folders; refusal of non-finite values, of a full disk's half-written save, of a FIFO, of
+// another architecture on resume; a resume over 3 loopback ranks that must all load rank 0's checkpoint.
+//
+//   build/test_checkpoint            the make-test budget (1200 fuzz cases)
+//   build/test_checkpoint --fuzz N   N fuzz cases, for a long run by hand
+//   build/test_checkpoint --save DIR only write a valid checkpoint of the test model into run folder DIR (for the
+//                                    scripts that run the programs on it: tests/test_infer_args.sh)
+#include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
+
+#include "core/loopback.h"
 #include "model/checkpoint.h"
 #include "tests/test.h"
 
@@ -68,6 +81,8 @@ static void test_round_trip(void) {
     CHECK(ckpt_load_state(path, n, m2, v2, &rec2, sizeof rec2, &step, &rng, err), "load state: %s", err);
     CHECK(!memcmp(m, m2, 4 * n) && !memcmp(v, v2, 4 * n) && !memcmp(&rec, &rec2, sizeof rec) && rng == 0xABCDEF,
           "optimizer or loader state differs after the round trip");
+    CHECK(!ckpt_load_state(path, n + 1, m2, v2, &rec2, sizeof rec2, &step, &rng, err) &&
+              strstr(err, "optimizer state for"), "state of another model size accepted (%s)", err);
     free(loaded);
     free(params);
     free(m);
@@ -76,55 +91,70 @@ static void test_round_trip(void) {
     free(v2);
 }
 
-// Flip, overwrite and truncate bytes of real files: every variant is refused with a message naming the file.
-static void test_corruption(void) {
-    char path[1024], bad[1024], err[CKPT_ERR];
-    snprintf(path, sizeof path, "%s/step_00000017/model.bin", RUN);
-    snprintf(bad, sizeof bad, "%s/corrupt.bin", RUN);
-    uint8_t *data;
-    size_t n;
-    if (!file_bytes(path, &data, &n)) { CHECK(0, "cannot read %s", path); return; }
-    Rng r = rng_make(9);
-    int refused = 0, trials = 600;
-    for (int t = 0; t < trials; t++) {
-        uint8_t *copy = (uint8_t *)sdm_malloc(n);
-        memcpy(copy, data, n);
-        size_t len = n;
-        switch (t % 3) {
-        case 0: copy[rng_below(&r, (uint32_t)n)] ^= (uint8_t)(1u << rng_below(&r, 8)); break;   // one bit
-        case 1: copy[rng_below(&r, sizeof(CkptHeader))] = (uint8_t)rng_below(&r, 256) ^ 0x5A; break; // header byte
-        default: len = rng_below(&r, (uint32_t)n); break;                                    // truncation
-        }
-        if (t % 3 == 1 && !memcmp(copy, data, n)) { free(copy); refused++; continue; } // byte unchanged by chance
-        write_bytes(bad, copy, len);
-        Config c;
-        float *p = NULL;
-        uint64_t step;
-        err[0] = 0;
-        int ok = ckpt_load_model(bad, &c, &g_loaded, &p, &step, err);
-        if (!ok && strstr(err, bad) != NULL) refused++;
-        else if (ok) printf("corruption %d (kind %d) was loaded\n", t, t % 3);
-        free(p);
-        free(copy);
+// One random corruption of data [*n] in place (cap bytes of room): a bit flip, a random header byte, a run of random
+// bytes, a truncation or an extension.
+static void corrupt(Rng *r, uint8_t *data, size_t *n, size_t cap) {
+    uint32_t kind = *n ? rng_below(r, 5) : 4, burst = 1 + rng_below(r, 16), extra = 1 + rng_below(r, 64);
+    switch (kind) {
+    case 0: data[rng_below(r, (uint32_t)*n)] ^= (uint8_t)(1u << rng_below(r, 8)); break;
+    case 1: data[rng_below(r, sizeof(CkptHeader))] ^= (uint8_t)(1 + rng_below(r, 255)); break;
+    case 2: {
+        size_t at = rng_below(r, (uint32_t)*n), len = SDM_MIN(*n - at, (size_t)burst);
+        for (size_t i = 0; i < len; i++) data[at + i] ^= (uint8_t)(1 + rng_below(r, 255));
+        break;
     }
-    free(data);
-    CHECK(refused == trials, "%d of %d corrupted model files refused with a message", refused, trials);
-    // a state file with another parameter count or corrupt payload
-    snprintf(path, sizeof path, "%s/step_00000017/state.bin", RUN);
-    if (file_bytes(path, &data, &n)) {
-        float *m = (float *)sdm_malloc(4 * g_model.storage), *v = (float *)sdm_malloc(4 * g_model.storage);
-        LoaderRecord rec;
-        uint64_t step, rng;
-        CHECK(!ckpt_load_state(path, g_model.storage + 1, m, v, &rec, sizeof rec, &step, &rng, err) &&
-                  strstr(err, "optimizer state for"), "state of another model size accepted (%s)", err);
-        data[n - 3] ^= 4;
-        write_bytes(bad, data, n);
-        CHECK(!ckpt_load_state(bad, g_model.storage, m, v, &rec, sizeof rec, &step, &rng, err) &&
-                  strstr(err, "checksum mismatch"), "corrupt state accepted (%s)", err);
+    case 3: *n = rng_below(r, (uint32_t)*n); break;
+    default: {
+        size_t room = SDM_MIN(cap - *n, (size_t)extra);
+        for (size_t i = 0; i < room; i++) data[*n + i] = (uint8_t)rng_below(r, 256);
+        *n += room;
+    }
+    }
+}
+
+// Fuzz model.bin and state.bin of step 17: every corrupted copy must be refused with the file's name and an offset.
+static void test_fuzz(int cases) {
+    const char *names[2] = {"model.bin", "state.bin"};
+    char path[1024], bad[1024], err[CKPT_ERR];
+    snprintf(bad, sizeof bad, "%s/corrupt.bin", RUN);
+    Rng r = rng_make(9);
+    int loaded = 0, unclear = 0, tried = 0;
+    for (int k = 0; k < 2; k++) {
+        uint8_t *data;
+        size_t n;
+        snprintf(path, sizeof path, "%s/step_00000017/%s", RUN, names[k]);
+        if (!file_bytes(path, &data, &n)) { CHECK(0, "cannot read %s", path); return; }
+        size_t cap = n + 64, storage = (size_t)g_model.storage;
+        uint8_t *copy = (uint8_t *)sdm_malloc(cap);
+        float *m = (float *)sdm_malloc(4 * storage), *v = (float *)sdm_malloc(4 * storage);
+        for (int t = 0; t < cases / 2; t++) {
+            size_t len = n;
+            memcpy(copy, data, n);
+            for (int rounds = 1 + (int)rng_below(&r, 3); rounds > 0; rounds--) corrupt(&r, copy, &len, cap);
+            if (len == n && !memcmp(copy, data, n)) continue; // corruptions that cancelled out
+            write_bytes(bad, copy, len);
+            tried++;
+            Config c;
+            float *p = NULL;
+            uint64_t step, rng;
+            LoaderRecord rec;
+            err[0] = 0;
+            int ok = k == 0 ? ckpt_load_model(bad, &c, &g_loaded, &p, &step, err)
+                            : ckpt_load_state(bad, storage, m, v, &rec, sizeof rec, &step, &rng, err);
+            if (ok) printf("fuzz case %d of %s was loaded\n", t, names[k]);
+            else if (!strstr(err, bad) || !strstr(err, "offset")) printf("fuzz case %d: unclear '%s'\n", t, err);
+            loaded += ok;
+            unclear += !ok && (!strstr(err, bad) || !strstr(err, "offset"));
+            free(p);
+        }
+        free(copy);
+        free(data);
         free(m);
         free(v);
-        free(data);
     }
+    printf("fuzz: %d corrupted files, %d loaded, %d refused without the file and an offset\n", tried, loaded, unclear);
+    CHECK(tried > cases * 9 / 10 && loaded == 0 && unclear == 0, "fuzz: %d of %d loaded, %d unclear", loaded, tried,
+          unclear);
     remove(bad);
 }
 
@@ -157,6 +187,323 @@ static void test_atomic_and_keep(void) {
     free(v);
 }
 
+// A folder with the three files of a checkpoint (empty: enough for listing).
+static void make_fake_checkpoint(const char *run, const char *name, int with_model) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", run, name);
+    mkdir(path, 0755);
+    for (int i = 0; i < 3; i++) {
+        if (!with_model && !strcmp(CKPT_FILES[i], "model.bin")) continue;
+        snprintf(path, sizeof path, "%s/%s/%s", run, name, CKPT_FILES[i]);
+        write_bytes(path, (const uint8_t *)"", 0);
+    }
+}
+
+static void remove_tree(const char *dir) {
+    char cmd[1100];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) sdm_die("cannot remove %s", dir);
+}
+
+// 40 checkpoints created in random order: the newest is found, and ckpt_list's newest few are the right ones, for
+// any max below the count (ckpt_list once kept the first max in directory order).
+static void test_newest_of_many(void) {
+    const char *run = "build/test_ckpt_many";
+    remove_tree(run);
+    mkdir(run, 0755);
+    uint64_t order[40], steps[5];
+    for (int i = 0; i < 40; i++) order[i] = 100 * (uint64_t)(i + 1);
+    Rng r = rng_make(11);
+    for (int i = 39; i > 0; i--) {
+        int j = (int)rng_below(&r, (uint32_t)i + 1);
+        uint64_t t = order[i];
+        order[i] = order[j], order[j] = t;
+    }
+    char name[64];
+    for (int i = 0; i < 40; i++) {
+        snprintf(name, sizeof name, "step_%08llu", (unsigned long long)order[i]);
+        make_fake_checkpoint(run, name, 1);
+    }
+    uint64_t newest = 0;
+    CHECK(ckpt_newest(run, &newest) && newest == 4000, "newest of 40: %llu, want 4000", (unsigned long long)newest);
+    int count = ckpt_list(run, steps, 5);
+    int sorted = count == 40;
+    for (int i = 0; i < 5; i++) sorted &= steps[i] == 4000 - 100 * (uint64_t)i;
+    CHECK(sorted, "ckpt_list(max 5) of 40: count %d, steps %llu %llu ... (want 40; 4000 3900 ...)", count,
+          (unsigned long long)steps[0], (unsigned long long)steps[1]);
+    remove_tree(run);
+}
+
+// Only step_ + exactly 8 digits with DONE, model.bin and state.bin is a checkpoint: no sign, space, 7 or 9 digits,
+// suffix; and not a folder whose model.bin is gone (a kill while an older pruning removed files before DONE).
+static void test_strict_names(void) {
+    const char *run = "build/test_ckpt_names";
+    const char *fake[] = {"step_-0000001", "step_+0000100", "step_ 0000100", "step_0000100", "step_000000100",
+                          "step_00000100x", "step_0000010a"};
+    remove_tree(run);
+    mkdir(run, 0755);
+    for (size_t i = 0; i < sizeof fake / sizeof fake[0]; i++) make_fake_checkpoint(run, fake[i], 1);
+    make_fake_checkpoint(run, "step_00000200", 0); // DONE and state.bin, no model.bin
+    make_fake_checkpoint(run, "step_00000005", 1);
+    uint64_t steps[8];
+    int count = ckpt_list(run, steps, 8);
+    CHECK(count == 1 && steps[0] == 5, "%d checkpoints listed, newest %llu (want only step 5)", count,
+          count ? (unsigned long long)steps[0] : 0ull);
+    remove_tree(run);
+}
+
+// ckpt_prepare_run_dir makes missing parents, removes only our stale step_<8 digits>.tmp folders, and refuses a run
+// folder that is a file or lies under one, naming it.
+static void test_run_dir(void) {
+    const char *base = "build/test_ckpt_dir", *run = "build/test_ckpt_dir/a/b";
+    char err[CKPT_ERR], path[1024];
+    remove_tree(base);
+    CHECK(ckpt_prepare_run_dir(run, err), "nested run folder not made: %s", err);
+    make_fake_checkpoint(run, "step_00000060.tmp", 1);
+    const char *not_ours[] = {"step_0000060.tmp", "step_00000060.tmpx", "step_-0000060.tmp", "other.tmp"};
+    for (int i = 0; i < 4; i++) make_fake_checkpoint(run, not_ours[i], 1);
+    CHECK(ckpt_prepare_run_dir(run, err), "existing run folder refused: %s", err);
+    snprintf(path, sizeof path, "%s/step_00000060.tmp", run);
+    CHECK(access(path, F_OK) != 0, "stale %s not removed", path);
+    for (int i = 0; i < 4; i++) {
+        snprintf(path, sizeof path, "%s/%s/DONE", run, not_ours[i]);
+        CHECK(access(path, F_OK) == 0, "%s removed: not ours", path);
+    }
+    snprintf(path, sizeof path, "%s/file", base);
+    write_bytes(path, (const uint8_t *)"x", 1);
+    CHECK(!ckpt_prepare_run_dir(path, err) && strstr(err, path) && strstr(err, "not a folder"),
+          "a file as run folder: '%s'", err);
+    snprintf(path, sizeof path, "%s/file/run", base);
+    CHECK(!ckpt_prepare_run_dir(path, err) && strstr(err, "cannot create"), "a run folder under a file: '%s'", err);
+    remove_tree(base);
+}
+
+// ckpt_save refuses NaN or inf in the parameters or moments, naming the step, tensor and index; nothing is written.
+static void test_nonfinite(void) {
+    const char *run = "build/test_ckpt_nan";
+    remove_tree(run);
+    Config c;
+    build_model(&c);
+    size_t n = (size_t)g_model.storage;
+    float *p = (float *)sdm_calloc(n, 4), *m = (float *)sdm_calloc(n, 4), *v = (float *)sdm_calloc(n, 4);
+    LoaderRecord rec = {1, 2};
+    CkptTrainState s = {9, 0, m, v, &rec, sizeof rec};
+    char err[CKPT_ERR], want[128];
+    const ParamSpec *t = &g_model.params[1];
+    p[t->offset + 3] = NAN;
+    snprintf(want, sizeof want, "parameter %s[3] is nan", t->name);
+    CHECK(!ckpt_save(run, &g_model, &c, p, &s, 2, err) && strstr(err, want) && strstr(err, "step 9"),
+          "NaN parameter: '%s' (want '%s')", err, want);
+    p[t->offset + 3] = 0;
+    v[n - 1] = INFINITY;
+    CHECK(!ckpt_save(run, &g_model, &c, p, &s, 2, err) && strstr(err, "AdamW v of") && strstr(err, "inf"),
+          "infinite moment: '%s'", err);
+    uint64_t step;
+    CHECK(!ckpt_newest(run, &step) && access("build/test_ckpt_nan/step_00000009.tmp", F_OK) != 0,
+          "a refused save left a checkpoint or a .tmp folder");
+    remove_tree(run);
+    free(p);
+    free(m);
+    free(v);
+}
+
+// A save that runs out of room (a file size limit stands in for a full disk) fails with a message, removes its
+// .tmp folder and leaves the previous checkpoint complete.
+static void test_disk_full(void) {
+    const char *run = "build/test_ckpt_full";
+    remove_tree(run);
+    Config c;
+    build_model(&c);
+    size_t n = (size_t)g_model.storage;
+    float *zero = (float *)sdm_calloc(n, 4);
+    LoaderRecord rec = {1, 2};
+    CkptTrainState s = {1, 0, zero, zero, &rec, sizeof rec};
+    char err[CKPT_ERR];
+    CHECK(ckpt_save(run, &g_model, &c, zero, &s, 2, err), "save: %s", err);
+    struct rlimit old, small;
+    getrlimit(RLIMIT_FSIZE, &old);
+    small = old;
+    small.rlim_cur = 4096;
+    signal(SIGXFSZ, SIG_IGN); // a write past the limit then fails with EFBIG instead of killing the process
+    setrlimit(RLIMIT_FSIZE, &small);
+    s.step = 2;
+    int ok = ckpt_save(run, &g_model, &c, zero, &s, 2, err);
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_DFL);
+    uint64_t steps[4];
+    CHECK(!ok && strstr(err, "step_00000002.tmp/model.bin"), "a save past the size limit: ok %d, '%s'", ok, err);
+    CHECK(access("build/test_ckpt_full/step_00000002.tmp", F_OK) != 0, "the failed save left its .tmp folder");
+    CHECK(ckpt_list(run, steps, 4) == 1 && steps[0] == 1, "the previous checkpoint is not intact");
+    remove_tree(run);
+    free(zero);
+}
+
+// A FIFO or a folder given as a checkpoint file is refused at once (opening a FIFO for reading used to block).
+static void test_not_regular(void) {
+    const char *fifo = "build/test_ckpt_fifo";
+    char err[CKPT_ERR];
+    remove(fifo);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s: %s", fifo, strerror(errno));
+    alarm(20); // the old code blocks forever in open(): fail by SIGALRM instead of hanging make test
+    Config c;
+    float *p = NULL;
+    uint64_t step;
+    CHECK(!ckpt_load_model(fifo, &c, &g_loaded, &p, &step, err) && strstr(err, fifo) && strstr(err, "not a regular"),
+          "FIFO as model.bin: '%s'", err);
+    CHECK(!ckpt_load_model("build", &c, &g_loaded, &p, &step, err) && strstr(err, "not a regular"),
+          "folder as model.bin: '%s'", err);
+    alarm(0);
+    remove(fifo);
+}
+
+// Resuming under another architecture is refused, naming each differing key with both values; changes of other
+// keys (learning rate, chunk size, precision) are accepted and the state comes back.
+static void test_architecture(void) {
+    const char *run = "build/test_ckpt_arch";
+    remove_tree(run);
+    Config c;
+    build_model(&c);
+    size_t n = (size_t)g_model.storage;
+    Rng r = rng_make(4);
+    float *p = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
+    LoaderRecord rec = {5, 6}, back;
+    CkptTrainState s = {30, 77, m, v, &rec, sizeof rec};
+    char err[CKPT_ERR], dir[256];
+    CHECK(ckpt_save(run, &g_model, &c, p, &s, 2, err), "save: %s", err);
+    snprintf(dir, sizeof dir, "%s/step_00000030", run);
+    struct { const char *lines[3], *want; } cases[] = {
+        {{"model.attn_at = 1", "model.sdm_at = 0", NULL}, "model.attn_at: saved 0 vs requested 1"},
+        {{"model.n_heads = 1", NULL, NULL}, "model.n_heads: saved 2 vs requested 1"},
+        {{"model.rope_theta = 500000", NULL, NULL}, "model.rope_theta: saved 10000 vs requested 500000"},
+        {{"sdm.num_writes = 3", NULL, NULL}, "sdm.num_writes: saved 2 vs requested 3"},
+        {{"optim.lr = 1", "sdm.chunk_size = 16", "distributed.model_dtype = fp32"}, NULL},
+    };
+    ModelDesc *wm = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        Config want = c;
+        for (int i = 0; i < 3 && cases[k].lines[i]; i++)
+            if (!cfg_apply_line(&want, cases[k].lines[i], "test", err)) sdm_die("%s", err);
+        if (!cfg_validate(&want, err)) sdm_die("case %zu: %s", k, err);
+        model_build(wm, &want);
+        CkptResume res;
+        memset(&res, 0, sizeof res);
+        int ok = ckpt_load_resume(dir, &want, wm, &back, sizeof back, &res, err);
+        if (cases[k].want)
+            CHECK(!ok && strstr(err, cases[k].want) && strstr(err, "model.bin"), "%s: '%s' (want '%s')",
+                  cases[k].lines[0], err, cases[k].want);
+        else
+            CHECK(ok && !memcmp(res.params, p, 4 * n) && !memcmp(res.adam_v, v, 4 * n) && res.rng_state == 77 &&
+                      !memcmp(&back, &rec, sizeof rec), "resume with other non-architecture keys: %s", ok ? "" : err);
+        ckpt_resume_free(&res);
+    }
+    free(wm);
+    remove_tree(run);
+    free(p);
+    free(m);
+    free(v);
+}
+
+// ---- resume over ranks: 3 loopback ranks (threads), each with its own run folder ---------------------------------
+
+#define RANKS 3
+static const char *RANK_BASE = "build/test_ckpt_ranks";
+
+typedef struct {
+    LoopComm comm;
+    const Config *cfg; // of g_model, built before the threads start
+    char run[256], err[CKPT_ERR];
+    int ok;
+    CkptResume res;
+    LoaderRecord rec;
+} RankRun;
+
+static void loop_broadcast0(void *ctx, void *buf, size_t bytes) { loop_broadcast((LoopComm *)ctx, buf, bytes, 0); }
+static void loop_sum_floats(void *ctx, float *x, size_t n) { loop_all_reduce_sum((LoopComm *)ctx, x, n); }
+
+static void *rank_resume(void *arg) {
+    RankRun *rr = (RankRun *)arg;
+    CkptComm comm = {rr->comm.rank, rr->comm.world, &rr->comm, loop_broadcast0, loop_sum_floats};
+    rr->ok = ckpt_resume_all_ranks(rr->run, rr->cfg, &g_model, &rr->rec, sizeof rr->rec, &comm, &rr->res, rr->err);
+    return NULL;
+}
+
+static void resume_ranks(RankRun *rr, int world) {
+    Config c;
+    build_model(&c);
+    LoopGroup group;
+    loop_group_init(&group, world);
+    pthread_t th[RANKS];
+    for (int q = 0; q < world; q++) {
+        rr[q].comm = loop_comm(&group, q, 1);
+        rr[q].cfg = &c;
+        rr[q].err[0] = 0;
+        pthread_create(&th[q], NULL, rank_resume, &rr[q]);
+    }
+    for (int q = 0; q < world; q++) pthread_join(th[q], NULL);
+    loop_group_destroy(&group);
+}
+
+// Save step's checkpoint with parameters filled with x into rank q's run folder.
+static void save_rank(RankRun *rr, int q, uint64_t step, float x) {
+    Config c;
+    build_model(&c);
+    size_t n = (size_t)g_model.storage;
+    float *p = (float *)sdm_malloc(4 * n);
+    for (size_t i = 0; i < n; i++) p[i] = x;
+    LoaderRecord rec = {step, 3};
+    CkptTrainState s = {step, 1, p, p, &rec, sizeof rec};
+    char err[CKPT_ERR];
+    if (!ckpt_save(rr[q].run, &g_model, &c, p, &s, 5, err)) sdm_die("%s", err);
+    free(p);
+}
+
+static void test_resume_ranks(void) {
+    RankRun rr[RANKS];
+    memset(rr, 0, sizeof rr);
+    remove_tree(RANK_BASE);
+    mkdir(RANK_BASE, 0755);
+    for (int q = 0; q < RANKS; q++) snprintf(rr[q].run, sizeof rr[q].run, "%s/rank%d", RANK_BASE, q);
+
+    // rank 0 has no checkpoint: every rank starts afresh, whatever the others hold
+    save_rank(rr, 1, 10, 1.0f);
+    resume_ranks(rr, RANKS);
+    for (int q = 0; q < RANKS; q++)
+        CHECK(rr[q].ok && !rr[q].res.id.found, "rank %d: rank 0 has none, got ok %d found %d (%s)", q, rr[q].ok,
+              (int)rr[q].res.id.found, rr[q].err);
+
+    // every rank holds steps 10 and 20 (the same bytes): all resume from 20
+    for (int q = 0; q < RANKS; q++) save_rank(rr, q, 10, 1.0f), save_rank(rr, q, 20, 2.0f);
+    resume_ranks(rr, RANKS);
+    for (int q = 0; q < RANKS; q++) {
+        CHECK(rr[q].ok && rr[q].res.id.step == 20 && rr[q].res.params[0] == 2.0f && rr[q].rec.a == 20,
+              "rank %d: not resumed from step 20 (%s)", q, rr[q].err);
+        ckpt_resume_free(&rr[q].res);
+    }
+
+    // rank 2 lacks step 20 (its newest is 10), then rank 1 holds another step 20: every rank stops, naming the rank
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/step_00000020", rr[2].run);
+    ckpt_remove_dir(dir);
+    resume_ranks(rr, RANKS);
+    CHECK(!rr[2].ok && strstr(rr[2].err, "rank 2 cannot load step_00000020") && strstr(rr[2].err, "cannot open"),
+          "rank 2 without step 20: '%s'", rr[2].err);
+    for (int q = 0; q < 2; q++)
+        CHECK(!rr[q].ok && strstr(rr[q].err, "rank 2 cannot load step_00000020"), "rank %d: '%s'", q, rr[q].err);
+    save_rank(rr, 2, 20, 2.0f);
+    save_rank(rr, 1, 20, 3.0f);
+    resume_ranks(rr, RANKS);
+    CHECK(!rr[1].ok && strstr(rr[1].err, "rank 1 cannot load") && strstr(rr[1].err, "checksums differ"),
+          "rank 1 with other bytes: '%s'", rr[1].err);
+    CHECK(!rr[0].ok && !rr[2].ok && strstr(rr[0].err, "rank 1 cannot load") && strstr(rr[2].err, "rank 1 cannot"),
+          "ranks 0 and 2 do not name rank 1: '%s', '%s'", rr[0].err, rr[2].err);
+
+    // one process (world 1): the same path with collectives that do nothing
+    resume_ranks(rr, 1);
+    CHECK(rr[0].ok && rr[0].res.id.step == 20, "world 1: %s", rr[0].err);
+    ckpt_resume_free(&rr[0].res);
+    remove_tree(RANK_BASE);
+}
+
 static void cleanup(void) {
     uint64_t steps[64];
     char dir[1024];
@@ -168,11 +515,40 @@ static void cleanup(void) {
     rmdir(RUN);
 }
 
-int main(void) {
+// A checkpoint of the test model with the bytes tokenizer's vocabulary, at step 17, in run folder dir.
+static void save_example(const char *dir) {
+    Config c;
+    char err[CKPT_ERR];
+    build_model(&c);
+    if (!cfg_apply_line(&c, "model.vocab_size = 258", "test", err)) sdm_die("%s", err);
+    model_build(&g_model, &c);
+    size_t n = (size_t)g_model.storage;
+    Rng r = rng_make(3);
+    float *p = random_floats(n, &r), *zero = (float *)sdm_calloc(n, 4);
+    LoaderRecord rec = {1, 2};
+    CkptTrainState s = {17, 0, zero, zero, &rec, sizeof rec};
+    if (!ckpt_save(dir, &g_model, &c, p, &s, 1, err)) sdm_die("%s", err);
+    free(p);
+    free(zero);
+}
+
+int main(int argc, char **argv) {
+    int cases = 1200;
+    if (argc == 3 && !strcmp(argv[1], "--save")) { save_example(argv[2]); return 0; }
+    if (argc == 3 && !strcmp(argv[1], "--fuzz")) cases = atoi(argv[2]);
+    else if (argc != 1) sdm_die("usage: %s [--fuzz CASES | --save DIR]", argv[0]);
     cleanup();
     test_round_trip();
-    test_corruption();
+    test_fuzz(cases);
     test_atomic_and_keep();
+    test_newest_of_many();
+    test_strict_names();
+    test_run_dir();
+    test_nonfinite();
+    test_disk_full();
+    test_not_regular();
+    test_architecture();
+    test_resume_ranks();
     cleanup();
     return test_summary();
 }

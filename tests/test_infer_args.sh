@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # infer_sdm refuses bad arguments and unreadable checkpoints before touching the GPU: a non-zero exit and a message
-# naming the argument or file. Needs ./infer_sdm (make infer_sdm; `make test` builds it).
+# naming the argument or file. It reads the newest of many checkpoints of a run folder, refuses a FIFO at once, and
+# with a valid checkpoint but no usable GPU says so plainly. Needs ./infer_sdm and build/test_checkpoint (`make test`
+# builds both).
 pass=0; fail=0
 cd "$(dirname "$0")/.."
 # refused "what" ARGS... : exit status non-zero and the message contains "what"
+# (VMEM_KB: an address-space limit for this run)
 refused() {
     local want=$1; shift
-    out=$(./infer_sdm "$@" 2>&1); rc=$?
+    out=$(ulimit -v "${VMEM_KB:-unlimited}"; timeout 60 ./infer_sdm "$@" 2>&1); rc=$?
     if [ $rc -ne 0 ] && [[ "$out" == *"$want"* ]]; then pass=$((pass + 1));
     else fail=$((fail + 1)); echo "FAIL infer_sdm $*: exit $rc, output '$out' (want non-zero and '$want')"; fi
 }
@@ -26,6 +29,20 @@ refused "--seed needs a value" "$tmp/garbage.bin" --seed
 refused "unknown option '--bogus'" "$tmp/garbage.bin" --bogus 1
 refused "not both" "$tmp/garbage.bin" --prompt a --prompt-file b
 refused "--prompt-file $tmp/nope" "$tmp/garbage.bin" --prompt-file "$tmp/nope"
+# a run folder of 30 checkpoints made in random order (garbage model.bin): the newest, step 3000, is the one read
+many="$tmp/many"
+for s in $(seq 100 100 3000 | shuf); do
+    d=$(printf '%s/step_%08d' "$many" "$s"); mkdir -p "$d"
+    cp "$tmp/garbage.bin" "$d/model.bin"; touch "$d/state.bin" "$d/DONE"
+done
+mkdir -p "$many/step_-0000001" && touch "$many/step_-0000001/"{model.bin,state.bin,DONE} # not a step name
+refused "step_00003000/model.bin: wrong magic" "$many"
+mkfifo "$tmp/fifo.bin"
+refused "fifo.bin: not a regular file" "$tmp/fifo.bin"
+VMEM_KB=1500000 refused "/dev/zero: out of memory" "$tmp/garbage.bin" --prompt-file /dev/zero # an endless prompt
+# a valid checkpoint, no usable GPU (hidden on a machine that has one)
+build/test_checkpoint --save "$tmp/run" >/dev/null
+CUDA_VISIBLE_DEVICES=-1 refused "no usable GPU" "$tmp/run"
 rm -rf "$tmp"
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]
