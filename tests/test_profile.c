@@ -1,7 +1,11 @@
 // tests/test_profile.c: the measurement side of training: the step profile's table (core/profile.h: parts in step
-// order, floors, n/a, the printed layout).
+// order, floors, n/a, the printed layout) and the model FLOPs behind MFU (model_flops_per_token, against a hand
+// count of debug_hybrid; docs/MODEL.md#model-flops).
 #include "core/profile.h"
+#include "model/model.h"
 #include "tests/test.h"
+
+static ModelDesc g_model;
 
 // The printed table of `t` as a string (caller frees).
 static char *print_to_string(const ProfTable *t) {
@@ -54,7 +58,54 @@ static void test_table(void) {
     free(got);
 }
 
+// attn_mask_pairs against counting the visible keys position by position.
+static void test_mask_pairs(void) {
+    int Ts[] = {1, 7, 128, 2048}, ws[] = {0, 1, 5, 128, 256, 4096};
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 6; j++) {
+            double n = 0;
+            for (int p = 0; p < Ts[i]; p++) n += ws[j] == 0 ? p + 1 : SDM_MIN(p + 1, ws[j]);
+            CHECK(attn_mask_pairs(Ts[i], ws[j]) == n, "T=%d w=%d: %g pairs, want %g", Ts[i], ws[j],
+                  attn_mask_pairs(Ts[i], ws[j]), n);
+        }
+}
+
+static const ModelDesc *load(const char *override) {
+    Config c;
+    char err[CFG_ERR];
+    char *argv[] = {(char *)"test", (char *)"-c", (char *)"configs/debug_hybrid.cfg", (char *)override};
+    if (!cfg_from_args(&c, override ? 4 : 3, argv, err)) sdm_die("%s", err);
+    model_build(&g_model, &c);
+    return &g_model;
+}
+
+// debug_hybrid (D = 1024, F = 2816, V = 258, T = 2048) counted by hand from configs/debug_hybrid.cfg.
+static void test_flops_debug_hybrid(void) {
+    double D = 1024, F = 2816, V = 258, T = 2048;
+    double swa = (4 * 64 + 2 * 2 * 64) * D + D * 4 * 64;  // wq [256, D], wk, wv [128, D], wo [D, 256]
+    double attn = 4 * D * D;                              // wq, wk, wv, wo [D, D] (8 heads of 128)
+    double sdm = 2 * 128 * D + D * D + 2 * D + 2 * D * D; // wk, wq [H K = 128, D], wv, wa, wb [1, D], wg, wo
+    double ffn = 3 * F * D, head = V * D;
+    double matmul = 2 * swa + 2 * attn + 4 * sdm + 8 * ffn + head;
+    // per token and layer 12 d_h per query head and visible key: SWA w = 256 sees 256·257/2 + (T - 256)·256 keys
+    // over the sequence, full attention T(T+1)/2
+    double swa_keys = (256.0 * 257 / 2 + (T - 256) * 256) / T, full_keys = (T + 1) / 2;
+    double want = 6 * matmul + 2 * 12 * 4 * 64 * swa_keys + 2 * 12 * 8 * 128 * full_keys;
+    const ModelDesc *m = load(NULL);
+    CHECK((double)model_matmul_params(m) == matmul, "matmul weights %lld, want %.0f", model_matmul_params(m), matmul);
+    CHECK(model_flops_per_token(m, 2048) == want, "FLOPs per token %.0f, want %.0f", model_flops_per_token(m, 2048),
+          want);
+    CHECK(want == 585081216.0, "hand count %.0f, want 585081216", want);
+    // the matmul weights are the non-embedding parameters less norms and biases, plus the LM head
+    CHECK(matmul == 92837904 - (17 * D + 4 * (2 * 128 + 3 * D + 4)) + head, "hand count disagrees with the table");
+    // tied: the token embedding is the LM head and counts once
+    long long untied = model_matmul_params(m);
+    CHECK(model_matmul_params(load("model.weight_tying=true")) == untied, "a tied head must count once");
+}
+
 int main(void) {
     test_table();
+    test_mask_pairs();
+    test_flops_debug_hybrid();
     return test_summary();
 }
