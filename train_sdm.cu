@@ -13,8 +13,9 @@
 
 #include "core/config.h"
 #include "core/dist.cuh"
-#include "core/stop_signal.h"
 #include "core/optim.h"
+#include "core/profile.cuh"
+#include "core/stop_signal.h"
 #include "data/dataloader.h"
 #include "data/dataset.h"
 #include "model/adamw.cuh"
@@ -36,6 +37,8 @@ typedef struct {
     int *inputs, *targets;   // host [B*T]
     long long step;          // optimizer steps done
     double lr;               // learning rate of the last step
+    double flops_per_token;  // model FLOPs of a training token, the numerator of MFU
+    Profiler *prof;          // the step profile while logging.profile is on (rank 0), else NULL
     FILE *log;               // run_dir/train.log (rank 0)
 } Run;
 
@@ -97,6 +100,12 @@ static inline void init_params(Run *r) {
     free(host);
 }
 
+// Parts of the step profile outside the model (model/gpu_model.cuh names the others). AdamW reads the fp32 weight,
+// gradient, m and v of a parameter and writes weight, m, v and the working copy.
+#define STEP_PART_OPTIM "optimizer"
+#define STEP_PART_COMM "communication"
+#define ADAMW_BYTES_PER_PARAM (7 * 4)
+
 // One optimizer step: grad_acc_steps micro-batches forward and backward, gradients reduce-scattered over ranks,
 // the global norm clipped, AdamW on this rank's shard, the updated weights all-gathered. Returns the mean loss.
 static inline float train_step(Run *r) {
@@ -106,6 +115,7 @@ static inline float train_step(Run *r) {
     Dist *d = &r->dist;
     int acc = c->grad_acc_steps;
     cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->padded));
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * g->padded, 0);
     float loss = 0;
     for (int k = 0; k < acc; k++) {
         next_batch(r, &r->train);
@@ -114,18 +124,56 @@ static inline float train_step(Run *r) {
         loss += gpu_model_loss(g) / acc;
     }
     dist_reduce_scatter_grads(d, g->grads, 0);
-    long long lo = d->rank * d->shard, hi = SDM_MIN(lo + d->shard, r->m->storage);
-    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, SDM_MAX(hi - lo, 0LL), 0);
+    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
+    long long lo = d->rank * d->shard, hi = SDM_MIN(lo + d->shard, r->m->storage), shard = SDM_MAX(hi - lo, 0LL);
+    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, shard, 0);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * shard, 0);
     dist_all_reduce_sum(d, o->sumsq, 1, 0);
+    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
     AdamWHyper hyper = adamw_hyper(c, r->step);
     r->lr = hyper.lr;
     if (hi > lo)
         adamw_update_model(r->m, lo, hi, o->master + lo, (char *)g->work + lo * g->es, g->ctype, g->grads + lo,
                            o->m + lo, o->v + lo, &hyper, o->scale, 0);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, (double)shard * (ADAMW_BYTES_PER_PARAM + g->es), 0);
     dist_all_gather(d, g->work, g->es, 0);
+    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     r->step++;
     return loss;
+}
+
+// The step profile (logging.profile = N, docs/MODEL.md#step-profile): the first PROFILE_WARMUP steps of the run
+// are recorded and forgotten, the next N are timed by part; then the table is printed and the profiler removed.
+#define PROFILE_WARMUP 2
+
+static inline void profile_start(Run *r) {
+    if (!r->cfg.profile_steps || r->dist.rank != 0) return;
+    r->prof = prof_create(r->cfg.peak_tflops, r->cfg.hbm_tbps);
+    gpu_model_set_profiler(&r->g, r->prof);
+}
+
+static inline void profile_finish(Run *r) {
+    prof_print(&r->prof->table, stdout);
+    if (r->log) prof_print(&r->prof->table, r->log);
+    fflush(stdout);
+    gpu_model_set_profiler(&r->g, NULL);
+    prof_destroy(r->prof);
+    r->prof = NULL;
+}
+
+// train_step, profiled while the run is in its profile window; `done`: steps this run has taken so far.
+static inline float train_step_profiled(Run *r, long long done) {
+    prof_step_begin(r->prof, 0);
+    float loss = train_step(r);
+    prof_step_end(r->prof, done >= PROFILE_WARMUP);
+    if (r->prof && done + 1 == PROFILE_WARMUP + r->cfg.profile_steps) profile_finish(r);
+    return loss;
+}
+
+// Model FLOPs utilisation at `tokens_per_s` over all ranks, against logging.peak_tflops per GPU.
+static inline double mfu(const Run *r, double tokens_per_s) {
+    return r->flops_per_token * tokens_per_s / (r->dist.world * r->cfg.peak_tflops * 1e12);
 }
 
 // Mean loss over ranks of a host value, through the device (the optimizer's sumsq scalar, free between steps).
@@ -282,13 +330,17 @@ int main(int argc, char **argv) {
     adamw_state_create(&r.opt, r.g.padded);
     init_params(&r);
     resume(&r);
+    r.flops_per_token = model_flops_per_token(r.m, c->seq_len);
+    say(&r, "model FLOPs per token %.3f GFLOP (docs/MODEL.md#model-flops); MFU against %.0f TFLOP/s per GPU\n",
+        r.flops_per_token / 1e9, c->peak_tflops);
+    profile_start(&r);
 
     // 3. train
     double t0 = now_s(), t_log = t0;
     long long first_step = r.step;
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
     while (r.step < c->steps) {
-        float loss = mean_over_ranks(&r, train_step(&r)), norm;
+        float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step)), norm;
         cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
         if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
@@ -296,8 +348,9 @@ int main(int argc, char **argv) {
         if (r.step % c->log_freq == 0 || r.step == c->steps) {
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
-            say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s\n", r.step,
-                c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_step / per_step);
+            double tokens_per_s = tokens_per_step / per_step;
+            say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s | MFU %.1f%%\n",
+                r.step, c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_s, 100 * mfu(&r, tokens_per_s));
         }
         if ((c->eval_every && r.step % c->eval_every == 0) || (c->probe_freq && r.step % c->probe_freq == 0))
             evaluate(&r);
@@ -308,6 +361,7 @@ int main(int argc, char **argv) {
             break;
         }
     }
+    if (r.prof) profile_finish(&r); // the run ended inside the profile window: the steps profiled so far
     if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
     say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);
 

@@ -7,6 +7,7 @@
 
 #include "attention/attention.cuh"
 #include "core/matmul.cuh"
+#include "core/profile.cuh"
 
 // Pointers into the model's working weights (compute dtype) / fp32 gradients. wg is NULL when not gated.
 typedef struct { const void *wq, *wk, *wv, *wg, *wo; } AttnLayerParams;
@@ -21,6 +22,7 @@ typedef struct {
     float *lse;                    // [B, n_h, T]
     void *dq, *dk, *dv, *dog;      // backward scratch
     void *workspace;
+    Profiler *prof;                // NULL: not profiled
 } AttnLayer;
 
 static inline void *attn_layer_alloc(size_t bytes) {
@@ -86,14 +88,44 @@ static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerPa
     matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
 }
 
+// Marks of the step profile (core/profile.cuh). The region since the last mark was the layer's projections, of
+// `flops` GEMM FLOPs (the gate's element-wise work is not counted)...
+static inline void attn_layer_mark_proj(const AttnLayer *L, double flops, cudaStream_t s) {
+    prof_mark(L->prof, L->a.window > 0 ? "SWA projections" : "attn projections", flops, 0, s);
+}
+
+// ... or its core, RoPE and the attention kernels: forward, the mask's products QKᵀ and PV, reading q, k, v and
+// writing o; backward, 2.5 times the products (dQ, dK, dV, dP and the recomputed P), reading q, k, v, o, do and
+// writing dq, dk, dv.
+static inline void attn_layer_mark_core(const AttnLayer *L, int backward, cudaStream_t s) {
+    if (!L->prof || !L->prof->on) return;
+    const AttnDims *a = &L->a;
+    double qkvo = 2.0 * L->B * L->T * (a->n_heads + a->n_kv_heads) * a->head_dim * dtype_size(L->ctype); // bytes
+    double flops = 4.0 * L->B * a->n_heads * a->head_dim * attn_mask_pairs(L->T, a->window);
+    const char *part = a->window > 0 ? (backward ? "SWA backward" : "SWA forward")
+                                     : (backward ? "attn backward" : "attn forward");
+    prof_mark(L->prof, part, backward ? 2.5 * flops : flops, backward ? 2 * qkvo : qkvo, s);
+}
+
+// FLOPs of the q, k, v projections and of the output side (gate and Wo) for n rows, forward.
+static inline double attn_layer_qkv_flops(const AttnDims *a, int n) {
+    return 2.0 * n * a->dim * (a->n_heads + 2 * a->n_kv_heads) * a->head_dim;
+}
+static inline double attn_layer_out_flops(const AttnDims *a, int n) {
+    return 2.0 * n * a->dim * a->n_heads * a->head_dim * (a->gated ? 2 : 1);
+}
+
 // y [B*T, D] = the layer of x [B*T, D] (compute dtype); saves what the backward needs.
 static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, const void *x, void *y, cudaStream_t s) {
     const AttnDims *a = &L->a;
     int n = L->B * L->T;
     attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, s);
+    attn_layer_mark_proj(L, attn_layer_qkv_flops(a, n), s);
     attn_rope(&L->rope, a, L->B, L->T, L->ctype, L->q, L->k, NULL, 1, s);
     attn_forward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, s);
+    attn_layer_mark_core(L, 0, s);
     attn_layer_out(a, L->ctype, p, x, L->o, L->z, L->og, n, y, s);
+    attn_layer_mark_proj(L, attn_layer_out_flops(a, n), s);
 }
 
 // dx [B*T, D] (overwritten) and the weight gradients (+=) from dy, after attn_layer_forward on the same x.
@@ -114,14 +146,17 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
         d_o = L->dq;
         dq = L->dog;
     }
+    attn_layer_mark_proj(L, 2 * attn_layer_out_flops(a, n), s);
     attn_backward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, d_o, dq, L->dk, L->dv, L->workspace, s);
     attn_rope(&L->rope, a, L->B, L->T, L->ctype, dq, L->dk, NULL, -1, s);
+    attn_layer_mark_core(L, 1, s);
     matmul_backward_weight(g->wq, DT_FP32, dq, nq, x, L->ctype, n, nq, D, 1, s);
     matmul_backward_weight(g->wk, DT_FP32, L->dk, nk, x, L->ctype, n, nk, D, 1, s);
     matmul_backward_weight(g->wv, DT_FP32, L->dv, nk, x, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, dq, nq, p->wq, L->ctype, n, nq, D, have_dx, s);
     matmul_backward_input(dx, L->ctype, L->dk, nk, p->wk, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, L->dv, nk, p->wv, L->ctype, n, nk, D, 1, s);
+    attn_layer_mark_proj(L, 2 * attn_layer_qkv_flops(a, n), s);
 }
 
 // ------------------------------------------------------------------------------------------------------------------

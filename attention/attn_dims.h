@@ -12,4 +12,12 @@ typedef struct {
     double rope_theta; // RoPE base
 } AttnDims;
 
+// Query-key pairs inside the mask of one sequence of T tokens, the sum over positions p of min(p + 1, w) (w = 0:
+// full causal, p + 1): the products QKᵀ and PV cost 4 d_h FLOPs per pair and query head.
+static inline double attn_mask_pairs(int T, int window) {
+    double t = T, w = window;
+    if (window <= 0 || window >= T) return t * (t + 1) / 2;
+    return w * (w + 1) / 2 + (t - w) * w;
+}
+
 #endif

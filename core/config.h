@@ -64,7 +64,8 @@ typedef struct {
     int batch_size, seq_len, n_views;
     char tokenizer[CFG_STR], train_data[CFG_STR], val_data[CFG_STR];
     // checkpoint / eval / logging
-    int dump_every, eval_every, keep_checkpoints, eval_steps, log_freq;
+    int dump_every, eval_every, keep_checkpoints, eval_steps, log_freq, profile_steps;
+    double peak_tflops, hbm_tbps;
     char eval_task[CFG_STR];
 } Config;
 
@@ -191,6 +192,12 @@ static const CfgField CFG_FIELDS[] = {
     {"eval.task", CFG_CHOICE, CFG_OFF(eval_task), "auto", CFG_ANY, "auto|recall|mqar|copy|none",
      "recall scoring of validation batches (data/synthetic.h; auto: every task whose answers are found)"},
     {"logging.freq", CFG_INT, CFG_OFF(log_freq), "10", 1, 1e9, NULL, "steps between log lines"},
+    {"logging.profile", CFG_INT, CFG_OFF(profile_steps), "0", 0, 1e6, NULL,
+     "time this many steps by part after 2 warm-up steps and print the table (0: off; same results)"},
+    {"logging.peak_tflops", CFG_FLOAT, CFG_OFF(peak_tflops), "989", 1e-3, 1e9, NULL,
+     "peak TFLOP/s per GPU for MFU and the profile's floors (default: dense bf16 of the H100/H200)"},
+    {"logging.hbm_tbps", CFG_FLOAT, CFG_OFF(hbm_tbps), "4.8", 1e-3, 1e6, NULL,
+     "HBM bandwidth in TB/s for the profile's floors (default: the H200's)"},
 };
 #undef CFG_ANY
 #define CFG_N_FIELDS ((int)(sizeof(CFG_FIELDS) / sizeof(CFG_FIELDS[0])))

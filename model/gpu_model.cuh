@@ -12,6 +12,7 @@
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
+#include "core/profile.cuh"
 #include "model/model.h"
 #include "core/shard.h"
 #include "sdm/sdm_infer.cuh"
@@ -112,6 +113,7 @@ typedef struct {
     EmbeddingBackwardPlan emb_plan;
     SdmLayer *sdm;                    // [L], used for SDM layers
     AttnLayer *attn;                  // [L], used for attention layers
+    Profiler *prof;                   // NULL: not profiled (gpu_model_set_profiler)
 } GpuModel;
 
 static inline void *gpu_alloc(size_t bytes) {
@@ -272,6 +274,33 @@ static inline void gpu_model_destroy(GpuModel *g) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
 }
 
+// Time the passes by part with `prof` (NULL: stop): the model's own marks and every mixer's.
+static inline void gpu_model_set_profiler(GpuModel *g, Profiler *prof) {
+    g->prof = prof;
+    for (int l = 0; l < g->L; l++) {
+        if (g->m->kind[l] == LAYER_SDM) g->sdm[l].prof = prof;
+        else g->attn[l].prof = prof;
+    }
+}
+
+// Parts of the step profile outside the mixers (which mark their own). A mark gives the work of the region before
+// it (core/profile.cuh): GEMM FLOPs, or the bytes an element-wise pass must read and write at least.
+#define GM_PART_HOST "host, input copies"
+#define GM_PART_EMBED "embedding"
+#define GM_PART_ELEM "norms, element-wise"
+#define GM_PART_FFN "FFN GEMMs"
+#define GM_PART_HEAD "LM head"
+#define GM_PART_LOSS "loss"
+
+static inline void gm_mark(const GpuModel *g, const char *part, double flops, double bytes) {
+    prof_mark(g->prof, part, flops, bytes, 0);
+}
+
+// Bytes of `tensors` tensors [n, width] in the compute dtype.
+static inline double gm_bytes(const GpuModel *g, double tensors, int n, int width) {
+    return tensors * n * width * g->es;
+}
+
 // The working weights from fp32 master weights on the device [padded] (the optimizer's, or a temporary copy).
 static inline void gpu_model_cast_params(GpuModel *g, const float *master) {
     gm_cast_to_work(g->work, master, g->padded, g->ctype, 0);
@@ -307,8 +336,11 @@ static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, co
                                   void *y, int n) {
     int D = g->D, F = g->F;
     matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, 0);
+    gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
     swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
     matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, 0);
+    gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0);
 }
 
 // The norm after block l: the next block's mixer norm, or the final norm after the last block.
@@ -324,23 +356,30 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     float eps = (float)g->m->norm_eps;
     cudaCheck(cudaMemcpy(g->tokens, tokens, sizeof(int) * n, cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(g->targets, targets, sizeof(int) * n, cudaMemcpyHostToDevice));
+    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA);
     embedding_forward(g->h, w->tok_emb, g->tokens, g->ctype, n, D, 0);
+    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 2, n, D));
     rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
+    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
     for (int l = 0; l < g->L; l++) {
         void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D);
         void *xffn = gm_at(g, g->xffn, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F), *hf = gm_at(g, g->ffn_h, l, F);
         gm_mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
         gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
                                  gm_next_norm(g, l), g->ctype, n, D, eps, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
     }
     matmul_forward(g->logits, g->ctype, g->Vp, g->xfinal, w->head, NULL, g->ctype, n, g->V, D, 0);
+    gm_mark(g, GM_PART_HEAD, 2.0 * n * g->V * D, 0);
     cross_entropy_forward_backward(g->logits, g->Vp, g->targets, g->losses, g->ctype, n, g->V, dscale, 0);
     loss_mean(g->loss, g->losses, n, 0);
+    gm_mark(g, GM_PART_LOSS, 0, gm_bytes(g, 2, n, g->Vp));
 }
 
 // Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0.
@@ -351,8 +390,10 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     // LM head and final norm
     matmul_backward_weight(d->head, DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n, g->V, D, 1, 0);
     matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, w->head, g->ctype, n, g->V, D, 0, 0);
+    gm_mark(g, GM_PART_HEAD, 4.0 * n * g->V * D, 0);
     rmsnorm_backward(g->dh, d->norm, g->norm_scratch, g->branch, gm_at(g, g->h, g->L, D), w->norm, g->rstd_final,
                      g->ctype, n, D, 0, 0);
+    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, D));
     for (int l = g->L - 1; l >= 0; l--) {
         const GmBlockWeights *wl = &w->block[l];
         const GmBlockGrads *dl = &d->block[l];
@@ -360,18 +401,25 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
         void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
         matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D, F, 1, 0);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, 0);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F));
         matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n, 2 * F, D, 1, 0);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, 0);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
                          g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
         gm_mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
                          g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
     }
-    embedding_backward_plan_build(&g->emb_plan, tokens, 0);
+    embedding_backward_plan_build(&g->emb_plan, tokens, 0); // on the host
+    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA);
     embedding_backward(d->tok_emb, g->dh, g->ctype, &g->emb_plan, 0);
+    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 1, n, D));
 }
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.

@@ -337,6 +337,30 @@ static inline void model_print_summary(const ModelDesc *m, const Config *c, FILE
     fprintf(fp, "  %-36s %16lld\n", "total incl. bank", m->total);
 }
 
+// Weights of the matrices every token is multiplied by: the 2-D tensors but the SDM bank and the token embedding
+// (a lookup; when tied it is the LM head and counts once).
+static inline long long model_matmul_params(const ModelDesc *m) {
+    long long n = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamSpec *p = &m->params[i];
+        if (p->ndim == 2 && !p->is_bank && (m->tied || strcmp(p->name, "tok_emb"))) n += p->numel;
+    }
+    return n;
+}
+
+// Model FLOPs of one training token (forward and backward) at sequence length T, the numerator of MFU
+// (docs/MODEL.md#model-flops): 6 per matmul weight, plus 12 d_h per query head and visible key of each attention
+// layer (averaged over the T positions). The SDM op, the addressing, norms and element-wise work are not counted.
+static inline double model_flops_per_token(const ModelDesc *m, int T) {
+    double flops = 6.0 * (double)model_matmul_params(m);
+    for (int l = 0; l < m->n_layers; l++)
+        if (m->kind[l] != LAYER_SDM) {
+            const AttnDims *a = &m->attn[l];
+            flops += 12.0 * a->n_heads * a->head_dim * attn_mask_pairs(T, a->window) / T;
+        }
+    return flops;
+}
+
 // Rough GPU memory of one training rank (bytes): fp32 master + bf16 copy + fp32 grads + AdamW m, v (sharded over
 // `world` with ZeRO-1), activations saved for the backward, and the SDM banks and snapshots.
 static inline double model_train_memory_bytes(const ModelDesc *m, const Config *c, int world) {

@@ -11,6 +11,7 @@
 
 #include "core/cuda_common.cuh"
 #include "core/matmul.cuh"
+#include "core/profile.cuh"
 #include "sdm/sdm_bank.cuh"
 #include "sdm/sdm_common.cuh"
 #include "sdm/sdm_dims.h"
@@ -65,9 +66,16 @@ typedef struct {
     float *w_in, *b_in[SDM_B_COUNT], *A_log, *dt_bias, *ln_w, *ln_b, *w_out, *b_out, *bank0;
 } SdmLayerGrads;
 
-// Stage boundaries recorded with CUDA events when timing is on (see sdm_layer_stage_ms).
-enum { SDM_EV_F0, SDM_EV_F_PROJ, SDM_EV_F_TOPK, SDM_EV_F_BANK, SDM_EV_F_OP, SDM_EV_F_READOUT, SDM_EV_F_OUT,
-       SDM_EV_B0, SDM_EV_B_OUT, SDM_EV_B_READOUT, SDM_EV_B_OP, SDM_EV_B_TOPK, SDM_EV_B_SUMS, SDM_EV_B_IN, SDM_LAYER_EVENTS };
+// Stage ends, marked in the step profile (core/profile.cuh) when the layer has a profiler; each stage belongs to
+// one of the parts below (sdm_layer_stage_work).
+enum { SDM_EV_F_PROJ, SDM_EV_F_TOPK, SDM_EV_F_BANK, SDM_EV_F_OP, SDM_EV_F_READOUT, SDM_EV_F_OUT,
+       SDM_EV_B_OUT, SDM_EV_B_READOUT, SDM_EV_B_OP, SDM_EV_B_TOPK, SDM_EV_B_SUMS, SDM_EV_B_IN };
+#define SDM_PART_PROJ "SDM projections"   // the fused input GEMM and Wo, forward and backward
+#define SDM_PART_ADDRESS "SDM addressing" // gates, values, product-key top-k and weights, and their backward
+#define SDM_PART_BANK "SDM bank, sums"    // bank copies of M0, the dM0 batch sum, the gate parameters' sums
+#define SDM_PART_OP_FWD "SDM op forward"
+#define SDM_PART_OP_BWD "SDM op backward"
+#define SDM_PART_READOUT "SDM readout"     // readings LayerNorm and output gate, forward and backward
 
 typedef struct {
     SdmDims s;
@@ -95,8 +103,7 @@ typedef struct {
     float *gate_grad;    // [BT, 3H]: da, dc, dg * g in fp32
     float *ln_partials;  // [2, sdm_readout_warps, d]
     size_t device_bytes;
-    int timing;
-    cudaEvent_t ev[SDM_LAYER_EVENTS];
+    Profiler *prof;      // NULL: not profiled
 } SdmLayer;
 
 static inline void *sdm_layer_alloc(SdmLayer *L, size_t bytes) {
@@ -161,7 +168,7 @@ static inline void sdm_layer_alloc_forward(SdmLayer *L) {
     L->r = sdm_layer_alloc(L, BT * D * cs);
 }
 
-static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, int timing) {
+static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, Profiler *prof) {
     SdmLayer L = sdm_layer_setup(s, B, T, ctype, 1);
     sdm_layer_alloc_forward(&L);
     int W = s->writes, R = s->reads, d = s->head_dim;
@@ -179,9 +186,7 @@ static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ct
     L.drho = (float *)sdm_layer_alloc(&L, P * R * 4);
     L.dbank = (float *)sdm_layer_alloc(&L, bank_elems * 4);
     L.gate_grad = (float *)sdm_layer_alloc(&L, BT * 3 * s->heads * 4);
-    L.timing = timing;
-    if (timing)
-        for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventCreate(&L.ev[i]));
+    L.prof = prof;
     return L;
 }
 
@@ -190,15 +195,42 @@ static inline void sdm_layer_destroy(SdmLayer *L) {
                     L->o, L->ln_mean, L->ln_rstd, L->ln_partials, L->r, L->saved, L->scratch, L->dr, L->dkappa,
                     L->dgamma, L->dbeta, L->dv, L->drho, L->dbank, L->gate_grad};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree(bufs[i]));
-    if (L->timing)
-        for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventDestroy(L->ev[i]));
     sdm_topk_plan_free(&L->tw);
     sdm_topk_plan_free(&L->tr);
     memset(L, 0, sizeof(*L));
 }
 
+// The step-profile part of stage `ev` and its work for the part's floor: the GEMMs' FLOPs; the bytes the bank
+// copies, the op (sdm_op_floor_bytes) and the readout must move. The addressing's work is not counted (n/a).
+static inline const char *sdm_layer_stage_work(const SdmLayer *L, int ev, double *flops, double *bytes) {
+    const SdmDims *s = &L->s;
+    double BT = (double)L->B * L->T, D = s->dim, cs = (double)dtype_size(L->ctype);
+    double proj_in = 2 * BT * D * L->n_in, proj_out = 2 * BT * D * D, bank = (double)sdm_bank_bytes(s);
+    double m0 = (double)s->heads * s->slots * s->head_dim; // elements of M0
+    *flops = *bytes = 0;
+    switch (ev) {
+    case SDM_EV_F_PROJ: *flops = proj_in; return SDM_PART_PROJ;
+    case SDM_EV_F_OUT: *flops = proj_out; return SDM_PART_PROJ;
+    case SDM_EV_B_OUT: *flops = 2 * proj_out; return SDM_PART_PROJ; // dX and dW
+    case SDM_EV_B_IN: *flops = 2 * proj_in; return SDM_PART_PROJ;
+    case SDM_EV_F_TOPK:
+    case SDM_EV_B_TOPK: *flops = *bytes = PROF_NA; return SDM_PART_ADDRESS;
+    case SDM_EV_F_BANK: *bytes = L->B * bank + (s->learned_bank ? m0 * cs : 0); return SDM_PART_BANK;
+    case SDM_EV_B_SUMS: // dM0 += the batch's fp32 bank gradients; the gate gradients' column sums
+        *bytes = (s->learned_bank ? (L->B + 2) * m0 * 4 : 0) + BT * 3 * s->heads * 4;
+        return SDM_PART_BANK;
+    case SDM_EV_F_OP: *bytes = sdm_op_floor_bytes(&L->op, 0); return SDM_PART_OP_FWD;
+    case SDM_EV_B_OP: *bytes = sdm_op_floor_bytes(&L->op, 1); return SDM_PART_OP_BWD;
+    case SDM_EV_F_READOUT: *bytes = BT * D * (4 + cs); return SDM_PART_READOUT; // fp32 readings in, r out
+    default: *bytes = BT * D * 3 * 4; return SDM_PART_READOUT;               // readings and dr in, dr out (fp32)
+    }
+}
+
 static inline void sdm_layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
-    if (L->timing) cudaCheck(cudaEventRecord(L->ev[ev], s));
+    if (!L->prof || !L->prof->on) return;
+    double flops, bytes;
+    const char *part = sdm_layer_stage_work(L, ev, &flops, &bytes);
+    prof_mark(L->prof, part, flops, bytes, s);
 }
 
 // First column of each input bias block in z (SDM_B_* order) and its width.
@@ -266,7 +298,6 @@ static inline void sdm_layer_output(SdmLayer *L, const SdmLayerParams *p, void *
 // Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.
 static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
     const SdmDims *s = &L->s;
-    sdm_layer_mark(L, SDM_EV_F0, st);
     sdm_layer_address(L, p, x, st);
     sdm_bank_init(L->bank, sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, L->ctype,
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);
@@ -286,7 +317,6 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim, d = s->head_dim;
     bool f32 = L->ctype == DT_FP32;
     void *dz = L->z; // in place: each gradient entry overwrites the forward value only its own thread still reads
-    sdm_layer_mark(L, SDM_EV_B0, st);
     // output projection
     matmul_backward_weight(g->w_out, DT_FP32, dy, D, L->r, L->ctype, BT, D, D, 1, st);
     matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, st);
@@ -337,23 +367,6 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     }
     matmul_backward_input(dx, L->ctype, dz, L->ldz, p->w_in, L->ctype, BT, L->n_in, D, 0, st);
     sdm_layer_mark(L, SDM_EV_B_IN, st);
-}
-
-// Stage times (ms) of the last forward+backward when timing is on: [0] projections (both GEMM groups, forward and
-// backward), [1] top-k and addressing (gates, softmax, routing), [2] the memory op, [3] the rest (bank copy and
-// dM0, readout, gate sums), [4] forward total, [5] backward total. Synchronises on the last event.
-static inline void sdm_layer_stage_ms(SdmLayer *L, float *ms) {
-    if (!L->timing) sdm_die("sdm_layer_stage_ms: the layer was created without timing");
-    cudaCheck(cudaEventSynchronize(L->ev[SDM_EV_B_IN]));
-    float t[SDM_LAYER_EVENTS];
-    for (int i = 1; i < SDM_LAYER_EVENTS; i++)
-        if (i != SDM_EV_B0) cudaCheck(cudaEventElapsedTime(&t[i], L->ev[i - 1], L->ev[i]));
-    ms[0] = t[SDM_EV_F_PROJ] + t[SDM_EV_F_OUT] + t[SDM_EV_B_OUT] + t[SDM_EV_B_IN];
-    ms[1] = t[SDM_EV_F_TOPK] + t[SDM_EV_B_TOPK];
-    ms[2] = t[SDM_EV_F_OP] + t[SDM_EV_B_OP];
-    ms[3] = t[SDM_EV_F_BANK] + t[SDM_EV_F_READOUT] + t[SDM_EV_B_READOUT] + t[SDM_EV_B_SUMS];
-    cudaCheck(cudaEventElapsedTime(&ms[4], L->ev[SDM_EV_F0], L->ev[SDM_EV_F_OUT]));
-    cudaCheck(cudaEventElapsedTime(&ms[5], L->ev[SDM_EV_B0], L->ev[SDM_EV_B_IN]));
 }
 
 #endif

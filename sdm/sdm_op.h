@@ -112,6 +112,16 @@ static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
     return (s->snapshot == SDM_SNAP_FP8 || s->snapshot == SDM_SNAP_INT4) ? (size_t)(s->d / sdm_op_col_block(s)) : 0;
 }
 
+// Bytes a training forward or backward must move at least (its byte floor, as BENCHMARKS.md counts it),
+// per token and head: forward, read the W written and R read rows, write the W rows and W snapshot rows; backward,
+// read and write the fp32 bank gradient at the W + R rows, read the W snapshots, restore the W rows, read the R rows.
+static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
+    double th = (double)s->B * s->T * s->H, row = (double)s->d * (s->bank_fp32 ? 4 : 2);
+    double snap = (double)sdm_op_snap_row_bytes(s), W = s->W, R = s->R;
+    if (!backward) return th * ((2 * W + R) * row + W * snap);
+    return th * ((2 * W + 2 * R) * s->d * 4 + W * snap + (W + R) * row);
+}
+
 // Offsets of every buffer inside `saved` / `scratch` (bytes). Streams are stream-major: [S = B*H][Tp][...] with
 // Tp = chunks * C (padded tokens are inert).
 typedef struct {

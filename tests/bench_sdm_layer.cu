@@ -2,12 +2,13 @@
 // on the issue-4 shapes: the flagship layer (D=2048, H=2, N=65536, W=R=64, C=64, B=8, T=4096; target <= 21 ms,
 // <= 10 GiB) and D=768, H=1, N=36864, W=R=64, C=64, B=2, T=8192 (target <= 8 ms). Both with the flagship's
 // options (learned bank, output gate, readings LayerNorm). Reports the median time of fwd+bwd, the
-// forward/backward split, the per-stage times (CUDA events), the device memory held, and the GEMM FLOPs against
-// the measured bf16 matmul peak (~790 TFLOP/s on the H200).
+// forward/backward split, the per-stage times (the layer's marks in a step profile, core/profile.cuh), the device
+// memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200).
 #include "sdm/sdm_layer.cuh"
 #include "tests/test.h"
 
 #define BF16_PEAK_TFLOPS 790.0
+#define HBM_TBPS 4.3 // measured copy bandwidth of the H200 (BENCHMARKS.md)
 
 // x[i] = scale * (uniform(-1, 1) from a hash of (seed, i)), in the compute dtype
 __global__ void fill_random_kernel(void *x, bool fp32, size_t n, uint32_t seed, float scale, float offset) {
@@ -113,6 +114,11 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
     cudaCheck(cudaEventDestroy(e1));
 }
 
+// Mean ms per profiled step of one part of the layer.
+static float part_ms(Profiler *prof, const char *part) {
+    return (float)(prof->table.part[prof_part(&prof->table, part)].ms / prof->table.steps);
+}
+
 static void bench(const char *name, int D, int H, int nf, int W, int C, int B, int T, double target_ms) {
     SdmDims s;
     memset(&s, 0, sizeof(s));
@@ -125,7 +131,8 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     size_t free0, total;
     cudaCheck(cudaDeviceSynchronize());
     cudaCheck(cudaMemGetInfo(&free0, &total));
-    SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, 1);
+    Profiler *prof = prof_create(BF16_PEAK_TFLOPS, HBM_TBPS);
+    SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, prof);
     size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
     float ws = 1.0f / sqrtf((float)D);
     SdmLayerParams p;
@@ -155,27 +162,32 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     void *y = rand_buf(BT * D, 12, 1.0f, 0.0f), *dx = rand_buf(BT * D, 13, 1.0f, 0.0f);
 
     const int warm = 2, iters = 7;
-    float tot[16], fwd[16], bwd[16], st[6] = {0}, stsum[4] = {0};
-    cudaEvent_t e0, e1;
+    float tot[16], fwd[16], bwd[16], stsum[4];
+    cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0));
     cudaCheck(cudaEventCreate(&e1));
+    cudaCheck(cudaEventCreate(&e2));
     size_t free_min = free0;
     for (int it = 0; it < warm + iters; it++) {
+        prof_step_begin(prof, 0);
         cudaCheck(cudaEventRecord(e0, 0));
         sdm_layer_forward(&L, &p, x, y, 0);
-        sdm_layer_backward(&L, &p, x, dy, dx, &g, 0);
         cudaCheck(cudaEventRecord(e1, 0));
-        cudaCheck(cudaEventSynchronize(e1));
+        sdm_layer_backward(&L, &p, x, dy, dx, &g, 0);
+        cudaCheck(cudaEventRecord(e2, 0));
+        prof_step_end(prof, it >= warm);
         size_t fr;
         cudaCheck(cudaMemGetInfo(&fr, &total));
         free_min = SDM_MIN(free_min, fr);
         if (it < warm) continue;
-        cudaCheck(cudaEventElapsedTime(&tot[it - warm], e0, e1));
-        sdm_layer_stage_ms(&L, st);
-        fwd[it - warm] = st[4];
-        bwd[it - warm] = st[5];
-        for (int i = 0; i < 4; i++) stsum[i] += st[i] / iters;
+        cudaCheck(cudaEventElapsedTime(&fwd[it - warm], e0, e1));
+        cudaCheck(cudaEventElapsedTime(&bwd[it - warm], e1, e2));
+        tot[it - warm] = fwd[it - warm] + bwd[it - warm];
     }
+    stsum[0] = part_ms(prof, SDM_PART_PROJ);
+    stsum[1] = part_ms(prof, SDM_PART_ADDRESS);
+    stsum[2] = part_ms(prof, SDM_PART_OP_FWD) + part_ms(prof, SDM_PART_OP_BWD);
+    stsum[3] = part_ms(prof, SDM_PART_BANK) + part_ms(prof, SDM_PART_READOUT);
     qsort(tot, iters, sizeof(float), cmp_float);
     qsort(fwd, iters, sizeof(float), cmp_float);
     qsort(bwd, iters, sizeof(float), cmp_float);
@@ -193,14 +205,17 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     printf("   device memory: layer buffers %.2f GiB (op saved %.2f GiB, op scratch %.2f GiB), peak in use %.2f GiB\n",
            (double)L.device_bytes / (1 << 30), (double)sdm_op_saved_bytes(&L.op) / (1 << 30),
            (double)sdm_op_scratch_bytes(&L.op) / (1 << 30), peak_gib);
+    prof_print(&prof->table, stdout);
     CHECK(tot[iters / 2] > 0.0f, "%s: no time measured", name);
     bench_pieces(&L, &p, &g, x, dy, y, dx);
     sdm_layer_destroy(&L);
+    prof_destroy(prof);
     const void *bufs[] = {p.w_in, bias, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
                           g.w_in, gbias, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree((void *)bufs[i]));
     cudaCheck(cudaEventDestroy(e0));
     cudaCheck(cudaEventDestroy(e1));
+    cudaCheck(cudaEventDestroy(e2));
 }
 
 int main(int argc, char **argv) {

@@ -195,10 +195,10 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     sp.training = 0;
     float tpre = time_ms(reps, [&] { sdm_op_forward(&sp, &in, bank, out, saved, 0); });
     double th_ = (double)tok;
-    report("forward (training)", median(tf), th_ * (3.0 * W + R) * d * 2);
-    report("backward", median(tb), th_ * ((2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
-    report("forward + backward", median(tf) + median(tb),
-           th_ * ((3.0 * W + R) * d * 2 + (2.0 * W + 2.0 * R) * d * 4 + (2.0 * W + R) * d * 2));
+    double floor_f = sdm_op_floor_bytes(&s, 0), floor_b = sdm_op_floor_bytes(&s, 1);
+    report("forward (training)", median(tf), floor_f);
+    report("backward", median(tb), floor_b);
+    report("forward + backward", median(tf) + median(tb), floor_f + floor_b);
     report("prefill", tpre, th_ * (2.0 * W + R) * d * 2);
     bench_parts(&s, &in, bank, dout, &g, saved, scratch, reps);
     cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
