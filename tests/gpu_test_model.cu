@@ -1,6 +1,7 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
-// bf16; bitwise determinism of repeated steps; and a few AdamW steps that must lower the loss of a fixed batch.
+// bf16; bitwise determinism of repeated steps; the same bits with selective activation recomputation on; and a few
+// AdamW steps that must lower the loss of a fixed batch.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -162,7 +163,7 @@ static void check_case(const Case *c, const char *dtype) {
     double ref_loss = model_ref_backward(m, params, tokens, targets, c->B, c->T, ref_grads);
 
     GpuModel g;
-    gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1);
+    gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g, host);
     double loss = step_grads(&g, tokens, targets);
     report_forward(&g, params, tokens, targets, c->B, c->T);
@@ -189,6 +190,22 @@ static void check_case(const Case *c, const char *dtype) {
     double loss2 = step_grads(&g, tokens, targets);
     cudaCheck(cudaMemcpy(bits2, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
     CHECK(loss2 == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: a repeated step differs", c->name, dtype);
+
+    // selective activation recomputation: the same step with norms, SwiGLU, gates and readout recomputed in the
+    // backward gives the same bits, and keeps fewer activations
+    size_t acts_off = g_mem.bytes[MEM_ACTIVATIONS];
+    GpuModel gr;
+    gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, 1);
+    gpu_model_set_params(&gr, host);
+    double loss_r = step_grads(&gr, tokens, targets);
+    cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
+    size_t acts_on = g_mem.bytes[MEM_ACTIVATIONS] - acts_off;
+    printf("  recompute on: loss %.8f, activations %zu bytes (off: %zu)\n", loss_r, acts_on, acts_off);
+    CHECK(loss_r == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: recompute on and off differ", c->name,
+          dtype);
+    CHECK(acts_on < acts_off, "%s [%s]: recompute keeps %zu bytes of activations, off %zu", c->name, dtype, acts_on,
+          acts_off);
+    gpu_model_destroy(&gr);
 
     // a few AdamW steps on this batch must lower its loss
     AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
