@@ -2,7 +2,7 @@
 // (core/cuda_common.cuh), which records its bytes under one category; the start-up estimate, the step line and
 // `train_sdm --memory` all read this one table. In a dry run device_alloc only records and returns NULL, so the
 // breakdown of any config comes from the very code that allocates, also on a machine without a GPU.
-// Plain C: the table and its printing need no CUDA.
+// Plain C: the table and its printing need no CUDA. Categories and what fills them: docs/MODEL.md#memory.
 #ifndef SDM_CORE_MEMORY_H
 #define SDM_CORE_MEMORY_H
 
