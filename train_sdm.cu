@@ -282,6 +282,9 @@ static int print_memory(const Config *c, const ModelDesc *m, int world) {
              c->selective_act_ckpt ? "on" : "off");
     mem_print(stdout, title);
     printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
+    if (world > 1) // ZeRO-1 shards the optimizer update; the arrays themselves are whole on every rank
+        printf("  (master weights and AdamW m, v are whole on every rank: sharding them would save %.3f GiB per GPU)\n",
+               mem_gib((g_mem.bytes[MEM_MASTER] + g_mem.bytes[MEM_ADAMW]) / world * (world - 1)));
     return 0;
 }
 
