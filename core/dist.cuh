@@ -54,8 +54,7 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     cudaCheck(cudaGetDeviceCount(&devices));
     if (d->local_rank >= devices) sdm_die("local rank %d but only %d GPUs are visible", d->local_rank, devices);
     cudaCheck(cudaSetDevice(d->local_rank));
-    cudaCheck(cudaFree(NULL)); // creates the context now, so that it is measured here
-    size_t context = device_used_bytes();
+    size_t context = device_used_bytes(); // the first runtime call on the device: the context exists after it
     mem_record(MEM_CONTEXT, context);
 #ifdef SDM_HAVE_NCCL
     ncclUniqueId id;

@@ -62,6 +62,10 @@ saved=$(( 18 * ew * 4 + 8 * 2048 * 4 + 3 * 8 * 32 * 64 * 64 * 4 + 3 * 8 * 64 * 1
 expect "$out" "SDM banks + saved state" $(( 4 * (8 * 4096 * 1024 * 2 + saved) )) debug_hybrid
 expect "$out" "per-sequence bank gradients" $(( 8 * 4096 * 1024 * 4 )) debug_hybrid
 
+# --- one place: no program or module source allocates device memory except through device_alloc ------------------
+direct=$(grep -n 'cudaMalloc\|cudaFree' core/* sdm/* attention/* model/* data/* ./*.cu | grep -v '^core/cuda_common.cuh:')
+if [ -z "$direct" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$direct"; fi
+
 # --- world size: the breakdown is per GPU and names the ranks --------------------------------------------------------
 out=$(./train_sdm -c configs/debug_hybrid.cfg --memory=8)
 if [[ "$out" == *"8 ranks"* ]]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: --memory=8: $out"; fi
