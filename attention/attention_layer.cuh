@@ -14,30 +14,31 @@
 typedef struct { const void *wq, *wk, *wv, *wg, *wo; } AttnLayerParams;
 typedef struct { float *wq, *wk, *wv, *wg, *wo; } AttnLayerGrads;
 
-// Backward temporaries: dq, dog [n, n_h*d_h], dk, dv [n, n_kv*d_h], the attention workspace, and (recompute) og.
+// Backward temporaries: dq, dog [n, n_h*d_h], dk, dv [n, n_kv*d_h], the attention workspace, and (gated layers
+// with recompute) og [n, n_h*d_h].
 typedef struct { void *dq, *dk, *dv, *dog, *og, *workspace; } AttnLayerBwd;
-typedef struct { size_t q, kv, workspace; } AttnBwdSizes; // bytes of a q-shaped and a kv-shaped buffer, workspace
+typedef struct { size_t q, kv, og, workspace; } AttnBwdSizes; // bytes of each (og 0: not needed)
 
-static inline AttnBwdSizes attn_layer_bwd_sizes(const AttnDims *a, int B, int T, Dtype ctype) {
-    size_t n = (size_t)B * T, es = dtype_size(ctype);
-    AttnBwdSizes s = {n * a->n_heads * a->head_dim * es, n * a->n_kv_heads * a->head_dim * es,
+static inline AttnBwdSizes attn_layer_bwd_sizes(const AttnDims *a, int B, int T, Dtype ctype, int recompute) {
+    size_t n = (size_t)B * T, es = dtype_size(ctype), q = n * a->n_heads * a->head_dim * es;
+    AttnBwdSizes s = {q, n * a->n_kv_heads * a->head_dim * es, a->gated && recompute ? q : 0,
                       attn_backward_workspace_bytes(a, B, T)};
     return s;
 }
 
 // Sizes that fit both x and y: one set of temporaries serves layers of different head counts and widths.
 static inline AttnBwdSizes attn_bwd_sizes_max(AttnBwdSizes x, AttnBwdSizes y) {
-    AttnBwdSizes s = {SDM_MAX(x.q, y.q), SDM_MAX(x.kv, y.kv), SDM_MAX(x.workspace, y.workspace)};
+    AttnBwdSizes s = {SDM_MAX(x.q, y.q), SDM_MAX(x.kv, y.kv), SDM_MAX(x.og, y.og), SDM_MAX(x.workspace, y.workspace)};
     return s;
 }
 
-static inline AttnLayerBwd attn_layer_bwd_create(AttnBwdSizes s, int recompute) {
+static inline AttnLayerBwd attn_layer_bwd_create(AttnBwdSizes s) {
     AttnLayerBwd b;
     b.dq = device_alloc(MEM_SCRATCH, s.q);
     b.dk = device_alloc(MEM_SCRATCH, s.kv);
     b.dv = device_alloc(MEM_SCRATCH, s.kv);
     b.dog = device_alloc(MEM_SCRATCH, s.q);
-    b.og = recompute ? device_alloc(MEM_SCRATCH, s.q) : NULL;
+    b.og = s.og ? device_alloc(MEM_SCRATCH, s.og) : NULL;
     b.workspace = device_alloc(MEM_SCRATCH, s.workspace);
     return b;
 }
@@ -60,8 +61,8 @@ typedef struct {
     int owns_bw;
 } AttnLayer;
 
-// A layer for B sequences of T tokens. shared: backward temporaries of at least this layer's sizes (made with the
-// same `recompute`), or NULL for the layer's own.
+// A layer for B sequences of T tokens. shared: backward temporaries of at least this layer's sizes
+// (attn_layer_bwd_sizes with the same `recompute`), or NULL for the layer's own.
 static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype ctype, int recompute,
                                           const AttnLayerBwd *shared) {
     attn_check_dims(a);
@@ -73,14 +74,14 @@ static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype
     L.ctype = ctype;
     L.recompute = recompute;
     L.rope = attn_rope_create(a->head_dim, a->rope_theta);
-    AttnBwdSizes sz = attn_layer_bwd_sizes(a, B, T, ctype);
+    AttnBwdSizes sz = attn_layer_bwd_sizes(a, B, T, ctype, recompute);
     L.q = device_alloc(MEM_ACTIVATIONS, sz.q);
     L.k = device_alloc(MEM_ACTIVATIONS, sz.kv);
     L.v = device_alloc(MEM_ACTIVATIONS, sz.kv);
     L.o = device_alloc(MEM_ACTIVATIONS, sz.q);
     L.lse = (float *)device_alloc(MEM_ACTIVATIONS, (size_t)B * a->n_heads * T * sizeof(float));
     L.owns_bw = shared == NULL;
-    L.bw = shared ? *shared : attn_layer_bwd_create(sz, recompute);
+    L.bw = shared ? *shared : attn_layer_bwd_create(sz);
     if (a->gated) {
         L.z = device_alloc(MEM_ACTIVATIONS, sz.q);
         L.og = recompute ? L.bw.og : device_alloc(MEM_ACTIVATIONS, sz.q);

@@ -224,14 +224,14 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     embedding_backward_plan_create(&g->emb_plan, g->n, g->V, g->D);
 
     // one set of layer temporaries for all layers: the SDM layers share a shape, the attention ones get the largest
-    AttnBwdSizes attn_max = {0, 0, 0};
+    AttnBwdSizes attn_max = {0, 0, 0, 0};
     int any_sdm = 0;
     for (int l = 0; l < g->L; l++) {
         if (m->kind[l] == LAYER_SDM) any_sdm = 1;
-        else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype));
+        else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, recompute));
     }
     if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, recompute);
-    if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max, recompute);
+    if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max);
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
     for (int l = 0; l < g->L; l++) {
