@@ -334,8 +334,9 @@ int main(int argc, char **argv) {
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, c->selective_act_ckpt);
     if (r.dist.rank == 0) {
-        mem_print(stdout, "device memory per GPU (ledger; the step line shows the measured peak):");
-        if (r.log) mem_print(r.log, "device memory per GPU (ledger; the step line shows the measured peak):");
+        const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";
+        mem_print(stdout, title);
+        if (r.log) mem_print(r.log, title);
     }
     init_params(&r);
     resume(&r);
