@@ -147,7 +147,7 @@ int main(int argc, char **argv) {
     // 2. the model on the GPU and a one-stream inference state sized for the context
     cuda_require_gpu();
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1);
+    gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g, params);
     free(params);
     GpuInferState st;

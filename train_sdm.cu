@@ -3,6 +3,7 @@
 //
 //   ./train_sdm -c configs/sdm_flagship.cfg [key=value ...]
 //   scripts/launch_local.sh 8 ./train_sdm -c configs/sdm_flagship.cfg      (8 GPUs of one node; see scripts/)
+//   ./train_sdm -c configs/sdm_flagship.cfg --memory=8      per-GPU memory of 8 ranks, without a GPU (dry run)
 //
 // Read top to bottom: the run (config, data, the model of model/gpu_model.cuh), one optimizer step (micro-batches,
 // ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without data.train the
@@ -231,12 +232,11 @@ static void run_broadcast0(void *ctx, void *buf, size_t bytes) { dist_broadcast_
 static void run_sum(void *ctx, float *x, size_t n) {
     Dist *d = (Dist *)ctx;
     if (d->world == 1) return;
-    float *dev = NULL;
-    cudaCheck(cudaMalloc(&dev, sizeof(float) * n));
+    float *dev = (float *)device_alloc(MEM_SCRATCH, sizeof(float) * n);
     cudaCheck(cudaMemcpy(dev, x, sizeof(float) * n, cudaMemcpyHostToDevice));
     dist_all_reduce_sum(d, dev, n, 0);
     cudaCheck(cudaMemcpy(x, dev, sizeof(float) * n, cudaMemcpyDeviceToHost)); // legacy default stream: waits
-    cudaCheck(cudaFree(dev));
+    device_free(dev);
 }
 
 // Continue from the newest complete checkpoint of rank 0's run_dir, if any, on every rank: each rank must find that
@@ -288,17 +288,49 @@ static inline int stop_requested(Run *r) {
 }
 
 static void usage(void) {
-    printf("usage: train_sdm -c CONFIG.cfg [key=value ...]\n"
+    printf("usage: train_sdm -c CONFIG.cfg [key=value ...] [--memory[=WORLD]]\n"
            "  -c FILE     config file (see configs/); later key=value arguments override it\n"
+           "  --memory    print the per-GPU device memory by category for WORLD ranks (default 1) and exit;\n"
+           "              a dry run of the allocations, no GPU needed\n"
            "  --help      this text and every config key\n"
            "Multi-GPU: rank, world size and local rank come from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_PROCID/\n"
            "SLURM_NTASKS/SLURM_LOCALID; rank 0 serves the NCCL id on MASTER_ADDR:MASTER_PORT (see scripts/).\n\n");
     cfg_print_help(stdout);
 }
 
+static inline Dtype compute_dtype(const Config *c) { return !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16; }
+
+// --memory: the ledger of a dry-run model (every allocation recorded, none made) for `world` ranks.
+static int print_memory(const Config *c, const ModelDesc *m, int world) {
+    g_mem.dry_run = 1;
+    GpuModel g;
+    gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, c->selective_act_ckpt);
+    AdamWState opt;
+    adamw_state_create(&opt, g.padded);
+    char title[3 * CFG_STR];
+    snprintf(title, sizeof title, "device memory per GPU: %s, micro-batch %d x %d, %s, %d rank%s, recompute %s",
+             c->name, c->batch_size, c->seq_len, c->model_dtype, world, world > 1 ? "s" : "",
+             c->selective_act_ckpt ? "on" : "off");
+    mem_print(stdout, title);
+    printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
+    if (world > 1) // ZeRO-1 shards the optimizer update; the arrays themselves are whole on every rank
+        printf("  (master weights and AdamW m, v are whole on every rank: sharding them would save %.3f GiB per GPU)\n",
+               mem_gib((g_mem.bytes[MEM_MASTER] + g_mem.bytes[MEM_ADAMW]) / world * (world - 1)));
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    for (int i = 1; i < argc; i++)
+    int memory_world = 0; // --memory[=WORLD]: print the breakdown and exit
+    int kept = 1;
+    for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { usage(); return 0; }
+        if (!strcmp(argv[i], "--memory")) memory_world = 1;
+        else if (!strncmp(argv[i], "--memory=", 9)) {
+            memory_world = atoi(argv[i] + 9);
+            if (memory_world < 1) sdm_die("argument '%s': the world size must be a positive integer", argv[i]);
+        } else argv[kept++] = argv[i];
+    }
+    argc = kept;
     stop_signal_install();
 
     // 1. configuration, the process layout, the model description
@@ -309,6 +341,7 @@ int main(int argc, char **argv) {
     const Config *c = &r.cfg;
     r.m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
     model_build(r.m, c);
+    if (memory_world) return print_memory(c, r.m, memory_world);
     BootConfig boot = boot_from_env();
     if (boot.rank == 0) open_run_dir(&r);
     cuda_require_gpu();
@@ -317,17 +350,20 @@ int main(int argc, char **argv) {
     char unimplemented[512];
     cfg_unimplemented(c, unimplemented, sizeof unimplemented);
     if (unimplemented[0]) say(&r, "note: accepted but not implemented yet (no effect on results): %s\n", unimplemented);
-    say(&r, "ranks %d | micro-batch %d x %d tokens | %s | est. memory per GPU %.1f GiB\n", r.dist.world,
-        c->batch_size, c->seq_len, c->model_dtype, model_train_memory_bytes(r.m, c, r.dist.world) / (1 << 30));
+    say(&r, "ranks %d | micro-batch %d x %d tokens | %s\n", r.dist.world, c->batch_size, c->seq_len, c->model_dtype);
 
     // 2. data, the model on the GPU, its initial or resumed state
     open_data(&r);
     r.batch = (int32_t *)sdm_malloc(sizeof(int32_t) * c->batch_size * (c->seq_len + 1));
     r.inputs = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
-    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16,
-                     r.dist.world);
+    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, c->selective_act_ckpt);
     adamw_state_create(&r.opt, r.g.padded);
+    if (r.dist.rank == 0) {
+        const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";
+        mem_print(stdout, title);
+        if (r.log) mem_print(r.log, title);
+    }
     init_params(&r);
     resume(&r);
     r.flops_per_token = model_flops_per_token(r.m, c->seq_len);
@@ -339,9 +375,11 @@ int main(int argc, char **argv) {
     double t0 = now_s(), t_log = t0;
     long long first_step = r.step;
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
+    size_t peak_used = 0; // device bytes in use after a step, the highest so far (allocation is static after step 1)
     while (r.step < c->steps) {
         float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step)), norm;
         cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
+        peak_used = SDM_MAX(peak_used, device_used_bytes());
         if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
                     isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, c->run_dir);
@@ -349,8 +387,9 @@ int main(int argc, char **argv) {
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
             double tokens_per_s = tokens_per_step / per_step;
-            say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s | MFU %.1f%%\n",
-                r.step, c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_s, 100 * mfu(&r, tokens_per_s));
+            say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s | MFU %.1f%% | "
+                "peak %.2f GiB\n", r.step, c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_s,
+                100 * mfu(&r, tokens_per_s), mem_gib(peak_used));
         }
         if ((c->eval_every && r.step % c->eval_every == 0) || (c->probe_freq && r.step % c->probe_freq == 0))
             evaluate(&r);

@@ -1,7 +1,9 @@
 // attention/attention_layer.cuh: one attention mixer of the model on the GPU (docs/MODEL.md#attention), full or sliding-window:
 //   q = x Wqᵀ, k = x Wkᵀ, v = x Wvᵀ -> RoPE(q, k) -> o = attention(q, k, v) -> og = sigmoid(x Wgᵀ) * o (gated) -> y = og Woᵀ
 // built from the projection GEMMs (core/matmul.cuh) and the kernels of attention/attention.cuh. The layer object owns
-// the activations its backward needs; weights and their fp32 gradients live in the model's flat arrays.
+// the activations its backward needs; weights and their fp32 gradients live in the model's flat arrays. Backward
+// temporaries (AttnLayerBwd) live only inside one backward, so a model's layers share one set. With `recompute`
+// the gated output og is not kept: the backward recomputes it from z and o (the same kernel, the same bits).
 #ifndef SDM_ATTENTION_LAYER_CUH
 #define SDM_ATTENTION_LAYER_CUH
 
@@ -13,25 +15,58 @@
 typedef struct { const void *wq, *wk, *wv, *wg, *wo; } AttnLayerParams;
 typedef struct { float *wq, *wk, *wv, *wg, *wo; } AttnLayerGrads;
 
+// Backward temporaries: dq, dog [n, n_h*d_h], dk, dv [n, n_kv*d_h], the attention workspace, and (gated layers
+// with recompute) og [n, n_h*d_h].
+typedef struct { void *dq, *dk, *dv, *dog, *og, *workspace; } AttnLayerBwd;
+typedef struct { size_t q, kv, og, workspace; } AttnBwdSizes; // bytes of each (og 0: not needed)
+
+static inline AttnBwdSizes attn_layer_bwd_sizes(const AttnDims *a, int B, int T, Dtype ctype, int recompute) {
+    size_t n = (size_t)B * T, es = dtype_size(ctype), q = n * a->n_heads * a->head_dim * es;
+    AttnBwdSizes s = {q, n * a->n_kv_heads * a->head_dim * es, a->gated && recompute ? q : 0,
+                      attn_backward_workspace_bytes(a, B, T)};
+    return s;
+}
+
+// Sizes that fit both x and y: one set of temporaries serves layers of different head counts and widths.
+static inline AttnBwdSizes attn_bwd_sizes_max(AttnBwdSizes x, AttnBwdSizes y) {
+    AttnBwdSizes s = {SDM_MAX(x.q, y.q), SDM_MAX(x.kv, y.kv), SDM_MAX(x.og, y.og), SDM_MAX(x.workspace, y.workspace)};
+    return s;
+}
+
+static inline AttnLayerBwd attn_layer_bwd_create(AttnBwdSizes s) {
+    AttnLayerBwd b;
+    b.dq = device_alloc(MEM_SCRATCH, s.q);
+    b.dk = device_alloc(MEM_SCRATCH, s.kv);
+    b.dv = device_alloc(MEM_SCRATCH, s.kv);
+    b.dog = device_alloc(MEM_SCRATCH, s.q);
+    b.og = s.og ? device_alloc(MEM_SCRATCH, s.og) : NULL;
+    b.workspace = device_alloc(MEM_SCRATCH, s.workspace);
+    return b;
+}
+
+static inline void attn_layer_bwd_destroy(AttnLayerBwd *b) {
+    void *bufs[] = {b->dq, b->dk, b->dv, b->dog, b->og, b->workspace};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
+    memset(b, 0, sizeof *b);
+}
+
 typedef struct {
     AttnDims a;
     int B, T;
     Dtype ctype;
+    int recompute;                 // og lives in bw.og and is recomputed by the backward
     AttnRope rope;
     void *q, *k, *v, *o, *z, *og; // saved by the forward: q, k after RoPE [n, n_h|n_kv * d_h]; z, og when gated
     float *lse;                    // [B, n_h, T]
-    void *dq, *dk, *dv, *dog;      // backward scratch
-    void *workspace;
+    AttnLayerBwd bw;               // backward temporaries: the layer's own, or shared (owns_bw = 0)
+    int owns_bw;
     Profiler *prof;                // NULL: not profiled
 } AttnLayer;
 
-static inline void *attn_layer_alloc(size_t bytes) {
-    void *p = NULL;
-    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
-    return p;
-}
-
-static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype ctype) {
+// A layer for B sequences of T tokens. shared: backward temporaries of at least this layer's sizes
+// (attn_layer_bwd_sizes with the same `recompute`), or NULL for the layer's own.
+static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype ctype, int recompute,
+                                          const AttnLayerBwd *shared) {
     attn_check_dims(a);
     AttnLayer L;
     memset(&L, 0, sizeof L);
@@ -39,29 +74,27 @@ static inline AttnLayer attn_layer_create(const AttnDims *a, int B, int T, Dtype
     L.B = B;
     L.T = T;
     L.ctype = ctype;
+    L.recompute = recompute;
     L.rope = attn_rope_create(a->head_dim, a->rope_theta);
-    size_t n = (size_t)B * T, es = dtype_size(ctype);
-    size_t qb = n * a->n_heads * a->head_dim * es, kb = n * a->n_kv_heads * a->head_dim * es;
-    L.q = attn_layer_alloc(qb);
-    L.k = attn_layer_alloc(kb);
-    L.v = attn_layer_alloc(kb);
-    L.o = attn_layer_alloc(qb);
+    AttnBwdSizes sz = attn_layer_bwd_sizes(a, B, T, ctype, recompute);
+    L.q = device_alloc(MEM_ACTIVATIONS, sz.q);
+    L.k = device_alloc(MEM_ACTIVATIONS, sz.kv);
+    L.v = device_alloc(MEM_ACTIVATIONS, sz.kv);
+    L.o = device_alloc(MEM_ACTIVATIONS, sz.q);
+    L.lse = (float *)device_alloc(MEM_ACTIVATIONS, (size_t)B * a->n_heads * T * sizeof(float));
+    L.owns_bw = shared == NULL;
+    L.bw = shared ? *shared : attn_layer_bwd_create(sz);
     if (a->gated) {
-        L.z = attn_layer_alloc(qb);
-        L.og = attn_layer_alloc(qb);
+        L.z = device_alloc(MEM_ACTIVATIONS, sz.q);
+        L.og = recompute ? L.bw.og : device_alloc(MEM_ACTIVATIONS, sz.q);
     }
-    L.lse = (float *)attn_layer_alloc((size_t)B * a->n_heads * T * sizeof(float));
-    L.dq = attn_layer_alloc(qb);
-    L.dk = attn_layer_alloc(kb);
-    L.dv = attn_layer_alloc(kb);
-    L.dog = attn_layer_alloc(qb);
-    L.workspace = attn_layer_alloc(attn_backward_workspace_bytes(a, B, T));
     return L;
 }
 
 static inline void attn_layer_destroy(AttnLayer *L) {
-    void *bufs[] = {L->q, L->k, L->v, L->o, L->z, L->og, L->lse, L->dq, L->dk, L->dv, L->dog, L->workspace};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    void *bufs[] = {L->q, L->k, L->v, L->o, L->z, L->recompute ? NULL : L->og, L->lse};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
+    if (L->owns_bw) attn_layer_bwd_destroy(&L->bw);
     attn_rope_destroy(&L->rope);
     memset(L, 0, sizeof *L);
 }
@@ -133,29 +166,31 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
                                        const void *dy, void *dx, cudaStream_t s) {
     const AttnDims *a = &L->a;
     int n = L->B * L->T, D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
+    const AttnLayerBwd *b = &L->bw;
+    if (a->gated && L->recompute) attn_gate_forward(L->ctype, (size_t)n * nq, L->z, L->o, L->og, s);
     matmul_backward_weight(g->wo, DT_FP32, dy, D, a->gated ? L->og : L->o, L->ctype, n, D, nq, 1, s);
-    matmul_backward_input(L->dog, L->ctype, dy, D, p->wo, L->ctype, n, D, nq, 0, s);
+    matmul_backward_input(b->dog, L->ctype, dy, D, p->wo, L->ctype, n, D, nq, 0, s);
     // d(out of the core) and dq take two of the scratch buffers; with a gate, dz takes dog first
-    void *d_o = L->dog, *dq = L->dq;
+    void *d_o = b->dog, *dq = b->dq;
     int have_dx = 0;
     if (a->gated) {
-        attn_gate_backward(L->ctype, (size_t)n * nq, L->z, L->o, L->dog, L->dq, L->dog, s); // do -> dq, dz -> dog
-        matmul_backward_weight(g->wg, DT_FP32, L->dog, nq, x, L->ctype, n, nq, D, 1, s);
-        matmul_backward_input(dx, L->ctype, L->dog, nq, p->wg, L->ctype, n, nq, D, 0, s);
+        attn_gate_backward(L->ctype, (size_t)n * nq, L->z, L->o, b->dog, b->dq, b->dog, s); // do -> dq, dz -> dog
+        matmul_backward_weight(g->wg, DT_FP32, b->dog, nq, x, L->ctype, n, nq, D, 1, s);
+        matmul_backward_input(dx, L->ctype, b->dog, nq, p->wg, L->ctype, n, nq, D, 0, s);
         have_dx = 1;
-        d_o = L->dq;
-        dq = L->dog;
+        d_o = b->dq;
+        dq = b->dog;
     }
     attn_layer_mark_proj(L, 2 * attn_layer_out_flops(a, n), s);
-    attn_backward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, d_o, dq, L->dk, L->dv, L->workspace, s);
-    attn_rope(&L->rope, a, L->B, L->T, L->ctype, dq, L->dk, NULL, -1, s);
+    attn_backward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, d_o, dq, b->dk, b->dv, b->workspace, s);
+    attn_rope(&L->rope, a, L->B, L->T, L->ctype, dq, b->dk, NULL, -1, s);
     attn_layer_mark_core(L, 1, s);
     matmul_backward_weight(g->wq, DT_FP32, dq, nq, x, L->ctype, n, nq, D, 1, s);
-    matmul_backward_weight(g->wk, DT_FP32, L->dk, nk, x, L->ctype, n, nk, D, 1, s);
-    matmul_backward_weight(g->wv, DT_FP32, L->dv, nk, x, L->ctype, n, nk, D, 1, s);
+    matmul_backward_weight(g->wk, DT_FP32, b->dk, nk, x, L->ctype, n, nk, D, 1, s);
+    matmul_backward_weight(g->wv, DT_FP32, b->dv, nk, x, L->ctype, n, nk, D, 1, s);
     matmul_backward_input(dx, L->ctype, dq, nq, p->wq, L->ctype, n, nq, D, have_dx, s);
-    matmul_backward_input(dx, L->ctype, L->dk, nk, p->wk, L->ctype, n, nk, D, 1, s);
-    matmul_backward_input(dx, L->ctype, L->dv, nk, p->wv, L->ctype, n, nk, D, 1, s);
+    matmul_backward_input(dx, L->ctype, b->dk, nk, p->wk, L->ctype, n, nk, D, 1, s);
+    matmul_backward_input(dx, L->ctype, b->dv, nk, p->wv, L->ctype, n, nk, D, 1, s);
     attn_layer_mark_proj(L, 2 * attn_layer_qkv_flops(a, n), s);
 }
 
@@ -186,23 +221,23 @@ static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, i
     I.rope = attn_rope_create(a->head_dim, a->rope_theta);
     size_t es = dtype_size(ctype), qb = (size_t)I.rows * a->n_heads * a->head_dim * es;
     size_t kb = (size_t)I.rows * a->n_kv_heads * a->head_dim * es;
-    I.q = attn_layer_alloc(qb);
-    I.k = attn_layer_alloc(kb);
-    I.v = attn_layer_alloc(kb);
-    I.o = attn_layer_alloc(qb);
+    I.q = device_alloc(MEM_ACTIVATIONS, qb);
+    I.k = device_alloc(MEM_ACTIVATIONS, kb);
+    I.v = device_alloc(MEM_ACTIVATIONS, kb);
+    I.o = device_alloc(MEM_ACTIVATIONS, qb);
     if (a->gated) {
-        I.z = attn_layer_alloc(qb);
-        I.og = attn_layer_alloc(qb);
+        I.z = device_alloc(MEM_ACTIVATIONS, qb);
+        I.og = device_alloc(MEM_ACTIVATIONS, qb);
     }
     size_t cache = (size_t)streams * I.C * a->n_kv_heads * a->head_dim * es;
-    I.k_cache = attn_layer_alloc(cache);
-    I.v_cache = attn_layer_alloc(cache);
+    I.k_cache = device_alloc(MEM_ACTIVATIONS, cache);
+    I.v_cache = device_alloc(MEM_ACTIVATIONS, cache);
     return I;
 }
 
 static inline void attn_infer_destroy(AttnInferState *I) {
     void *bufs[] = {I->q, I->k, I->v, I->o, I->z, I->og, I->k_cache, I->v_cache};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     attn_rope_destroy(&I->rope);
     memset(I, 0, sizeof *I);
 }

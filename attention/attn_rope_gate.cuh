@@ -20,13 +20,13 @@ static inline AttnRope attn_rope_create(int head_dim, double theta) {
     r.head_dim = head_dim;
     float *h = (float *)sdm_malloc((size_t)(head_dim / 2) * sizeof(float));
     for (int m = 0; m < head_dim / 2; m++) h[m] = attn_rope_inv_freq(m, head_dim, theta);
-    cudaCheck(cudaMalloc((void **)&r.inv_freq, (size_t)(head_dim / 2) * sizeof(float)));
-    cudaCheck(cudaMemcpy(r.inv_freq, h, (size_t)(head_dim / 2) * sizeof(float), cudaMemcpyHostToDevice));
+    r.inv_freq = (float *)device_alloc(MEM_SCRATCH, (size_t)(head_dim / 2) * sizeof(float));
+    device_upload(r.inv_freq, h, (size_t)(head_dim / 2) * sizeof(float));
     free(h);
     return r;
 }
 
-static inline void attn_rope_destroy(AttnRope *r) { cudaFree(r->inv_freq); r->inv_freq = NULL; }
+static inline void attn_rope_destroy(AttnRope *r) { device_free(r->inv_freq); r->inv_freq = NULL; }
 
 // One thread per (row b*T+t, head of q or k, pair m). Position = pos0[b] + t (pos0 NULL: t).
 template <typename T>

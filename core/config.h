@@ -616,8 +616,7 @@ static inline void cfg_print_help(FILE *fp) {
 // Speed and memory knobs of the reference that sdm.c accepts (so its configs load unchanged) but does not implement
 // yet; none of them changes results. Writes their names, comma separated, into out (empty when none is set).
 static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
-    snprintf(out, size, "%s%s%s%s", c->compile ? "distributed.compile " : "",
-             c->selective_act_ckpt ? "distributed.selective_act_ckpt " : "", c->cuda_graph ? "sdm.cuda_graph " : "",
+    snprintf(out, size, "%s%s%s", c->compile ? "distributed.compile " : "", c->cuda_graph ? "sdm.cuda_graph " : "",
              strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (optimizer state is sharded) ");
 }
 

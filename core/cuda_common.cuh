@@ -12,6 +12,7 @@
 
 #include "core/common.h"
 #include "core/dtype.cuh"
+#include "core/memory.h"
 
 static inline void cuda_check_at(cudaError_t err, const char *file, int line) {
     if (err != cudaSuccess) sdm_die("CUDA error at %s:%d: %s", file, line, cudaGetErrorString(err));
@@ -34,6 +35,40 @@ static inline void cuda_require_gpu(void) {
     sdm_die("no usable GPU or GPU driver found (CUDA: %s). sdm.c runs on NVIDIA GPUs: check that nvidia-smi lists one "
             "and that CUDA_VISIBLE_DEVICES does not hide it",
             err == cudaSuccess ? "no device" : cudaGetErrorString(err));
+}
+
+// Every device buffer comes from here: `bytes` under category `kind` of the ledger (core/memory.h); NULL in a dry run.
+static inline void *device_alloc(MemKind kind, size_t bytes) {
+    if (g_mem.dry_run) {
+        mem_record(kind, bytes);
+        return NULL;
+    }
+    void *p = NULL;
+    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
+    mem_remember(p, kind, bytes);
+    return p;
+}
+
+static inline void device_free(void *p) {
+    if (!p) return;
+    mem_forget(p);
+    cudaCheck(cudaFree(p));
+}
+
+// Host-to-device copy and zero fill that a dry run skips (its buffers do not exist).
+static inline void device_upload(void *dst, const void *src, size_t bytes) {
+    if (!g_mem.dry_run) cudaCheck(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+static inline void device_zero(void *dst, size_t bytes) {
+    if (!g_mem.dry_run) cudaCheck(cudaMemset(dst, 0, bytes));
+}
+
+// Device bytes in use now (context, libraries and every allocation), as nvidia-smi counts them.
+static inline size_t device_used_bytes(void) {
+    size_t free_b = 0, total_b = 0;
+    cudaCheck(cudaMemGetInfo(&free_b, &total_b));
+    return total_b - free_b;
 }
 
 static inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }

@@ -39,7 +39,8 @@ typedef struct {
 } Dist;
 
 // Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator. The init file
-// (if any) is removed by boot_exchange_id once every rank has read it.
+// (if any) is removed by boot_exchange_id once every rank has read it. The ledger (core/memory.h) gets the device
+// memory the CUDA context and the communicator take, which no device_alloc sees.
 static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params) {
     char err[BOOT_ERR];
     if (!boot_check(boot, err)) sdm_die("%s", err);
@@ -53,11 +54,15 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     cudaCheck(cudaGetDeviceCount(&devices));
     if (d->local_rank >= devices) sdm_die("local rank %d but only %d GPUs are visible", d->local_rank, devices);
     cudaCheck(cudaSetDevice(d->local_rank));
+    size_t context = device_used_bytes(); // the first runtime call on the device: the context exists after it
+    mem_record(MEM_CONTEXT, context);
 #ifdef SDM_HAVE_NCCL
     ncclUniqueId id;
     if (d->rank == 0 && d->world > 1) ncclCheck(ncclGetUniqueId(&id));
     if (!boot_exchange_id(boot, (unsigned char *)&id, err)) sdm_die("%s", err);
     if (d->world > 1) ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
+    size_t with_comm = device_used_bytes();
+    mem_record(MEM_NCCL, with_comm > context ? with_comm - context : 0);
 #else
     if (d->world > 1)
         sdm_die("built without NCCL: only single-process runs (world size %d requested); rebuild where NCCL is "
@@ -116,12 +121,11 @@ static inline void dist_broadcast(Dist *d, void *buf, size_t bytes, int root, cu
 // returns when buf holds root's bytes.
 static inline void dist_broadcast_host(Dist *d, void *buf, size_t bytes, int root) {
     if (d->world == 1 || bytes == 0) return;
-    void *dev = NULL;
-    cudaCheck(cudaMalloc(&dev, bytes));
+    void *dev = device_alloc(MEM_NCCL, bytes);
     cudaCheck(cudaMemcpy(dev, buf, bytes, cudaMemcpyHostToDevice));
     dist_broadcast(d, dev, bytes, root, 0);
     cudaCheck(cudaMemcpy(buf, dev, bytes, cudaMemcpyDeviceToHost)); // legacy default stream: waits for the broadcast
-    cudaCheck(cudaFree(dev));
+    device_free(dev);
 }
 
 #endif

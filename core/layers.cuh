@@ -71,15 +71,15 @@ static inline void embedding_backward_plan_create(EmbeddingBackwardPlan *p, int 
     p->max_partials = SDM_MAX(1, 2 * n / EMB_CHUNK);
     p->h_buf = (int *)sdm_malloc(emb_plan_ints(p) * sizeof(int));
     p->h_count = (int *)sdm_malloc(((size_t)V + 1) * sizeof(int));
-    cudaCheck(cudaMalloc(&p->d_buf, emb_plan_ints(p) * sizeof(int)));
-    cudaCheck(cudaMalloc(&p->d_partial, (size_t)p->max_partials * D * sizeof(float)));
+    p->d_buf = (int *)device_alloc(MEM_SCRATCH, emb_plan_ints(p) * sizeof(int));
+    p->d_partial = (float *)device_alloc(MEM_SCRATCH, (size_t)p->max_partials * D * sizeof(float));
 }
 
 static inline void embedding_backward_plan_destroy(EmbeddingBackwardPlan *p) {
     free(p->h_buf);
     free(p->h_count);
-    cudaCheck(cudaFree(p->d_buf));
-    cudaCheck(cudaFree(p->d_partial));
+    device_free(p->d_buf);
+    device_free(p->d_partial);
     memset(p, 0, sizeof(*p));
 }
 

@@ -6,7 +6,8 @@
 // X, W share one input dtype (core/dtype.cuh): bf16 (fp32 accumulate) or fp32 (true fp32: CUBLAS_COMPUTE_32F never uses TF32).
 // Outputs may be bf16 or fp32 (e.g. bf16 inputs with fp32 gradient buffers). Y/dY may have a row stride
 // (ld >= N) so that a fused projection can pad its width to a multiple of 8 for aligned rows.
-// One cuBLASLt handle and workspace are created on first use and live until matmul_destroy().
+// One cuBLASLt handle and workspace are created on first use and live until matmul_destroy(); a dry run of the
+// ledger (core/memory.h) records the workspace and creates no handle.
 #ifndef SDM_CORE_MATMUL_CUH
 #define SDM_CORE_MATMUL_CUH
 
@@ -15,25 +16,27 @@
 #define MATMUL_WORKSPACE_BYTES (32u << 20)
 
 typedef struct {
+    int ready;
     cublasLtHandle_t handle;
     void *workspace;      // cuBLASLt workspace [MATMUL_WORKSPACE_BYTES]
     float *col_partials;  // bias_backward scratch [n_partials]
     size_t n_partials;
 } MatmulContext;
 
-static MatmulContext g_matmul = {NULL, NULL, NULL, 0};
+static MatmulContext g_matmul = {0, NULL, NULL, NULL, 0};
 
 static inline void matmul_init(void) {
-    if (g_matmul.handle) return;
-    cublasCheck(cublasLtCreate(&g_matmul.handle));
-    cudaCheck(cudaMalloc(&g_matmul.workspace, MATMUL_WORKSPACE_BYTES));
+    if (g_matmul.ready) return;
+    g_matmul.ready = 1;
+    if (!g_mem.dry_run) cublasCheck(cublasLtCreate(&g_matmul.handle));
+    g_matmul.workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
 }
 
 static inline void matmul_destroy(void) {
-    if (!g_matmul.handle) return;
-    cublasCheck(cublasLtDestroy(g_matmul.handle));
-    cudaCheck(cudaFree(g_matmul.workspace));
-    cudaCheck(cudaFree(g_matmul.col_partials));
+    if (!g_matmul.ready) return;
+    if (g_matmul.handle) cublasCheck(cublasLtDestroy(g_matmul.handle));
+    device_free(g_matmul.workspace);
+    device_free(g_matmul.col_partials);
     memset(&g_matmul, 0, sizeof(g_matmul));
 }
 
@@ -165,8 +168,8 @@ static inline void matmul_colsum(float *out, const void *dy, Dtype dy_type, int 
     splits = ceil_div(M, rows_per_split);
     size_t need = (size_t)splits * N;
     if (need > g_matmul.n_partials) {
-        cudaCheck(cudaFree(g_matmul.col_partials));
-        cudaCheck(cudaMalloc(&g_matmul.col_partials, need * sizeof(float)));
+        device_free(g_matmul.col_partials);
+        g_matmul.col_partials = (float *)device_alloc(MEM_SCRATCH, need * sizeof(float));
         g_matmul.n_partials = need;
     }
     matmul_colsum_partial_kernel<<<dim3(col_blocks, splits), dim3(MATMUL_COLSUM_COLS, MATMUL_COLSUM_ROWS), 0, s>>>(

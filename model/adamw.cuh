@@ -71,27 +71,27 @@ typedef struct {
     float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
 } AdamWState;
 
-static inline float *adamw_zeros(long long n) {
-    float *p = NULL;
-    cudaCheck(cudaMalloc(&p, sizeof(float) * n));
-    cudaCheck(cudaMemset(p, 0, sizeof(float) * n));
+// n zero floats of the ledger's category kind (core/memory.h); a dry run records the size only.
+static inline float *adamw_zeros(MemKind kind, long long n) {
+    float *p = (float *)device_alloc(kind, sizeof(float) * n);
+    device_zero(p, sizeof(float) * n);
     return p;
 }
 
 static inline void adamw_state_create(AdamWState *o, long long n) {
     o->n = n;
-    o->master = adamw_zeros(n);
-    o->m = adamw_zeros(n);
-    o->v = adamw_zeros(n);
-    o->sumsq = adamw_zeros(1);
-    o->norm = adamw_zeros(1);
-    o->scale = adamw_zeros(1);
-    o->scratch = adamw_zeros(ADAMW_NORM_SCRATCH);
+    o->master = adamw_zeros(MEM_MASTER, n);
+    o->m = adamw_zeros(MEM_ADAMW, n);
+    o->v = adamw_zeros(MEM_ADAMW, n);
+    o->sumsq = adamw_zeros(MEM_SCRATCH, 1);
+    o->norm = adamw_zeros(MEM_SCRATCH, 1);
+    o->scale = adamw_zeros(MEM_SCRATCH, 1);
+    o->scratch = adamw_zeros(MEM_SCRATCH, ADAMW_NORM_SCRATCH);
 }
 
 static inline void adamw_state_destroy(AdamWState *o) {
     float *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
-    for (int i = 0; i < 7; i++) cudaCheck(cudaFree(bufs[i]));
+    for (int i = 0; i < 7; i++) device_free(bufs[i]);
     memset(o, 0, sizeof *o);
 }
 

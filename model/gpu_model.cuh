@@ -5,6 +5,11 @@
 // in the order of the model's parameter table (model/model.h); typed views into them (GmWeights, GmGrads) are built
 // once, so the passes never look a tensor up by name. The fp32 master weights and AdamW state are the optimizer's
 // (model/adamw.cuh AdamWState), owned by the training program.
+// Every buffer is allocated through the memory ledger (core/memory.h); a dry run of gpu_model_create is the
+// `train_sdm --memory` breakdown. Selective activation recomputation (distributed.selective_act_ckpt): the norm
+// outputs and the SwiGLU product are kept for one layer only and recomputed in the backward by the forward's
+// kernels, so the step's bits do not change; the layers do the same for their cheap activations (attention gate,
+// SDM readout).
 #ifndef SDM_CORE_GPU_MODEL_CUH
 #define SDM_CORE_GPU_MODEL_CUH
 
@@ -86,6 +91,7 @@ typedef struct {
     int B, T, n, L, D, F, V, Vp; // n = B*T tokens; Vp: logits row stride (V rounded up to 8)
     Dtype ctype;                 // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
+    int recompute;               // selective activation recomputation: xmix, xffn, ffn_h hold one layer
     long long padded;            // flat parameter storage padded to world shards (core/shard.h)
     // parameters and gradients: flat arrays in the model's table order, and typed views into them
     void *work;                       // compute dtype [padded]: the weights the layers read
@@ -95,10 +101,10 @@ typedef struct {
     // activations saved for the backward (compute dtype unless noted)
     void *h;                          // [L+1][n, D] the residual stream entering block l; h[L] leaves the last
     void *hmid;                       // [L][n, D] after the mixer's residual add
-    void *xmix, *xffn;                // [L][n, D] RMSNorm outputs: the mixer's and the FFN's inputs
+    void *xmix, *xffn;                // [L][n, D] RMSNorm outputs: the mixer's and the FFN's inputs ([n, D]: recompute)
     float *rstd_mix, *rstd_ffn;       // [L][n]
     void *ffn_ab;                     // [L][n, 2F] the fused W1|W3 product
-    void *ffn_h;                      // [L][n, F] silu(a) * b
+    void *ffn_h;                      // [L][n, F] silu(a) * b ([n, F]: recompute)
     void *xfinal;                     // [n, D]
     float *rstd_final;                // [n]
     void *logits;                     // [n, Vp], overwritten by dlogits in training
@@ -114,13 +120,9 @@ typedef struct {
     SdmLayer *sdm;                    // [L], used for SDM layers
     AttnLayer *attn;                  // [L], used for attention layers
     Profiler *prof;                   // NULL: not profiled (gpu_model_set_profiler)
+    SdmLayerTemps sdm_tmp;            // the SDM layers' temporaries, one set for all of them
+    AttnLayerBwd attn_bw;             // the attention layers' backward temporaries, sized for the largest layer
 } GpuModel;
-
-static inline void *gpu_alloc(size_t bytes) {
-    void *p = NULL;
-    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
-    return p;
-}
 
 // Tensor `suffix` of layer l (l < 0: a top-level tensor) in the flat array `base` of elements of es bytes; NULL
 // when absent. The table must have it exactly when `present`: a missing or unexpected tensor stops the build.
@@ -189,6 +191,11 @@ static inline void *gm_at(const GpuModel *g, void *stack, int layer, size_t widt
     return (char *)stack + (size_t)layer * g->n * width * g->es;
 }
 
+// Layer l's slice of a stack that recomputation shrinks to one slice (xmix, xffn, ffn_h).
+static inline void *gm_recomputed_at(const GpuModel *g, void *stack, int layer, size_t width) {
+    return g->recompute ? stack : gm_at(g, stack, layer, width);
+}
+
 // Tensors `second` directly after `first` in layer l (so one GEMM can read both), or die.
 static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *first, const char *second) {
     const ParamSpec *a = model_layer_param(m, l, first), *b = model_layer_param(m, l, second);
@@ -197,7 +204,10 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
                 "multiples of %d)", l, first, second, MODEL_ALIGN);
 }
 
-static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world) {
+// The model for micro-batches of B x T tokens, parameters padded to `world` shards, with selective activation
+// recomputation when `recompute`. In a dry run of the ledger (g_mem.dry_run) only the sizes are recorded.
+static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world,
+                                    int recompute) {
     for (int l = 0; l < m->n_layers; l++) {
         gm_require_adjacent(m, l, "ffn.w1", "ffn.w3");
         for (int i = SDM_P_wk; i < SDM_P_wg; i++) { // the fused input weights
@@ -219,42 +229,54 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->Vp = (m->vocab + 7) / 8 * 8;
     g->ctype = ctype;
     g->es = dtype_size(g->ctype);
+    g->recompute = recompute;
     g->padded = shard_padded(m->storage, world);
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
+    size_t Lr = recompute ? 1 : L; // slices of the recomputed stacks
 
-    g->grads = (float *)gpu_alloc(P * 4);
-    g->work = gpu_alloc(P * g->es);
-    cudaCheck(cudaMemset(g->grads, 0, P * 4));
+    matmul_init(); // the cuBLASLt workspace, in the ledger from the start
+    g->grads = (float *)device_alloc(MEM_GRADS, P * 4);
+    g->work = device_alloc(MEM_WEIGHTS, P * g->es);
+    device_zero(g->grads, P * 4);
     g->weights = gm_view<GmWeights>(m, g->work, g->es, (GmBlockWeights *)sdm_calloc(L, sizeof(GmBlockWeights)));
     g->grad = gm_view<GmGrads>(m, g->grads, 4, (GmBlockGrads *)sdm_calloc(L, sizeof(GmBlockGrads)));
 
-    g->h = gpu_alloc((L + 1) * n * D * g->es);
-    g->hmid = gpu_alloc(L * n * D * g->es);
-    g->xmix = gpu_alloc(L * n * D * g->es);
-    g->xffn = gpu_alloc(L * n * D * g->es);
-    g->rstd_mix = (float *)gpu_alloc(L * n * 4);
-    g->rstd_ffn = (float *)gpu_alloc(L * n * 4);
-    g->ffn_ab = gpu_alloc(L * n * 2 * F * g->es);
-    g->ffn_h = gpu_alloc(L * n * F * g->es);
-    g->xfinal = gpu_alloc(n * D * g->es);
-    g->rstd_final = (float *)gpu_alloc(n * 4);
-    g->logits = gpu_alloc(n * g->Vp * g->es);
-    g->losses = (float *)gpu_alloc(n * 4);
-    g->loss = (float *)gpu_alloc(4);
-    g->tokens = (int *)gpu_alloc(n * 4);
-    g->targets = (int *)gpu_alloc(n * 4);
-    g->pred = (int *)gpu_alloc(n * 4);
-    g->branch = gpu_alloc(n * D * g->es);
-    g->dh = gpu_alloc(n * D * g->es);
-    g->dffn_h = gpu_alloc(n * F * g->es);
-    g->norm_scratch = (float *)gpu_alloc(rmsnorm_backward_scratch_floats(g->n, g->D) * 4);
+    g->h = device_alloc(MEM_ACTIVATIONS, (L + 1) * n * D * g->es);
+    g->hmid = device_alloc(MEM_ACTIVATIONS, L * n * D * g->es);
+    g->xmix = device_alloc(MEM_ACTIVATIONS, Lr * n * D * g->es);
+    g->xffn = device_alloc(MEM_ACTIVATIONS, Lr * n * D * g->es);
+    g->rstd_mix = (float *)device_alloc(MEM_ACTIVATIONS, L * n * 4);
+    g->rstd_ffn = (float *)device_alloc(MEM_ACTIVATIONS, L * n * 4);
+    g->ffn_ab = device_alloc(MEM_ACTIVATIONS, L * n * 2 * F * g->es);
+    g->ffn_h = device_alloc(MEM_ACTIVATIONS, Lr * n * F * g->es);
+    g->xfinal = device_alloc(MEM_ACTIVATIONS, n * D * g->es);
+    g->rstd_final = (float *)device_alloc(MEM_ACTIVATIONS, n * 4);
+    g->logits = device_alloc(MEM_ACTIVATIONS, n * g->Vp * g->es);
+    g->losses = (float *)device_alloc(MEM_ACTIVATIONS, n * 4);
+    g->loss = (float *)device_alloc(MEM_ACTIVATIONS, 4);
+    g->tokens = (int *)device_alloc(MEM_ACTIVATIONS, n * 4);
+    g->targets = (int *)device_alloc(MEM_ACTIVATIONS, n * 4);
+    g->pred = (int *)device_alloc(MEM_ACTIVATIONS, n * 4);
+    g->branch = device_alloc(MEM_SCRATCH, n * D * g->es);
+    g->dh = device_alloc(MEM_SCRATCH, n * D * g->es);
+    g->dffn_h = device_alloc(MEM_SCRATCH, n * F * g->es);
+    g->norm_scratch = (float *)device_alloc(MEM_SCRATCH, rmsnorm_backward_scratch_floats(g->n, g->D) * 4);
     embedding_backward_plan_create(&g->emb_plan, g->n, g->V, g->D);
 
+    // one set of layer temporaries for all layers: the SDM layers share a shape, the attention ones get the largest
+    AttnBwdSizes attn_max = {0, 0, 0, 0};
+    int any_sdm = 0;
+    for (int l = 0; l < g->L; l++) {
+        if (m->kind[l] == LAYER_SDM) any_sdm = 1;
+        else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, recompute));
+    }
+    if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, recompute);
+    if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max);
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
     for (int l = 0; l < g->L; l++) {
-        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0);
-        else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype);
+        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0, recompute, &g->sdm_tmp);
+        else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype, recompute, &g->attn_bw);
     }
 }
 
@@ -263,6 +285,8 @@ static inline void gpu_model_destroy(GpuModel *g) {
         if (g->m->kind[l] == LAYER_SDM) sdm_layer_destroy(&g->sdm[l]);
         else attn_layer_destroy(&g->attn[l]);
     }
+    sdm_layer_temps_destroy(&g->sdm_tmp);
+    attn_layer_bwd_destroy(&g->attn_bw);
     free(g->sdm);
     free(g->attn);
     free(g->weights.block);
@@ -271,7 +295,7 @@ static inline void gpu_model_destroy(GpuModel *g) {
     void *bufs[] = {g->grads, g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
                     g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses, g->loss, g->tokens, g->targets, g->pred,
                     g->branch, g->dh, g->dffn_h, g->norm_scratch};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
 }
 
 // Time the passes by part with `prof` (NULL: stop): the model's own marks and every mixer's.
@@ -308,11 +332,11 @@ static inline void gpu_model_cast_params(GpuModel *g, const float *master) {
 
 // The working weights from host fp32 [m->storage], through a temporary device copy (inference keeps no master).
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
-    float *master = (float *)gpu_alloc(sizeof(float) * g->padded);
+    float *master = (float *)device_alloc(MEM_SCRATCH, sizeof(float) * g->padded);
     cudaCheck(cudaMemset(master, 0, sizeof(float) * g->padded)); // the padding
     cudaCheck(cudaMemcpy(master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
     gpu_model_cast_params(g, master);
-    cudaCheck(cudaFree(master));
+    device_free(master);
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).
@@ -362,15 +386,15 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
     gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
     for (int l = 0; l < g->L; l++) {
-        void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D);
-        void *xffn = gm_at(g, g->xffn, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F), *hf = gm_at(g, g->ffn_h, l, F);
-        gm_mixer_forward(g, l, gm_at(g, g->xmix, l, D), g->branch);
+        void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F);
+        void *xffn = gm_recomputed_at(g, g->xffn, l, D), *hf = gm_recomputed_at(g, g->ffn_h, l, F);
+        gm_mixer_forward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
         gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n);
         int last = l == g->L - 1;
-        residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_at(g, g->xmix, l + 1, D),
+        residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_recomputed_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
                                  gm_next_norm(g, l), g->ctype, n, D, eps, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
@@ -380,6 +404,23 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     cross_entropy_forward_backward(g->logits, g->Vp, g->targets, g->losses, g->ctype, n, g->V, dscale, 0);
     loss_mean(g->loss, g->losses, n, 0);
     gm_mark(g, GM_PART_LOSS, 0, gm_bytes(g, 2, n, g->Vp));
+}
+
+// Recomputation: the FFN's input norm and SwiGLU product of layer l (recompute_ffn) or the mixer's input norm,
+// by the forward's kernels on the forward's stored inputs, so the bits are the forward's (rstd is rewritten with
+// the values it holds).
+static inline void gm_recompute_ffn(GpuModel *g, int l) {
+    int n = g->n, D = g->D, F = g->F;
+    void *ab = gm_at(g, g->ffn_ab, l, 2 * F);
+    rmsnorm_forward(g->xffn, g->rstd_ffn + (size_t)l * n, gm_at(g, g->hmid, l, D), g->weights.block[l].ffn_norm,
+                    g->ctype, n, D, (float)g->m->norm_eps, 0);
+    swiglu_forward(g->ffn_h, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+}
+
+static inline void gm_recompute_mixer_input(GpuModel *g, int l) {
+    int n = g->n, D = g->D;
+    rmsnorm_forward(g->xmix, g->rstd_mix + (size_t)l * n, gm_at(g, g->h, l, D), g->weights.block[l].mixer_norm,
+                    g->ctype, n, D, (float)g->m->norm_eps, 0);
 }
 
 // Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0.
@@ -399,19 +440,29 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
         const GmBlockGrads *dl = &d->block[l];
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
-        matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_at(g, g->ffn_h, l, F), g->ctype, n, D, F, 1, 0);
+        if (g->recompute) {
+            gm_recompute_ffn(g, l);
+            gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D) + gm_bytes(g, 3, n, F));
+        }
+        matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F,
+                               1, 0);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, 0);
         gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F));
-        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_at(g, g->xffn, l, D), g->ctype, n, 2 * F, D, 1, 0);
+        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F,
+                               D, 1, 0);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, 0);
         gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
                          g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
-        gm_mixer_backward(g, l, gm_at(g, g->xmix, l, D), g->dh, g->branch);
+        if (g->recompute) {
+            gm_recompute_mixer_input(g, l);
+            gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
+        }
+        gm_mixer_backward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->dh, g->branch);
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
                          g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
@@ -474,16 +525,16 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
             if (g->m->attn[l].window == 0) I->full_attention = 1;
         }
     }
-    I->h = gpu_alloc(rows * D * g->es);
-    I->x = gpu_alloc(rows * D * g->es);
-    I->branch = gpu_alloc(rows * D * g->es);
-    I->ab = gpu_alloc(rows * 2 * F * g->es);
-    I->hf = gpu_alloc(rows * F * g->es);
-    I->rstd = (float *)gpu_alloc(rows * 4);
-    I->logits = (float *)gpu_alloc((size_t)streams * g->Vp * 4);
+    I->h = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
+    I->x = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
+    I->branch = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
+    I->ab = device_alloc(MEM_ACTIVATIONS, rows * 2 * F * g->es);
+    I->hf = device_alloc(MEM_ACTIVATIONS, rows * F * g->es);
+    I->rstd = (float *)device_alloc(MEM_ACTIVATIONS, rows * 4);
+    I->logits = (float *)device_alloc(MEM_ACTIVATIONS, (size_t)streams * g->Vp * 4);
     I->logits_host = (float *)sdm_malloc((size_t)streams * g->Vp * 4);
-    I->tokens = (int *)gpu_alloc(rows * 4);
-    I->pos_len = (int *)gpu_alloc((size_t)2 * streams * 4);
+    I->tokens = (int *)device_alloc(MEM_ACTIVATIONS, rows * 4);
+    I->pos_len = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)2 * streams * 4);
     I->pos = (int *)sdm_calloc((size_t)streams, sizeof(int));
 }
 
@@ -493,7 +544,7 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
         else attn_infer_destroy(&I->attn[l]);
     }
     void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->tokens, I->pos_len};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     free(I->sdm);
     free(I->attn);
     free(I->logits_host);

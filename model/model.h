@@ -361,25 +361,4 @@ static inline double model_flops_per_token(const ModelDesc *m, int T) {
     return flops;
 }
 
-// Rough GPU memory of one training rank (bytes): fp32 master + bf16 copy + fp32 grads + AdamW m, v (sharded over
-// `world` with ZeRO-1), activations saved for the backward, and the SDM banks and snapshots.
-static inline double model_train_memory_bytes(const ModelDesc *m, const Config *c, int world) {
-    double P = (double)m->total, B = c->batch_size, T = c->seq_len, D = m->dim;
-    double params = P * (4 + 2 + 4) + P * 8 / world;
-    double act = 0;
-    for (int l = 0; l < m->n_layers; l++) {
-        act += B * T * D * 2 * 8 + B * T * (double)m->ffn_hidden * 2 * 3; // norms, mixer in/out, FFN
-        if (m->kind[l] == LAYER_SDM) {
-            const SdmDims *s = &m->sdm;
-            double bank_bytes = s->bank_fp32 ? 4 : 2;
-            double snap = s->snapshot == SDM_SNAP_FP8 ? 1 : s->snapshot == SDM_SNAP_INT4 ? 0.5
-                                                     : s->snapshot == SDM_SNAP_BF16 ? 2 : bank_bytes;
-            act += B * s->heads * (double)s->slots * s->head_dim * bank_bytes; // this sequence's bank copy
-            act += B * T * (double)s->writes * D * snap;                         // snapshots of touched rows
-            act += B * T * D * 4 * 2;                                            // delta and V - R0 (fp32)
-        }
-    }
-    return params + act + B * T * (double)m->vocab * 4;
-}
-
 #endif

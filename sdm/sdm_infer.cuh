@@ -29,13 +29,13 @@ static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int 
     I.L = sdm_layer_setup(s, 1, I.rows, ctype, 0);
     sdm_layer_alloc_forward(&I.L);
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
-    I.L.saved = sdm_layer_alloc(&I.L, I.saved_bytes);
-    I.banks = sdm_layer_alloc(&I.L, (size_t)streams * sdm_bank_bytes(s));
+    I.L.saved = device_alloc(MEM_SCRATCH, I.saved_bytes);
+    I.banks = device_alloc(MEM_SDM_SAVED, (size_t)streams * sdm_bank_bytes(s));
     return I;
 }
 
 static inline void sdm_infer_destroy(SdmInferState *I) {
-    cudaCheck(cudaFree(I->banks));
+    device_free(I->banks);
     sdm_layer_destroy(&I->L);
     memset(I, 0, sizeof *I);
 }

@@ -6,6 +6,9 @@
 // p = token*H + h is one token and head. Precision: parameters, activations and matmul inputs in the layer's
 // compute dtype (bf16, or fp32 for the all-fp32 test mode); gates, weights, scores, LayerNorm statistics, the op's
 // inputs/outputs and every parameter gradient in fp32. No floating-point atomics anywhere.
+// Memory: what lives only inside one pass (the backward's gradients and op scratch, the per-sequence bank gradients,
+// the forward's fp32 values) is an SdmLayerTemps that a model's layers share. With `recompute` the readout output r
+// is not kept either: the backward rebuilds it from the op readings with the forward's own kernel (same bits).
 #ifndef SDM_SDM_LAYER_CUH
 #define SDM_SDM_LAYER_CUH
 
@@ -77,10 +80,23 @@ enum { SDM_EV_F_PROJ, SDM_EV_F_TOPK, SDM_EV_F_BANK, SDM_EV_F_OP, SDM_EV_F_READOU
 #define SDM_PART_OP_BWD "SDM op backward"
 #define SDM_PART_READOUT "SDM readout"     // readings LayerNorm and output gate, forward and backward
 
+// Temporaries of one layer pass, shareable by every layer of one shape (they hold nothing between passes).
+typedef struct {
+    float *v;            // [BT, D] the op's values: read by the forward's op only
+    void *r;             // [BT, D] compute dtype, the readout output (recompute only, else NULL)
+    void *scratch;       // sdm_op_scratch_bytes
+    float *dr;           // [BT, D] dY Wo, then (in place) the gradient of the op readings
+    float *dkappa, *dgamma, *dbeta, *dv, *drho; // op gradients
+    float *dbank;        // [B, H, N, d] per-sequence bank gradients
+    float *gate_grad;    // [BT, 3H]: da, dc, dg * g in fp32
+    float *ln_partials;  // [2, sdm_readout_warps, d]
+} SdmLayerTemps;
+
 typedef struct {
     SdmDims s;
     int B, T;
     Dtype ctype;         // compute dtype: DT_FP32 in the all-fp32 mode, else DT_BF16
+    int recompute;       // r is rebuilt by the backward instead of kept
     SdmOpShape op;
     SdmTopkPlan tw, tr;     // write / read top-k
     int n_in, ldz;       // fused projection width and its row stride (multiple of 8)
@@ -88,30 +104,18 @@ typedef struct {
     // saved by the forward for the backward
     void *b_packed;      // [n_in] compute dtype: the input biases packed in the column order of z
     void *z;             // [BT, ldz] compute dtype: zK | zQ | v | a | c (| zG); the backward overwrites it with dz
-    float *v, *g, *beta; // [BT, D], [BT, H], [BT, H]
+    float *v, *g, *beta; // [BT, D] (training: tmp.v), [BT, H], [BT, H]
     int *wslot, *rslot;  // [BT, H, W], [BT, H, R]
     float *kappa, *gamma, *rho;
     void *bank;          // [B, H, N, d] bank dtype; final bank after the forward, restored by the backward
     float *o;            // [BT, D] op readings
     float *ln_mean, *ln_rstd; // [BT, H]
-    void *r;             // [BT, D] compute dtype, the input of Wo
+    void *r;             // [BT, D] compute dtype, the input of Wo (recompute: tmp.r)
     void *saved;         // sdm_op_saved_bytes
-    // backward
-    void *scratch;       // sdm_op_scratch_bytes
-    float *dr;           // [BT, D] dY Wo, then (in place) the gradient of the op readings
-    float *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank; // op gradients
-    float *gate_grad;    // [BT, 3H]: da, dc, dg * g in fp32
-    float *ln_partials;  // [2, sdm_readout_warps, d]
-    size_t device_bytes;
+    SdmLayerTemps tmp;   // training: the layer's own temporaries, or shared ones (owns_tmp = 0)
+    int owns_tmp;
     Profiler *prof;      // NULL: not profiled
 } SdmLayer;
-
-static inline void *sdm_layer_alloc(SdmLayer *L, size_t bytes) {
-    void *p = NULL;
-    cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
-    L->device_bytes += bytes;
-    return p;
-}
 
 // NULL when the GPU layer supports the configuration, else the reason.
 static inline const char *sdm_layer_check(const SdmDims *s) {
@@ -120,6 +124,14 @@ static inline const char *sdm_layer_check(const SdmDims *s) {
     if (s->heads < 1 || s->dim % s->heads != 0 || s->head_dim != s->dim / s->heads) return "D must equal H * d";
     if (s->head_dim > SDM_RO_MAX_D || s->head_dim % 4 != 0) return "head dim d must be a multiple of 4, at most 2048";
     return NULL;
+}
+
+// The memory op's shape inside a layer for B sequences of T tokens.
+static inline SdmOpShape sdm_layer_op_shape(const SdmDims *s, int B, int T, int training) {
+    SdmOpShape op;
+    op.B = B; op.T = T; op.H = s->heads; op.N = s->slots; op.d = s->head_dim; op.W = s->writes; op.R = s->reads;
+    op.C = s->chunk; op.bank_fp32 = s->bank_fp32; op.snapshot = s->snapshot; op.training = training;
+    return op;
 }
 
 // Shape, column layout and top-k plans of a layer for B sequences of T tokens (no device buffers yet).
@@ -132,9 +144,7 @@ static inline SdmLayer sdm_layer_setup(const SdmDims *s, int B, int T, Dtype cty
     L.B = B; L.T = T;
     L.ctype = ctype;
     int D = s->dim, H = s->heads, HK = H * s->key_dim;
-    L.op.B = B; L.op.T = T; L.op.H = H; L.op.N = s->slots; L.op.d = s->head_dim; L.op.W = s->writes;
-    L.op.R = s->reads; L.op.C = s->chunk; L.op.bank_fp32 = s->bank_fp32; L.op.snapshot = s->snapshot;
-    L.op.training = training;
+    L.op = sdm_layer_op_shape(s, B, T, training);
     if ((why = sdm_op_check(&L.op))) sdm_die("SDM layer: memory op: %s", why);
     L.tw = sdm_topk_plan_make(s, s->writes);
     L.tr = sdm_topk_plan_make(s, s->reads);
@@ -145,56 +155,83 @@ static inline SdmLayer sdm_layer_setup(const SdmDims *s, int B, int T, Dtype cty
     return L;
 }
 
+// Whether v / r are L->tmp's (training; r only with recompute) rather than the layer's own (inference).
+static inline int sdm_layer_v_is_temp(const SdmLayer *L) { return L->op.training; }
+static inline int sdm_layer_r_is_temp(const SdmLayer *L) { return L->op.training && L->recompute; }
+
 // The per-token buffers of the forward for L->B * L->T tokens (all but the bank and the op's saved state).
 static inline void sdm_layer_alloc_forward(SdmLayer *L) {
     const SdmDims *s = &L->s;
     size_t BT = (size_t)L->B * L->T, P = BT * s->heads, D = s->dim, W = s->writes, R = s->reads;
     size_t cs = dtype_size(L->ctype);
-    L->b_packed = sdm_layer_alloc(L, (size_t)L->n_in * cs);
-    L->z = sdm_layer_alloc(L, BT * L->ldz * cs);
-    L->v = (float *)sdm_layer_alloc(L, BT * D * 4);
-    L->g = (float *)sdm_layer_alloc(L, P * 4);
-    L->beta = (float *)sdm_layer_alloc(L, P * 4);
-    L->wslot = (int *)sdm_layer_alloc(L, P * W * 4);
-    L->kappa = (float *)sdm_layer_alloc(L, P * W * 4);
-    L->gamma = (float *)sdm_layer_alloc(L, P * W * 4);
-    L->rslot = (int *)sdm_layer_alloc(L, P * R * 4);
-    L->rho = (float *)sdm_layer_alloc(L, P * R * 4);
-    L->o = (float *)sdm_layer_alloc(L, BT * D * 4);
+    L->b_packed = device_alloc(MEM_ACTIVATIONS, (size_t)L->n_in * cs);
+    L->z = device_alloc(MEM_ACTIVATIONS, BT * L->ldz * cs);
+    L->v = sdm_layer_v_is_temp(L) ? L->tmp.v : (float *)device_alloc(MEM_ACTIVATIONS, BT * D * 4);
+    L->g = (float *)device_alloc(MEM_ACTIVATIONS, P * 4);
+    L->beta = (float *)device_alloc(MEM_ACTIVATIONS, P * 4);
+    L->wslot = (int *)device_alloc(MEM_ACTIVATIONS, P * W * 4);
+    L->kappa = (float *)device_alloc(MEM_ACTIVATIONS, P * W * 4);
+    L->gamma = (float *)device_alloc(MEM_ACTIVATIONS, P * W * 4);
+    L->rslot = (int *)device_alloc(MEM_ACTIVATIONS, P * R * 4);
+    L->rho = (float *)device_alloc(MEM_ACTIVATIONS, P * R * 4);
+    L->o = (float *)device_alloc(MEM_ACTIVATIONS, BT * D * 4);
     if (s->normalize_readings) {
-        L->ln_mean = (float *)sdm_layer_alloc(L, P * 4);
-        L->ln_rstd = (float *)sdm_layer_alloc(L, P * 4);
+        L->ln_mean = (float *)device_alloc(MEM_ACTIVATIONS, P * 4);
+        L->ln_rstd = (float *)device_alloc(MEM_ACTIVATIONS, P * 4);
     }
-    L->r = sdm_layer_alloc(L, BT * D * cs);
+    L->r = sdm_layer_r_is_temp(L) ? L->tmp.r : device_alloc(MEM_ACTIVATIONS, BT * D * cs);
 }
 
-static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, Profiler *prof) {
+// Temporaries for training layers of B sequences of T tokens; with recompute also the shared readout output r.
+static inline SdmLayerTemps sdm_layer_temps_create(const SdmDims *s, int B, int T, Dtype ctype, int recompute) {
+    size_t BT = (size_t)B * T, P = BT * s->heads, D = s->dim, W = s->writes, R = s->reads;
+    SdmOpShape op = sdm_layer_op_shape(s, B, T, 1);
+    SdmLayerTemps t;
+    memset(&t, 0, sizeof t);
+    t.v = (float *)device_alloc(MEM_SCRATCH, BT * D * 4);
+    if (recompute) t.r = device_alloc(MEM_SCRATCH, BT * D * dtype_size(ctype));
+    t.scratch = device_alloc(MEM_SCRATCH, sdm_op_scratch_bytes(&op));
+    t.dr = (float *)device_alloc(MEM_SCRATCH, BT * D * 4);
+    t.dkappa = (float *)device_alloc(MEM_SCRATCH, P * W * 4);
+    t.dgamma = (float *)device_alloc(MEM_SCRATCH, P * W * 4);
+    t.dbeta = (float *)device_alloc(MEM_SCRATCH, P * 4);
+    t.dv = (float *)device_alloc(MEM_SCRATCH, BT * D * 4);
+    t.drho = (float *)device_alloc(MEM_SCRATCH, P * R * 4);
+    t.dbank = (float *)device_alloc(MEM_BANK_GRADS, (size_t)B * s->heads * s->slots * s->head_dim * 4);
+    t.gate_grad = (float *)device_alloc(MEM_SCRATCH, BT * 3 * s->heads * 4);
+    if (s->normalize_readings)
+        t.ln_partials = (float *)device_alloc(MEM_SCRATCH, 2 * (size_t)sdm_readout_warps((int)P) * s->head_dim * 4);
+    return t;
+}
+
+static inline void sdm_layer_temps_destroy(SdmLayerTemps *t) {
+    void *bufs[] = {t->v, t->r, t->scratch, t->dr, t->dkappa, t->dgamma, t->dbeta, t->dv, t->drho, t->dbank,
+                    t->gate_grad, t->ln_partials};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) device_free(bufs[i]);
+    memset(t, 0, sizeof *t);
+}
+
+// A training layer for B sequences of T tokens, marked in prof (NULL: not profiled). shared: temporaries from sdm_layer_temps_create for this shape
+// and the same `recompute` (one set serves every layer of a model), or NULL for the layer's own.
+static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, Profiler *prof, int recompute,
+                                        const SdmLayerTemps *shared) {
     SdmLayer L = sdm_layer_setup(s, B, T, ctype, 1);
+    L.recompute = recompute;
+    L.owns_tmp = shared == NULL;
+    L.tmp = shared ? *shared : sdm_layer_temps_create(s, B, T, ctype, recompute);
     sdm_layer_alloc_forward(&L);
-    int W = s->writes, R = s->reads, d = s->head_dim;
-    size_t BT = (size_t)B * T, P = BT * s->heads, D = s->dim;
-    size_t bank_elems = (size_t)B * s->heads * s->slots * d;
-    L.bank = sdm_layer_alloc(&L, B * sdm_bank_bytes(s));
-    if (s->normalize_readings) L.ln_partials = (float *)sdm_layer_alloc(&L, 2 * (size_t)sdm_readout_warps((int)P) * d * 4);
-    L.saved = sdm_layer_alloc(&L, sdm_op_saved_bytes(&L.op));
-    L.scratch = sdm_layer_alloc(&L, sdm_op_scratch_bytes(&L.op));
-    L.dr = (float *)sdm_layer_alloc(&L, BT * D * 4);
-    L.dkappa = (float *)sdm_layer_alloc(&L, P * W * 4);
-    L.dgamma = (float *)sdm_layer_alloc(&L, P * W * 4);
-    L.dbeta = (float *)sdm_layer_alloc(&L, P * 4);
-    L.dv = (float *)sdm_layer_alloc(&L, BT * D * 4);
-    L.drho = (float *)sdm_layer_alloc(&L, P * R * 4);
-    L.dbank = (float *)sdm_layer_alloc(&L, bank_elems * 4);
-    L.gate_grad = (float *)sdm_layer_alloc(&L, BT * 3 * s->heads * 4);
+    L.bank = device_alloc(MEM_SDM_SAVED, B * sdm_bank_bytes(s));
+    L.saved = device_alloc(MEM_SDM_SAVED, sdm_op_saved_bytes(&L.op));
     L.prof = prof;
     return L;
 }
 
 static inline void sdm_layer_destroy(SdmLayer *L) {
-    void *bufs[] = {L->b_packed, L->z, L->v, L->g, L->beta, L->wslot, L->kappa, L->gamma, L->rslot, L->rho, L->bank,
-                    L->o, L->ln_mean, L->ln_rstd, L->ln_partials, L->r, L->saved, L->scratch, L->dr, L->dkappa,
-                    L->dgamma, L->dbeta, L->dv, L->drho, L->dbank, L->gate_grad};
-    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree(bufs[i]));
+    void *bufs[] = {L->b_packed, L->z, sdm_layer_v_is_temp(L) ? NULL : L->v, L->g, L->beta, L->wslot, L->kappa,
+                    L->gamma, L->rslot, L->rho, L->bank, L->o, L->ln_mean, L->ln_rstd,
+                    sdm_layer_r_is_temp(L) ? NULL : L->r, L->saved};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) device_free(bufs[i]);
+    if (L->owns_tmp) sdm_layer_temps_destroy(&L->tmp);
     sdm_topk_plan_free(&L->tw);
     sdm_topk_plan_free(&L->tr);
     memset(L, 0, sizeof(*L));
@@ -317,42 +354,44 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim, d = s->head_dim;
     bool f32 = L->ctype == DT_FP32;
     void *dz = L->z; // in place: each gradient entry overwrites the forward value only its own thread still reads
+    SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
+    // the readout output again (recompute), before dz overwrites the gate columns it reads
+    if (L->recompute) sdm_readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st);
     // output projection
     matmul_backward_weight(g->w_out, DT_FP32, dy, D, L->r, L->ctype, BT, D, D, 1, st);
     matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, st);
-    matmul_backward_input(L->dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, st);
+    matmul_backward_input(L->tmp.dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, st);
     sdm_layer_mark(L, SDM_EV_B_OUT, st);
     // readout: gate and LayerNorm; dr becomes the gradient of the op readings in place
-    SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
-    sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, dz, L->ln_partials, g->ln_w, g->ln_b, st);
+    sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->tmp.dr, dz, L->tmp.ln_partials, g->ln_w, g->ln_b, st);
     sdm_layer_mark(L, SDM_EV_B_READOUT, st);
     // the memory op
     SdmOpInputs in = sdm_layer_op_inputs(L);
     SdmOpGrads og;
-    og.dkappa = L->dkappa; og.dgamma = L->dgamma; og.dbeta = L->dbeta; og.dv = L->dv; og.drho = L->drho;
-    og.dbank_init = L->dbank;
-    sdm_op_backward(&L->op, &in, L->bank, L->dr, NULL, &og, L->saved, L->scratch, st);
+    og.dkappa = L->tmp.dkappa; og.dgamma = L->tmp.dgamma; og.dbeta = L->tmp.dbeta; og.dv = L->tmp.dv;
+    og.drho = L->tmp.drho; og.dbank_init = L->tmp.dbank;
+    sdm_op_backward(&L->op, &in, L->bank, L->tmp.dr, NULL, &og, L->saved, L->tmp.scratch, st);
     sdm_layer_mark(L, SDM_EV_B_OP, st);
     // addressing, gates and values back into dz
     SdmWriteGateArgs ga;
-    ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
+    ga.z = L->z; ga.dgamma = L->tmp.dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->tmp.dbeta;
     ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = s->key_weighted_decay;
-    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
-    sdm_address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, s->write_scale, P, H, dz, L->ctype, L->ldz, L->col_zk, 1, &ga,
-                     st);
-    sdm_address_backward(&L->tr, L->rslot, L->rho, L->drho, s->read_scale, P, H, dz, L->ctype, L->ldz, L->col_zq, 0, NULL,
-                     st);
-    sdm_pack_dv_kernel<<<BT, 256, 0, st>>>(L->dv, dz, f32, L->ldz, L->col_v, D);
+    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->tmp.gate_grad;
+    sdm_address_backward(&L->tw, L->wslot, L->kappa, L->tmp.dkappa, s->write_scale, P, H, dz, L->ctype, L->ldz,
+                         L->col_zk, 1, &ga, st);
+    sdm_address_backward(&L->tr, L->rslot, L->rho, L->tmp.drho, s->read_scale, P, H, dz, L->ctype, L->ldz,
+                         L->col_zq, 0, NULL, st);
+    sdm_pack_dv_kernel<<<BT, 256, 0, st>>>(L->tmp.dv, dz, f32, L->ldz, L->col_v, D);
     cudaCheckLast();
     sdm_layer_mark(L, SDM_EV_B_TOPK, st);
     // learned bank and gate parameters
     if (s->learned_bank) {
         if ((uintptr_t)g->bank0 % 16) sdm_die("SDM layer: the M0 gradient must be 16-byte aligned");
-        sdm_bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B);
+        sdm_bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->tmp.dbank, (size_t)H * s->slots * d, L->B);
         cudaCheckLast();
     }
-    matmul_colsum(g->dt_bias, L->gate_grad, DT_FP32, 3 * H, BT, H, 1, st);
-    matmul_colsum(g->A_log, L->gate_grad + 2 * H, DT_FP32, 3 * H, BT, H, 1, st);
+    matmul_colsum(g->dt_bias, L->tmp.gate_grad, DT_FP32, 3 * H, BT, H, 1, st);
+    matmul_colsum(g->A_log, L->tmp.gate_grad + 2 * H, DT_FP32, 3 * H, BT, H, 1, st);
     sdm_layer_mark(L, SDM_EV_B_SUMS, st);
     // input projection
     matmul_backward_weight(g->w_in, DT_FP32, dz, L->ldz, x, L->ctype, BT, L->n_in, D, 1, st);
@@ -361,7 +400,7 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
         int col, width;
         sdm_layer_bias_block(L, i, &col, &width);
         if (i == SDM_B_A || i == SDM_B_B)
-            matmul_colsum(g->b_in[i], L->gate_grad + (i == SDM_B_A ? 0 : H), DT_FP32, 3 * H, BT, H, 1, st);
+            matmul_colsum(g->b_in[i], L->tmp.gate_grad + (i == SDM_B_A ? 0 : H), DT_FP32, 3 * H, BT, H, 1, st);
         else if (width)
             matmul_backward_bias(g->b_in[i], dtype_elem_ptr(dz, col, L->ctype), L->ctype, L->ldz, BT, width, 1, st);
     }

@@ -74,8 +74,8 @@ typedef struct {
 static inline int sdm_op_chunk(const SdmOpShape *s) { return s->C < s->T ? s->C : s->T; }
 static inline int sdm_op_chunks(const SdmOpShape *s) { int C = sdm_op_chunk(s); return (s->T + C - 1) / C; }
 
-// Width of the column tile one CTA owns in the per-chunk solve kernels (also the granularity of the fp8/int4
-// snapshot scales): the widest of 64/32/16/8 that divides d and still gives >= 256 (stream, block) CTAs.
+// Width of the column tile one CTA owns in the per-chunk solve kernels: the widest of 64/32/16/8 that divides d and
+// still gives >= 256 (stream, block) CTAs.
 static inline int sdm_op_col_block(const SdmOpShape *s) {
     int db = 64;
     while (db > 8 && (s->d % db != 0 || (long long)s->B * s->H * (s->d / db) < 256)) db /= 2;
@@ -99,7 +99,11 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
 
 static inline size_t sdm_op_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
-// Bytes of one snapshot row payload (d values) and of its scales (fp8/int4: one fp32 per column block).
+// Columns that share one fp8/int4 snapshot scale: a fixed number, so how a row is rounded depends neither on the
+// batch nor on the kernels' column tiles (a d that is not a multiple of it ends in a partial block).
+#define SDM_SNAP_SCALE_COLS 32
+
+// Bytes of one snapshot row payload (d values) and its number of scales (fp8/int4: one fp32 per scale block).
 static inline size_t sdm_op_snap_row_bytes(const SdmOpShape *s) {
     switch (s->snapshot) {
     case SDM_SNAP_NONE: return (size_t)s->d * (s->bank_fp32 ? 4 : 2);
@@ -109,7 +113,8 @@ static inline size_t sdm_op_snap_row_bytes(const SdmOpShape *s) {
     }
 }
 static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
-    return (s->snapshot == SDM_SNAP_FP8 || s->snapshot == SDM_SNAP_INT4) ? (size_t)(s->d / sdm_op_col_block(s)) : 0;
+    int quantised = s->snapshot == SDM_SNAP_FP8 || s->snapshot == SDM_SNAP_INT4;
+    return quantised ? (size_t)(s->d + SDM_SNAP_SCALE_COLS - 1) / SDM_SNAP_SCALE_COLS : 0;
 }
 
 // Bytes a training forward or backward must move at least (its byte floor, as BENCHMARKS.md counts it),
@@ -117,7 +122,7 @@ static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
 // read and write the fp32 bank gradient at the W + R rows, read the W snapshots, restore the W rows, read the R rows.
 static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
     double th = (double)s->B * s->T * s->H, row = (double)s->d * (s->bank_fp32 ? 4 : 2);
-    double snap = (double)sdm_op_snap_row_bytes(s), W = s->W, R = s->R;
+    double snap = (double)sdm_op_snap_row_bytes(s) + 4.0 * sdm_op_snap_scales(s), W = s->W, R = s->R;
     if (!backward) return th * ((2 * W + R) * row + W * snap);
     return th * ((2 * W + 2 * R) * s->d * 4 + W * snap + (W + R) * row);
 }
@@ -134,7 +139,7 @@ typedef struct {
     size_t A, Sm, Linv;           // [S][nc][C][C]
     size_t cx, ce, cdelta;        // [S][C][d] fp32 per-chunk buffers: X (forward) / dR0 (backward), E, Delta (prefill)
     size_t delta, u;              // [S][Tp][d] fp32 (training)
-    size_t snap, snap_scale;      // [S][Tp][W] rows, [S][Tp][W][d/DB] fp32 (training)
+    size_t snap, snap_scale;      // [S][Tp][W] rows, [S][Tp][W][sdm_op_snap_scales] fp32 (training)
     size_t saved_bytes;
     // scratch (backward)
     size_t wsum;                  // [S][C][d] write-path gradient of delta for the current chunk

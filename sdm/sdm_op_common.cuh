@@ -1,6 +1,6 @@
 // sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to docs/SDM.md#decode-and-prefill): 16-byte bank vectors
 // (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores of a bf16 or fp32 row, the snapshot storage of the
-// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per DB columns), SdmOpArgs (every pointer into
+// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per 32 columns), SdmOpArgs (every pointer into
 // `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h, by value), the token-major offset of
 // (stream, token) in a [B,T,H,width] array, and the host helpers every entry point uses (shape check, smem sizes).
 // Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R], per-chunk C x C arrays
@@ -71,16 +71,17 @@ __device__ __forceinline__ float4 sdm_axpy4(float a, float4 x, float4 y) {
     return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
 }
 
-// Where the snapshot rows live: payload [S][Tp][W] rows of row_bytes, fp8/int4 scales [S][Tp][W][d/DB].
+// Where the snapshot rows live: payload [S][Tp][W] rows of row_bytes, fp8/int4 scales [S][Tp][W][n_scales], one per
+// SDM_SNAP_SCALE_COLS columns.
 struct SdmSnapView {
     char *data;
     float *scale;
-    int mode, bank_fp32, d, DB;
+    int mode, bank_fp32, n_scales;
     size_t row_bytes;
 };
 
-// Store VEC values of snapshot row e at columns [col, col+V); `lanes` consecutive lanes of the warp hold the DB
-// columns of one row (they share one fp8/int4 scale). Every lane of the warp must call it (shuffles).
+// Store VEC values of snapshot row e at columns [col, col+V); `lanes` consecutive lanes of the warp hold the
+// SDM_SNAP_SCALE_COLS columns of one scale block. Every lane of the warp must call it (shuffles).
 template <int V>
 __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const float *x, bool active, int lanes) {
     char *row = sv.data + e * sv.row_bytes;
@@ -100,7 +101,7 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
     if (!active) return;
     bool fp8 = sv.mode == SDM_SNAP_FP8;
     float scale = fmaxf(amax / (fp8 ? 448.f : 7.f), 1e-12f), inv = 1.f / scale;
-    if (col % sv.DB == 0) sv.scale[e * (sv.d / sv.DB) + col / sv.DB] = scale;
+    if (col % SDM_SNAP_SCALE_COLS == 0) sv.scale[e * sv.n_scales + col / SDM_SNAP_SCALE_COLS] = scale;
     if (fp8) {
         for (int i = 0; i < V; i++)
             ((__nv_fp8_storage_t *)row)[col + i] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
@@ -117,7 +118,7 @@ __device__ __forceinline__ float4 sdm_snap_load4(const SdmSnapView &sv, size_t e
     const char *row = sv.data + e * sv.row_bytes;
     if (sv.mode == SDM_SNAP_NONE) return sdm_load4_any(row, col, sv.bank_fp32);
     if (sv.mode == SDM_SNAP_BF16) return sdm_load4_any(row, col, false);
-    float s = sv.scale[e * (sv.d / sv.DB) + col / sv.DB];
+    float s = sv.scale[e * sv.n_scales + col / SDM_SNAP_SCALE_COLS];
     float v[4];
     if (sv.mode == SDM_SNAP_FP8) {
         for (int i = 0; i < 4; i++) {
@@ -167,7 +168,7 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
         a.snap.data = sv + L.snap;
         a.snap.scale = (float *)(sv + L.snap_scale);
     }
-    a.snap.mode = s->snapshot; a.snap.bank_fp32 = s->bank_fp32; a.snap.d = s->d; a.snap.DB = L.DB;
+    a.snap.mode = s->snapshot; a.snap.bank_fp32 = s->bank_fp32; a.snap.n_scales = (int)sdm_op_snap_scales(s);
     a.snap.row_bytes = sdm_op_snap_row_bytes(s);
     if (scratch) {
         sv = (char *)scratch;

@@ -66,7 +66,7 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
                         SdmBankVec<Tb>::unpack(raw[j][u], x);
                         for (int i = 0; i < V; i++) acc[u][i] = fmaf(g[j], x[i], acc[u][i]);
                     }
-                    if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, a.DB / V);
+                    if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, SDM_SNAP_SCALE_COLS / V);
                 }
         }
 #pragma unroll

@@ -79,8 +79,8 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
     pl.n_table = sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
     uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * (size_t)pl.n_table);
     sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
-    cudaCheck(cudaMalloc(&pl.table, sizeof(uint32_t) * (size_t)pl.n_table));
-    cudaCheck(cudaMemcpy(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table, cudaMemcpyHostToDevice));
+    pl.table = (uint32_t *)device_alloc(MEM_SCRATCH, sizeof(uint32_t) * (size_t)pl.n_table);
+    device_upload(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table);
     free(tab);
     // sorted kept factor keys, raw factor keys, candidates, selected keys (u64), table scores, histogram (u32)
     pl.smem_per_warp = 8 * ((size_t)pl.sort_total + pl.sort_max + pl.cap + k) + 4 * ((size_t)pl.n_table + 256);
@@ -92,7 +92,7 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
 }
 
 static inline void sdm_topk_plan_free(SdmTopkPlan *pl) {
-    cudaCheck(cudaFree(pl->table));
+    device_free(pl->table);
     pl->table = NULL;
 }
 

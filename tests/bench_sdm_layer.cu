@@ -86,23 +86,24 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
     TIME_PIECE("bwd GEMM out dW", fout,
                matmul_backward_weight(g->w_out, DT_FP32, dy, D, L->r, L->ctype, BT, D, D, 1, 0));
     TIME_PIECE("bwd GEMM out dX", fout,
-               matmul_backward_input(L->dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, 0));
+               matmul_backward_input(L->tmp.dr, DT_FP32, dy, D, p->w_out, L->ctype, BT, D, D, 0, 0));
     TIME_PIECE("bwd bias matmul_colsum dY", 0, matmul_backward_bias(g->b_out, dy, L->ctype, D, BT, D, 1, 0));
     TIME_PIECE("readout backward (LN, gate)", 0,
-               sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->dr, L->z, L->ln_partials, g->ln_w, g->ln_b, 0));
+               sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->tmp.dr, L->z, L->tmp.ln_partials, g->ln_w,
+                                    g->ln_b, 0));
     SdmWriteGateArgs ga;
-    ga.z = L->z; ga.dgamma = L->dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->dbeta;
+    ga.z = L->z; ga.dgamma = L->tmp.dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->tmp.dbeta;
     ga.A_log = p->A_log; ga.dt_bias = p->dt_bias; ga.kwd = 0;
-    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->gate_grad;
+    ga.col_a = L->col_a; ga.col_c = L->col_c; ga.gate_grad = L->tmp.gate_grad;
     TIME_PIECE("addressing backward, writes+gates", 0,
-               sdm_address_backward(&L->tw, L->wslot, L->kappa, L->dkappa, 1.0f, P, H, L->z, DT_BF16, L->ldz, L->col_zk, 1,
-                                &ga, 0));
+               sdm_address_backward(&L->tw, L->wslot, L->kappa, L->tmp.dkappa, 1.0f, P, H, L->z, DT_BF16, L->ldz,
+                                    L->col_zk, 1, &ga, 0));
     TIME_PIECE("addressing backward, reads", 0,
-               sdm_address_backward(&L->tr, L->rslot, L->rho, L->drho, 1.0f, P, H, L->z, DT_BF16, L->ldz, L->col_zq, 0,
-                                NULL, 0));
-    TIME_PIECE("pack dv", 0, (sdm_pack_dv_kernel<<<BT, 256>>>(L->dv, L->z, false, L->ldz, L->col_v, D)));
+               sdm_address_backward(&L->tr, L->rslot, L->rho, L->tmp.drho, 1.0f, P, H, L->z, DT_BF16, L->ldz,
+                                    L->col_zq, 0, NULL, 0));
+    TIME_PIECE("pack dv", 0, (sdm_pack_dv_kernel<<<BT, 256>>>(L->tmp.dv, L->z, false, L->ldz, L->col_v, D)));
     TIME_PIECE("dM0 batch sum", 0,
-               (sdm_bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->dbank, (size_t)H * s->slots * d, L->B)));
+               (sdm_bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->tmp.dbank, (size_t)H * s->slots * d, L->B)));
     TIME_PIECE("bwd GEMM in dW", fin,
                matmul_backward_weight(g->w_in, DT_FP32, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
     TIME_PIECE("bwd bias matmul_colsum dZ (all columns)", 0,
@@ -132,7 +133,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     cudaCheck(cudaDeviceSynchronize());
     cudaCheck(cudaMemGetInfo(&free0, &total));
     Profiler *prof = prof_create(BF16_PEAK_TFLOPS, HBM_TBPS);
-    SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, prof);
+    SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, prof, 0, NULL);
     size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
     float ws = 1.0f / sqrtf((float)D);
     SdmLayerParams p;
@@ -202,8 +203,8 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     printf("   GEMM %.1f GFLOP: %.0f TFLOP/s in the projection stage, %.3f ms at %.0f TFLOP/s (%.0f%% of the total)\n",
            gemm_flops / 1e9, gemm_flops / (stsum[0] * 1e-3) / 1e12, gemm_flops / (BF16_PEAK_TFLOPS * 1e12) * 1e3,
            BF16_PEAK_TFLOPS, 100.0 * gemm_flops / (BF16_PEAK_TFLOPS * 1e12) / (tot[iters / 2] * 1e-3));
-    printf("   device memory: layer buffers %.2f GiB (op saved %.2f GiB, op scratch %.2f GiB), peak in use %.2f GiB\n",
-           (double)L.device_bytes / (1 << 30), (double)sdm_op_saved_bytes(&L.op) / (1 << 30),
+    printf("   device memory: ledger %.2f GiB (op saved %.2f GiB, op scratch %.2f GiB), peak in use %.2f GiB\n",
+           mem_gib(g_mem.live), (double)sdm_op_saved_bytes(&L.op) / (1 << 30),
            (double)sdm_op_scratch_bytes(&L.op) / (1 << 30), peak_gib);
     prof_print(&prof->table, stdout);
     CHECK(tot[iters / 2] > 0.0f, "%s: no time measured", name);

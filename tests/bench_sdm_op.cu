@@ -1,11 +1,12 @@
 // tests/bench_sdm_op.cu: op-only timings of the GPU SDM memory op (sdm/sdm_op.cuh): training forward, backward,
-// prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots. Median of repeated runs (CUDA events)
-// after a warm-up. For each: time, the op's device memory, and the byte floor (bank rows that must move, over the
-// 4.3 TB/s measured HBM bandwidth):
-//   forward (training): per token and head read W + R rows, write W rows and W snapshot rows  -> (3W + R) d 2 bytes
-//   prefill:            read W + R rows, write W rows                                           -> (2W + R) d 2 bytes
+// prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
+// int4 snapshots. Median of repeated runs (CUDA events) after a warm-up. For each: time, the op's device memory,
+// and the byte floor (bank rows that must move, over the 4.3 TB/s measured HBM bandwidth; a snapshot row takes s
+// bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
+//   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
+//   prefill:            read W + R rows, write W rows                                          -> (2W + R) d 2 bytes
 //   backward: fp32 G rows read + written at W + R rows, W snapshot rows read, W rows restored, R bank rows read
-//                                                                      -> (2W + 2R) d 4 + (2W + R) d 2 bytes
+//                                                                      -> (2W + 2R) d 4 + (W + R) d 2 + W s bytes
 //   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
@@ -154,12 +155,14 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
 }
 
 // Training forward + backward, prefill, and the forward with the host-loop schedule at one shape.
-static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, int reps) {
+static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
-    s.snapshot = SDM_SNAP_NONE; s.training = 1;
-    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, DB=%d)\n", B, T, H, N, d, W, R, C, sdm_op_col_block(&s));
+    s.snapshot = snap; s.training = 1;
+    static const char *const snap_names[] = {"none", "bf16", "fp8", "int4"};
+    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, DB=%d)\n", B, T, H, N, d, W, R, C,
+           snap_names[snap], sdm_op_col_block(&s));
     Rng rng = rng_make(1234);
     SdmOpInputs in = make_inputs(&rng, &s);
     size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
@@ -253,9 +256,10 @@ int main(int argc, char **argv) {
     cudaDeviceProp p;
     cudaCheck(cudaGetDeviceProperties(&p, 0));
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, reps);
-    bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, reps);
-    bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, reps);
+    const SdmSnapshot flagship_snaps[] = {SDM_SNAP_NONE, SDM_SNAP_FP8, SDM_SNAP_INT4};
+    for (int i = 0; i < 3; i++) bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, flagship_snaps[i], reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, SDM_SNAP_NONE, reps);
     bench_decode(1, 2, 65536, 1024, 64, 64);
     bench_decode(32, 2, 65536, 1024, 64, 64);
     return 0;

@@ -145,7 +145,7 @@ static void check_dtype(const char *dtype, const float *host) {
     int tokens[2 * T_SEQ];
     random_tokens(tokens, 2 * T_SEQ, m->vocab, 99);
     GpuModel g;
-    gpu_model_create(&g, m, 1, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1);
+    gpu_model_create(&g, m, 1, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g, host);
     double *ref = teacher_forced(&g, tokens);
     const int Ps[] = {1, 7, 13, T_SEQ};
@@ -156,7 +156,7 @@ static void check_dtype(const char *dtype, const float *host) {
 
     // two streams, prompts of 5 and 9 tokens, decoded together
     GpuModel g2;
-    gpu_model_create(&g2, m, 2, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1);
+    gpu_model_create(&g2, m, 2, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g2, host);
     ref = teacher_forced(&g2, tokens);
     GpuInferState I;
@@ -192,7 +192,7 @@ static void check_generation_and_reset(const float *host) {
     ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
     build_model(&cfg, m, "fp32");
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1);
+    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
     gpu_model_set_params(&g, host);
     GpuInferState I, J;
     gpu_infer_create(&I, &g, 1, T_SEQ);
@@ -283,7 +283,7 @@ static void check_infer_sdm(const float *host) {
     const int MAX_NEW = 8;
     const char *prompt = "hello";
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1);
+    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
     gpu_model_set_params(&g, host);
     GpuInferState I;
     gpu_infer_create(&I, &g, 1, SEQ_LEN_CFG);

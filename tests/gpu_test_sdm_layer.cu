@@ -312,7 +312,7 @@ static void compare_token_sum(const char *what, const float *dev, const double *
 static void compare_gate_terms(const SdmLayer *L, const SdmRefTrace *tr, const SdmRefGradTrace *og, size_t n, int H,
                                double tol, double *dg_g) {
     double *gg = hzeros(n * 3 * H), *dev = hzeros(n * H);
-    dev_download(gg, L->gate_grad, n * 3 * H, 1);
+    dev_download(gg, L->tmp.gate_grad, n * 3 * H, 1);
     for (size_t i = 0; i < n * H; i++) dg_g[i] = og->dg[i] * tr->g[i];
     const char *names[3] = {"da (tok)", "dc (tok)", "dg*g (tok)"};
     const double *ref[3] = {og->da, og->dc, dg_g};
@@ -358,7 +358,7 @@ static void test_layer(Rng *rng, const LayerCase *c) {
     sdm_layer_backward_trace_ref(&s, B, T, &rp, x, dy, &tr, dx_ref, &rg, &og);
 
     // GPU
-    SdmLayer L = sdm_layer_create(&s, B, T, fp32 ? DT_FP32 : DT_BF16, 0);
+    SdmLayer L = sdm_layer_create(&s, B, T, fp32 ? DT_FP32 : DT_BF16, 0, 0, NULL);
     double *w_in = fused_in(&s, t, 0);
     SdmLayerParams p;
     memset(&p, 0, sizeof(p));
@@ -418,12 +418,12 @@ static void test_layer(Rng *rng, const LayerCase *c) {
         compare_grad("gamma", L.gamma, P * s.writes, tr.gamma, tol);
         compare_grad("beta", L.beta, P, tr.beta, tol);
         compare_grad("o (op)", L.o, (size_t)n * D, tr.o, tol);
-        compare_grad("dout (op)", L.dr, (size_t)n * D, og.dout, tol);
-        compare_grad("dkappa(op)", L.dkappa, P * s.writes, og.dkappa_op, tol);
-        compare_grad("dgamma(op)", L.dgamma, P * s.writes, og.dgamma, tol);
-        compare_grad("dbeta (op)", L.dbeta, P, og.dbeta, tol);
-        compare_grad("dv (op)", L.dv, (size_t)n * D, og.dv, tol);
-        compare_grad("drho (op)", L.drho, P * s.reads, og.drho, tol);
+        compare_grad("dout (op)", L.tmp.dr, (size_t)n * D, og.dout, tol);
+        compare_grad("dkappa(op)", L.tmp.dkappa, P * s.writes, og.dkappa_op, tol);
+        compare_grad("dgamma(op)", L.tmp.dgamma, P * s.writes, og.dgamma, tol);
+        compare_grad("dbeta (op)", L.tmp.dbeta, P, og.dbeta, tol);
+        compare_grad("dv (op)", L.tmp.dv, (size_t)n * D, og.dv, tol);
+        compare_grad("drho (op)", L.tmp.drho, P * s.reads, og.drho, tol);
         double *gw_in = fused_in(&s, gr, 0);
         // each block of the fused gradient separately, so a wrong block cannot hide behind a large one
         size_t woff = 0;
@@ -468,7 +468,7 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     int fp32 = c->fp32, n = c->B * c->T, D = c->D;
     double *t[SDM_P_COUNT];
     layer_random_params(rng, &s, fp32, t);
-    SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 0);
+    SdmLayer L = sdm_layer_create(&s, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 0, 0, NULL);
     double *w_in = fused_in(&s, t, 0), *b_in = fused_in(&s, t, 1), *x = hzeros((size_t)n * D);
     size_t boff[SDM_B_COUNT + 1] = {0};
     for (int i = 0; i < SDM_B_COUNT; i++) boff[i + 1] = boff[i] + sdm_param_numel(&s, b_in_id(i));

@@ -1,6 +1,6 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
 // (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, decode = prefill =
-// training forward, bitwise determinism, snapshot modes, refusals.
+// training forward, bitwise determinism, snapshot modes and their independence of the batch, refusals.
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2.
 #include "core/cuda_common.cuh"
 #include "core/rng.h"
@@ -397,6 +397,32 @@ static void test_snapshot_modes(void) {
     free_result(&none); free(rb); free_case(&c);
 }
 
+// fp8/int4 snapshots round a row the same way at any batch size: sequence 0 of a batch of 8 gets the gradients it
+// gets alone, although the solve kernels tile its columns differently (sdm_op_col_block: 64 columns at B = 8, 8 at
+// B = 1). Only the order of fp32 sums may change, hence the fp32 tolerance.
+static void test_snapshot_batch_independence(void) {
+    Case c = make_case(93, 8, 64, 4, 128, 512, 16, 16, GAMMA_UNIFORM, 0);
+    Case one = c;
+    one.B = 1; // sequence 0: the first slice of every token-major array and of the bank
+    double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+    double *rb1 = (double *)sdm_malloc(bank_elems(&one) * sizeof(double));
+    size_t tok = (size_t)one.T * one.H;
+    const SdmSnapshot modes[] = {SDM_SNAP_FP8, SDM_SNAP_INT4};
+    const char *names[] = {"fp8", "int4"};
+    for (int i = 0; i < 2; i++) {
+        Result all = run_gpu(&c, 64, 1, modes[i], rb), alone = run_gpu(&one, 64, 1, modes[i], rb1);
+        double ek = rel_error(all.dkappa, alone.dkappa, tok * c.W), eg = rel_error(all.dgamma, alone.dgamma, tok * c.W);
+        double er = rel_error(all.drho, alone.drho, tok * c.R);
+        printf("  %-4s snapshots, sequence 0 in a batch of 8 vs alone: dkappa %.2e dgamma %.2e drho %.2e\n", names[i],
+               ek, eg, er);
+        CHECK(ek <= TOL_FP32 && eg <= TOL_FP32 && er <= TOL_FP32, "%s snapshot rounding depends on the batch",
+              names[i]);
+        free_result(&all);
+        free_result(&alone);
+    }
+    free(rb); free(rb1); free_case(&c);
+}
+
 // T decode steps = one prefill = the training forward (outputs and final bank); prefill bitwise = training forward.
 static void test_decode(int fp32) {
     Case c = make_case(55 + fp32, 3, 150, 2, 96, 32, 12, 10, GAMMA_UNIFORM, 0);
@@ -496,6 +522,7 @@ int main(int argc, char **argv) {
     test_against_oracle();
     test_chunk_invariance_and_determinism();
     test_snapshot_modes();
+    test_snapshot_batch_independence();
     test_decode(1);
     test_decode(0);
     test_fresh_process(argv[0]);
