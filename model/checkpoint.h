@@ -8,8 +8,8 @@
 // checkpoint is written into step_<n>.tmp/ (each file fsync'ed), then renamed into place, so a crash never leaves a
 // half-written checkpoint under a valid name and never touches the last good one; older checkpoints are deleted only
 // afterwards, DONE first, so a crash while deleting leaves an incomplete folder, never a complete-looking one.
-// ckpt_save refuses non-finite values. A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks, on every
-// rank, and refuses one whose architecture keys or tensor table differ from the requested model's.
+// ckpt_save refuses non-finite values. A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks and sends it
+// to every rank, and refuses one whose architecture keys or tensor table differ from the requested model's.
 // infer_sdm needs model.bin alone: its config text rebuilds the model description.
 #ifndef SDM_CORE_CHECKPOINT_H
 #define SDM_CORE_CHECKPOINT_H
@@ -566,8 +566,8 @@ static inline int ckpt_check_same_model(const char *path, const Config *saved, c
     return 1;
 }
 
-// What identifies a checkpoint across ranks: rank 0 picks it (found = 0: start afresh), every rank loads the same.
-typedef struct { uint64_t found, step, model_checksum, state_checksum; } CkptId;
+// The checkpoint rank 0 resumes from (found = 0: none, start afresh).
+typedef struct { uint64_t found, step; } CkptId;
 
 // A checkpoint loaded for resuming: parameters and AdamW moments, malloc'ed fp32 [storage] each.
 typedef struct {
@@ -581,21 +581,6 @@ static inline void ckpt_resume_free(CkptResume *r) {
     free(r->adam_m);
     free(r->adam_v);
     r->params = r->adam_m = r->adam_v = NULL;
-}
-
-// The checksums of step's files in run_dir into id (left 0 where a header cannot be read: loading names why).
-static inline void ckpt_identify(const char *run_dir, uint64_t step, CkptId *id) {
-    const char *names[2] = {"model.bin", "state.bin"}, *magics[2] = {CKPT_MODEL_MAGIC, CKPT_STATE_MAGIC};
-    uint64_t *sums[2] = {&id->model_checksum, &id->state_checksum};
-    char dir[1024], path[1100], err[CKPT_ERR];
-    ckpt_step_dir(dir, sizeof dir, run_dir, step, "");
-    for (int k = 0; k < 2; k++) {
-        CkptHeader h;
-        snprintf(path, sizeof path, "%s/%s", dir, names[k]);
-        FILE *fp = ckpt_open(path, magics[k], &h, err);
-        *sums[k] = fp ? h.checksum : 0;
-        if (fp) fclose(fp);
-    }
 }
 
 // Load checkpoint folder dir to resume the model (want, wm): model.bin must hold the same model
@@ -655,34 +640,56 @@ static inline int ckpt_all_ranks_ok(const CkptComm *c, int ok, const char *what,
     return 0;
 }
 
-// Resume on every rank from the newest complete checkpoint of rank 0's run_dir: rank 0 picks it and broadcasts its
-// step and checksums; every rank must load that very checkpoint from its own run_dir (a shared folder, or a copy).
-// Returns 1 with r->id.found = 0 (start afresh) or r loaded; 0 on every rank, with err naming the ranks, when any
-// rank cannot load it (missing, corrupt, another model, other bytes than rank 0's).
+// buf [bytes] on every rank = rank 0's, in pieces of at most 256 MiB (the collective stages them on the device).
+static inline void ckpt_broadcast0(const CkptComm *c, void *buf, size_t bytes) {
+    const size_t piece = (size_t)256 << 20;
+    for (size_t at = 0; at < bytes; at += piece)
+        c->broadcast0(c->ctx, (char *)buf + at, bytes - at < piece ? bytes - at : piece);
+}
+
+// Resume on every rank from the newest complete checkpoint of rank 0's run_dir. Rank 0 picks and loads it, then
+// broadcasts its step, parameters, AdamW moments and loader record, so the other ranks need no copy of the folder.
+// Every rank first checks its configured model against rank 0's (the architecture keys and the tensor table; rank 0
+// checks the checkpoint's against its own), so ranks that disagree stop before anything is sent. Returns 1 with
+// r->id.found = 0 (start afresh) or r loaded; 0 on every rank, with err naming the ranks, when rank 0 cannot load the
+// checkpoint or any rank's model differs.
 static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want, const ModelDesc *wm, void *loader,
                                         uint64_t loader_bytes, const CkptComm *comm, CkptResume *r, char *err) {
     memset(r, 0, sizeof *r);
+    Config *cfg0 = (Config *)sdm_malloc(sizeof(Config));
+    ModelDesc *m0 = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    *cfg0 = *want;
+    comm->broadcast0(comm->ctx, cfg0, sizeof *cfg0);
+    model_build(m0, cfg0);
+    int ok = ckpt_check_same_model("rank 0's configuration", cfg0, m0, want, wm, err);
+    free(m0);
+    free(cfg0);
+    if (!ckpt_all_ranks_ok(comm, ok, "is configured for another model than rank 0", err)) return 0;
+
+    char dir[1024];
     if (comm->rank == 0 && ckpt_newest(run_dir, &r->id.step)) {
         r->id.found = 1;
-        ckpt_identify(run_dir, r->id.step, &r->id);
+        ckpt_step_dir(dir, sizeof dir, run_dir, r->id.step, "");
+        ok = ckpt_load_resume(dir, want, wm, loader, loader_bytes, r, err);
     }
     comm->broadcast0(comm->ctx, &r->id, sizeof r->id);
-    if (!r->id.found) return 1;
-    char dir[1024], what[CKPT_ERR];
-    ckpt_step_dir(dir, sizeof dir, run_dir, r->id.step, "");
-    CkptId mine = r->id;
-    ckpt_identify(run_dir, r->id.step, &mine);
-    int same = mine.model_checksum == r->id.model_checksum && mine.state_checksum == r->id.state_checksum, ok = 0;
-    if (!same && mine.model_checksum && mine.state_checksum) // both readable, yet not rank 0's: no need to load
-        snprintf(err, CKPT_ERR, "%.300s holds other bytes than rank 0's checkpoint of that step (checksums differ)",
-                 dir);
-    else // the same headers (the load verifies the bodies against them), or an unreadable one: the load says why
-        ok = ckpt_load_resume(dir, want, wm, loader, loader_bytes, r, err);
-    snprintf(what, sizeof what, "cannot load step_%08llu, the checkpoint rank 0 resumes from (every rank needs it in "
-             "its run_dir: a shared folder, or a copy)", (unsigned long long)r->id.step);
-    if (ckpt_all_ranks_ok(comm, ok, what, err)) return 1;
-    ckpt_resume_free(r);
-    return 0;
+    if (!ckpt_all_ranks_ok(comm, ok, "cannot load the checkpoint to resume from", err)) {
+        ckpt_resume_free(r);
+        return 0;
+    }
+    if (!r->id.found || comm->world == 1) return 1;
+    size_t n = (size_t)wm->storage;
+    if (comm->rank != 0) {
+        r->params = (float *)sdm_malloc(4 * n);
+        r->adam_m = (float *)sdm_malloc(4 * n);
+        r->adam_v = (float *)sdm_malloc(4 * n);
+    }
+    ckpt_broadcast0(comm, r->params, 4 * n);
+    ckpt_broadcast0(comm, r->adam_m, 4 * n);
+    ckpt_broadcast0(comm, r->adam_v, 4 * n);
+    ckpt_broadcast0(comm, loader, loader_bytes);
+    comm->broadcast0(comm->ctx, &r->rng_state, sizeof r->rng_state);
+    return 1;
 }
 
 #endif

@@ -2,7 +2,7 @@
 // real model.bin and state.bin files must be refused with a message naming the file and an offset, never a crash
 // under ASan, never a silent wrong load); atomic replacement and keep-last-N; the newest of many checkpoints; strict
 // folder names; stale .tmp folders; refusal of non-finite values, of a full disk's half-written save, of a FIFO, of
-// another architecture on resume; a resume over 3 loopback ranks that must all load rank 0's checkpoint.
+// another architecture on resume; a resume over 3 loopback ranks that all receive rank 0's checkpoint.
 //
 //   build/test_checkpoint            the make-test budget (1200 fuzz cases)
 //   build/test_checkpoint --fuzz N   N fuzz cases, for a long run by hand
@@ -427,7 +427,8 @@ static void *rank_resume(void *arg) {
     return NULL;
 }
 
-static void resume_ranks(RankRun *rr, int world) {
+// Every rank resumes from its folder with the test model's config; rank 1 with `rank1` instead when not NULL.
+static void resume_ranks(RankRun *rr, int world, const Config *rank1) {
     Config c;
     build_model(&c);
     LoopGroup group;
@@ -435,7 +436,7 @@ static void resume_ranks(RankRun *rr, int world) {
     pthread_t th[RANKS];
     for (int q = 0; q < world; q++) {
         rr[q].comm = loop_comm(&group, q, 1);
-        rr[q].cfg = &c;
+        rr[q].cfg = q == 1 && rank1 ? rank1 : &c;
         rr[q].err[0] = 0;
         pthread_create(&th[q], NULL, rank_resume, &rr[q]);
     }
@@ -466,39 +467,47 @@ static void test_resume_ranks(void) {
 
     // rank 0 has no checkpoint: every rank starts afresh, whatever the others hold
     save_rank(rr, 1, 10, 1.0f);
-    resume_ranks(rr, RANKS);
+    resume_ranks(rr, RANKS, NULL);
     for (int q = 0; q < RANKS; q++)
         CHECK(rr[q].ok && !rr[q].res.id.found, "rank %d: rank 0 has none, got ok %d found %d (%s)", q, rr[q].ok,
               (int)rr[q].res.id.found, rr[q].err);
 
-    // every rank holds steps 10 and 20 (the same bytes): all resume from 20
-    for (int q = 0; q < RANKS; q++) save_rank(rr, q, 10, 1.0f), save_rank(rr, q, 20, 2.0f);
-    resume_ranks(rr, RANKS);
+    // rank 0 holds steps 10 and 20, rank 1 another step 20, rank 2 nothing: every rank resumes from rank 0's step 20,
+    // its bytes and its loader record (the other folders are never read)
+    save_rank(rr, 0, 10, 1.0f);
+    save_rank(rr, 0, 20, 2.0f);
+    save_rank(rr, 1, 20, 3.0f);
+    resume_ranks(rr, RANKS, NULL);
     for (int q = 0; q < RANKS; q++) {
-        CHECK(rr[q].ok && rr[q].res.id.step == 20 && rr[q].res.params[0] == 2.0f && rr[q].rec.a == 20,
-              "rank %d: not resumed from step 20 (%s)", q, rr[q].err);
+        CHECK(rr[q].ok && rr[q].res.id.step == 20 && rr[q].res.params[0] == 2.0f && rr[q].res.adam_v[0] == 2.0f &&
+                  rr[q].rec.a == 20,
+              "rank %d: not resumed from rank 0's step 20 (ok %d, %s)", q, rr[q].ok, rr[q].err);
         ckpt_resume_free(&rr[q].res);
     }
 
-    // rank 2 lacks step 20 (its newest is 10), then rank 1 holds another step 20: every rank stops, naming the rank
-    char dir[512];
-    snprintf(dir, sizeof dir, "%s/step_00000020", rr[2].run);
-    ckpt_remove_dir(dir);
-    resume_ranks(rr, RANKS);
-    CHECK(!rr[2].ok && strstr(rr[2].err, "rank 2 cannot load step_00000020") && strstr(rr[2].err, "cannot open"),
-          "rank 2 without step 20: '%s'", rr[2].err);
-    for (int q = 0; q < 2; q++)
-        CHECK(!rr[q].ok && strstr(rr[q].err, "rank 2 cannot load step_00000020"), "rank %d: '%s'", q, rr[q].err);
-    save_rank(rr, 2, 20, 2.0f);
-    save_rank(rr, 1, 20, 3.0f);
-    resume_ranks(rr, RANKS);
-    CHECK(!rr[1].ok && strstr(rr[1].err, "rank 1 cannot load") && strstr(rr[1].err, "checksums differ"),
-          "rank 1 with other bytes: '%s'", rr[1].err);
-    CHECK(!rr[0].ok && !rr[2].ok && strstr(rr[0].err, "rank 1 cannot load") && strstr(rr[2].err, "rank 1 cannot"),
-          "ranks 0 and 2 do not name rank 1: '%s', '%s'", rr[0].err, rr[2].err);
+    // rank 1 configured for another architecture (rope_theta): every rank stops, naming rank 1 and the key
+    Config other;
+    build_model(&other);
+    other.rope_theta *= 2;
+    resume_ranks(rr, RANKS, &other);
+    CHECK(!rr[1].ok && strstr(rr[1].err, "rank 1 is configured for another model") && strstr(rr[1].err, "rope_theta"),
+          "rank 1 with another architecture: '%s'", rr[1].err);
+    for (int q = 0; q < RANKS; q += 2)
+        CHECK(!rr[q].ok && strstr(rr[q].err, "rank 1 is configured for another model"), "rank %d: '%s'", q, rr[q].err);
+
+    // rank 0's newest checkpoint is corrupt: every rank stops, naming rank 0 and the file
+    char path[600];
+    snprintf(path, sizeof path, "%s/step_00000020/state.bin", rr[0].run);
+    CHECK(truncate(path, 200) == 0, "truncate %s", path);
+    resume_ranks(rr, RANKS, NULL);
+    CHECK(!rr[0].ok && strstr(rr[0].err, "rank 0 cannot load the checkpoint") && strstr(rr[0].err, "state.bin"),
+          "rank 0 with a corrupt checkpoint: '%s'", rr[0].err);
+    for (int q = 1; q < RANKS; q++)
+        CHECK(!rr[q].ok && strstr(rr[q].err, "rank 0 cannot load"), "rank %d: '%s'", q, rr[q].err);
+    save_rank(rr, 0, 20, 2.0f);
 
     // one process (world 1): the same path with collectives that do nothing
-    resume_ranks(rr, 1);
+    resume_ranks(rr, 1, NULL);
     CHECK(rr[0].ok && rr[0].res.id.step == 20, "world 1: %s", rr[0].err);
     ckpt_resume_free(&rr[0].res);
     remove_tree(RANK_BASE);
