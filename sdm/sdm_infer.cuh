@@ -70,14 +70,21 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
     sdm_layer_output(&I->L, p, y, st);
 }
 
-// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D].
-static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y,
+// Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D].
+static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y, int n,
                                     cudaStream_t st) {
-    sdm_infer_shape(I, I->streams, 1);
+    if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
+    sdm_infer_shape(I, n, 1);
     sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
     sdm_layer_output(&I->L, p, y, st);
+}
+
+// Stream `to`'s bank = stream `from`'s (a generator compacting its active streams).
+static inline void sdm_infer_copy_stream(SdmInferState *I, int from, int to, cudaStream_t st) {
+    cudaCheck(cudaMemcpyAsync(sdm_infer_bank(I, to), sdm_infer_bank(I, from), sdm_bank_bytes(&I->L.s),
+                              cudaMemcpyDeviceToDevice, st));
 }
 
 #endif
