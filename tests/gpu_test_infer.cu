@@ -275,6 +275,24 @@ static char *run_command(const char *cmd, int *status) {
     return buf;
 }
 
+#define INFER_MAX_NEW 8
+
+// The block infer_sdm prints for prompt (greedy, INFER_MAX_NEW tokens, fp32) after `header`, generated on I.
+static char *expected_block(GpuInferState *I, const char *prompt, const char *header) {
+    int toks[SEQ_LEN_CFG], out[INFER_MAX_NEW];
+    int P = gen_prompt_tokens((const uint8_t *)prompt, strlen(prompt), SEQ_LEN_CFG - INFER_MAX_NEW, toks);
+    SamplingParams greedy = {0.0, 0.0, 0};
+    GenStats gs = gen_run(I, toks, P, INFER_MAX_NEW, &greedy, 1, out);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    fputs(header, f);
+    gen_print_escaped(f, out, gs.n_new);
+    fprintf(f, "\n-----\n");
+    fclose(f);
+    return text;
+}
+
 // (e) infer_sdm on a checkpoint of this model.
 static void check_infer_sdm(const float *host) {
     if (access("./infer_sdm", X_OK) != 0) {
@@ -292,31 +310,18 @@ static void check_infer_sdm(const float *host) {
     CkptTrainState ts = {42, 1, zeros, zeros, loader, sizeof loader};
     CHECK(ckpt_save(run, m, &cfg, host, &ts, 1, err), "ckpt_save: %s", err);
 
-    // the expected greedy text, from the same parameters
-    const int MAX_NEW = 8;
-    const char *prompt = "hello";
+    // the expected greedy texts, from the same parameters, one prompt at a time
     GpuModel g;
     gpu_model_create(&g, m, 1, 1, DT_FP32, 1);
     gpu_model_set_params(&g, host);
     GpuInferState I;
     gpu_infer_create(&I, &g, 1, SEQ_LEN_CFG);
-    int toks[SEQ_LEN_CFG], out[MAX_NEW];
-    int P = gen_prompt_tokens((const uint8_t *)prompt, strlen(prompt), SEQ_LEN_CFG - MAX_NEW, toks);
-    SamplingParams greedy = {0.0, 0.0, 0};
-    GenStats gs = gen_run(&I, toks, P, MAX_NEW, &greedy, 1, out);
-    char *expect = NULL;
-    size_t expect_len = 0;
-    FILE *mf = open_memstream(&expect, &expect_len);
-    fprintf(mf, "----- generated\n");
-    gen_print_escaped(mf, out, gs.n_new);
-    fprintf(mf, "\n-----\n");
-    fclose(mf);
-    gpu_infer_destroy(&I);
-    gpu_model_destroy(&g);
+    const char *prompts[] = {"hello", "ab", "xyz"};
+    char *expect = expected_block(&I, prompts[0], "----- generated\n");
 
     int status;
-    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompt %s --max-new %d --temperature 0 --fp32 2>&1", run, prompt,
-             MAX_NEW);
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompt %s --max-new %d --temperature 0 --fp32 2>&1", run, prompts[0],
+             INFER_MAX_NEW);
     char *got = run_command(cmd, &status);
     printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
     printf("    expected text block:\n%s", expect);
@@ -324,6 +329,41 @@ static void check_infer_sdm(const float *host) {
     CHECK(strstr(got, expect) != NULL, "infer_sdm's greedy text differs from the test's generation");
     CHECK(strstr(got, "tokens/s") != NULL, "infer_sdm printed no speed line");
     free(got);
+    free(expect);
+
+    // --prompts: three prompts (and an empty line) on two streams, each the text of its prompt alone
+    char prompts_file[64];
+    snprintf(prompts_file, sizeof prompts_file, "%s/prompts.txt", dir);
+    FILE *pf = fopen(prompts_file, "w");
+    CHECK(pf != NULL, "cannot write %s", prompts_file);
+    if (pf) {
+        fprintf(pf, "%s\n\n%s\n%s", prompts[0], prompts[1], prompts[2]);
+        fclose(pf);
+    }
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompts %s --batch 2 --max-new %d --temperature 0 --fp32 2>&1", run,
+             prompts_file, INFER_MAX_NEW);
+    got = run_command(cmd, &status);
+    printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
+    CHECK(status == 0, "infer_sdm --prompts exited with %d", status);
+    for (int i = 0; i < 3; i++) {
+        char header[32];
+        snprintf(header, sizeof header, "----- generated %d\n", i);
+        expect = expected_block(&I, prompts[i], header);
+        CHECK(strstr(got, expect) != NULL, "infer_sdm --prompts: the text of prompt %d differs from its own", i);
+        free(expect);
+    }
+    free(got);
+    remove(prompts_file);
+
+    // --bench on the tiny model prints the prefill and every batch's decode speed
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --bench --max-new %d --fp32 2>&1", run, INFER_MAX_NEW);
+    got = run_command(cmd, &status);
+    printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
+    CHECK(status == 0 && strstr(got, "prefill: ") && strstr(got, "decode batch  1") && strstr(got, "decode batch 32"),
+          "infer_sdm --bench did not print the prefill and decode speeds");
+    free(got);
+    gpu_infer_destroy(&I);
+    gpu_model_destroy(&g);
 
     // a corrupt model.bin (one parameter byte flipped) and a bad option are refused with a message
     char model[200], bad[220];
@@ -358,7 +398,6 @@ static void check_infer_sdm(const float *host) {
     ckpt_remove_dir(model);
     rmdir(run);
     rmdir(dir);
-    free(expect);
     free(zeros);
     free(m);
 }
