@@ -44,11 +44,13 @@ static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
     return (char *)I->banks + (size_t)b * sdm_bank_bytes(&I->L.s);
 }
 
-// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (docs/SDM.md#the-bank).
+// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank
+// (docs/SDM.md#the-bank); also packs the input biases of p, which the prefills and decode steps then use.
 static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
     const SdmDims *s = &I->L.s;
-    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
-              (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL,
+                  I->L.ctype, (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+    sdm_layer_pack_biases(&I->L, p, st);
 }
 
 // The buffers' first B*T rows describe this call.

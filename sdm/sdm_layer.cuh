@@ -228,12 +228,9 @@ static inline SdmReadoutArgs sdm_layer_readout_args(const SdmLayer *L, const Sdm
     return ra;
 }
 
-// z = x W_inᵀ + b (the fused projection), then the gates, values and both top-k selections with their weights,
-// for the L->B * L->T tokens of x [B,T,D].
-static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
-    const SdmDims *s = &L->s;
-    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
-    bool f32 = L->ctype == DT_FP32;
+// L->b_packed = the input biases in the column order of z (the fused projection's bias), after every change of
+// the weights: each training forward; once per reset in inference, where it would cost six copies per token.
+static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st) {
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         sdm_layer_bias_block(L, i, &col, &width);
@@ -241,6 +238,14 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
             cudaCheck(cudaMemcpyAsync((void *)dtype_elem_ptr(L->b_packed, col, L->ctype), p->b_in[i],
                                       (size_t)width * dtype_size(L->ctype), cudaMemcpyDeviceToDevice, st));
     }
+}
+
+// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then the gates, values and both
+// top-k selections with their weights, for the L->B * L->T tokens of x [B,T,D].
+static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
+    const SdmDims *s = &L->s;
+    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
+    bool f32 = L->ctype == DT_FP32;
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
     sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
@@ -267,6 +272,7 @@ static inline void sdm_layer_output(SdmLayer *L, const SdmLayerParams *p, void *
 static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
     const SdmDims *s = &L->s;
     sdm_layer_mark(L, SDM_EV_F0, st);
+    sdm_layer_pack_biases(L, p, st);
     sdm_layer_address(L, p, x, st);
     sdm_bank_init(L->bank, sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, L->ctype,
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);
