@@ -455,7 +455,7 @@ static int check_sampler_case(int V, int kind, const SamplingParams *sp) {
 }
 
 // Every token equal. The only arithmetic that may differ is exp (CUDA's and the C library's double exp can differ
-// by one ulp), which moves a cumulative boundary by ~1e-16: the chance that one of these 20,000 uniforms falls
+// by one ulp), which moves a cumulative boundary by ~1e-16: the chance that one of these 30,000 uniforms falls
 // there is ~1e-12, so any difference is a bug.
 static void check_sampler(void) {
     printf("(f) device sampler vs core/sampling.h, %d rows x %d draws per case\n", SAMPLE_ROWS, SAMPLE_DRAWS);
