@@ -97,6 +97,8 @@ typedef struct {
     size_t device_bytes;
     int timing;
     cudaEvent_t ev[SDM_LAYER_EVENTS];
+    cudaStream_t side;        // NULL, or a stream for the read top-k (sdm_layer_use_side_stream)
+    cudaEvent_t fork, join;   // ordering between the caller's stream and `side`
 } SdmLayer;
 
 static inline void *sdm_layer_alloc(SdmLayer *L, size_t bytes) {
@@ -192,9 +194,22 @@ static inline void sdm_layer_destroy(SdmLayer *L) {
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree(bufs[i]));
     if (L->timing)
         for (int i = 0; i < SDM_LAYER_EVENTS; i++) cudaCheck(cudaEventDestroy(L->ev[i]));
+    if (L->side) {
+        cudaCheck(cudaStreamDestroy(L->side));
+        cudaCheck(cudaEventDestroy(L->fork));
+        cudaCheck(cudaEventDestroy(L->join));
+    }
     sdm_topk_plan_free(&L->tw);
     sdm_topk_plan_free(&L->tr);
     memset(L, 0, sizeof(*L));
+}
+
+// Run the read top-k on a stream of its own, beside the gates and the write top-k (it needs only z). Each top-k
+// problem is one warp's work, so at decode's few problems the two kernels are latency-bound and overlap fully.
+static inline void sdm_layer_use_side_stream(SdmLayer *L) {
+    cudaCheck(cudaStreamCreateWithFlags(&L->side, cudaStreamNonBlocking));
+    cudaCheck(cudaEventCreateWithFlags(&L->fork, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&L->join, cudaEventDisableTiming));
 }
 
 static inline void sdm_layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
@@ -248,13 +263,23 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
     bool f32 = L->ctype == DT_FP32;
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
+    cudaStream_t rs = st; // the read top-k's stream
+    if (L->side) {
+        cudaCheck(cudaEventRecord(L->fork, st));
+        cudaCheck(cudaStreamWaitEvent(L->side, L->fork, 0));
+        rs = L->side;
+    }
+    sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL,
+                     NULL, rs);
     sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
     cudaCheckLast();
     sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
                  L->kappa, NULL, L->gamma, st);
-    sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
-                 st);
+    if (L->side) {
+        cudaCheck(cudaEventRecord(L->join, L->side));
+        cudaCheck(cudaStreamWaitEvent(st, L->join, 0));
+    }
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);
 }
 
