@@ -276,18 +276,27 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
     cudaCheckLast();
 }
 
-// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D] at position
-// pos[b] (device), attending over positions 0..pos[b] (len[b] = pos[b] + 1, device). Full attention needs
-// pos[b] < C (the caller checks).
+// Decode step of streams 0..B-1: y [B, D] = the layer of one new token per stream x [B, D] at position pos[b]
+// (device), attending over positions 0..pos[b] (len[b] = pos[b] + 1, device). Full attention needs pos[b] < C
+// (the caller checks).
 static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
-                                     const int *pos, const int *len, cudaStream_t s) {
+                                     const int *pos, const int *len, int B, cudaStream_t s) {
     const AttnDims *a = &I->a;
-    int B = I->streams;
+    if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
     attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
     attn_rope(&I->rope, a, B, 1, I->ctype, I->q, I->k, pos, 1, s);
     attn_kv_cache_append(a, B, I->ctype, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
     attn_decode(a, B, I->ctype, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
     attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, y, s);
+}
+
+// Stream `to`'s KV caches = stream `from`'s (a generator compacting its active streams).
+static inline void attn_infer_copy_stream(AttnInferState *I, int from, int to, cudaStream_t s) {
+    size_t bytes = (size_t)I->C * I->a.n_kv_heads * I->a.head_dim * dtype_size(I->ctype);
+    cudaCheck(cudaMemcpyAsync((char *)I->k_cache + to * bytes, (char *)I->k_cache + from * bytes, bytes,
+                              cudaMemcpyDeviceToDevice, s));
+    cudaCheck(cudaMemcpyAsync((char *)I->v_cache + to * bytes, (char *)I->v_cache + from * bytes, bytes,
+                              cudaMemcpyDeviceToDevice, s));
 }
 
 #endif

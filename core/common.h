@@ -33,6 +33,13 @@ static inline void *sdm_calloc(size_t count, size_t size) {
     return p;
 }
 
+// Marks the few plain-C helpers that device code calls too (the RNG, the AdamW element); empty for gcc.
+#ifdef __CUDACC__
+#define SDM_HOST_DEVICE __host__ __device__
+#else
+#define SDM_HOST_DEVICE
+#endif
+
 #define SDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define SDM_MAX(a, b) ((a) > (b) ? (a) : (b))
 

@@ -10,12 +10,6 @@
 #include "core/common.h"
 #include "core/config.h"
 
-#ifdef __CUDACC__
-#define SDM_HOST_DEVICE __host__ __device__
-#else
-#define SDM_HOST_DEVICE
-#endif
-
 typedef enum { LR_COSINE = 0, LR_CONSTANT, LR_LINEAR } LrScheduler;
 
 static inline LrScheduler lr_scheduler_from_name(const char *name) {

@@ -1,16 +1,19 @@
 // core/rng.h: a small seeded RNG (splitmix64) with uniform, normal and truncated-normal draws.
-// The state is one uint64, so it can be saved in checkpoints and reproduced exactly.
+// The state is one uint64, so it can be saved in checkpoints and reproduced exactly. The uniform draw also runs on
+// the device (core/sampling.cuh), giving the host's bits from the same state.
 #ifndef SDM_CORE_RNG_H
 #define SDM_CORE_RNG_H
 
 #include <math.h>
 #include <stdint.h>
 
+#include "core/common.h"
+
 typedef struct { uint64_t state; } Rng;
 
 static inline Rng rng_make(uint64_t seed) { Rng r; r.state = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull; return r; }
 
-static inline uint64_t rng_u64(Rng *r) {
+static inline SDM_HOST_DEVICE uint64_t rng_u64(Rng *r) {
     uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -18,7 +21,9 @@ static inline uint64_t rng_u64(Rng *r) {
 }
 
 // uniform in [0, 1), 53 random bits
-static inline double rng_uniform(Rng *r) { return (double)(rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+static inline SDM_HOST_DEVICE double rng_uniform(Rng *r) {
+    return (double)(rng_u64(r) >> 11) * (1.0 / 9007199254740992.0);
+}
 
 static inline double rng_range(Rng *r, double lo, double hi) { return lo + (hi - lo) * rng_uniform(r); }
 

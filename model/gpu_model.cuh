@@ -18,6 +18,7 @@
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
 #include "core/profile.cuh"
+#include "core/sampling.cuh"
 #include "model/model.h"
 #include "core/shard.h"
 #include "sdm/sdm_infer.cuh"
@@ -357,13 +358,13 @@ static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const vo
 // SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
 static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, void *ab, void *hf,
-                                  void *y, int n) {
+                                  void *y, int n, cudaStream_t st) {
     int D = g->D, F = g->F;
-    matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, 0);
+    matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
     gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
-    swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+    swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
     gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
-    matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, 0);
+    matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, st);
     gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0);
 }
 
@@ -392,7 +393,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
-        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n);
+        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 0);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_recomputed_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -487,10 +488,12 @@ static inline float gpu_model_loss(const GpuModel *g) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Inference (docs/MODEL.md#inference): generation state of `streams` independent streams over a model's weights. Each stream
-// has its own SDM banks, KV caches and position; a stream starts fresh (gpu_infer_reset: banks = M0, position 0),
-// takes its prompt in one prefill, then one token per decode step (every stream steps together). The generator
-// uses one stream (docs/MODEL.md#generation: SDM models generate one prompt at a time).
+// Inference (docs/MODEL.md#inference): generation state of `streams` independent streams over a model's weights.
+// Each stream has its own SDM banks, KV caches, position and sampler state; a stream starts fresh (gpu_infer_reset:
+// banks = M0, position 0), takes its prompt in one prefill (the training kernels at full width), then one token
+// per decode step. A decode step runs streams 0..n-1 together (a generator keeps its active streams first, see
+// gpu_infer_move); with sampling on the device it is captured once per n as a CUDA graph and replayed, and the host
+// reads back only the n sampled ids. Every inference kernel runs on the state's own stream, which a graph can capture.
 
 typedef struct {
     const GpuModel *g;             // the weights (g->work) and the model's dimensions
@@ -501,11 +504,19 @@ typedef struct {
     void *h, *x, *branch;          // [rows, D] compute dtype: residual stream, normed input, a block's branch
     void *ab, *hf;                 // [rows, 2F], [rows, F] FFN intermediates
     float *rstd;                   // [rows] (written by the norms, unused)
-    float *logits;                 // [streams, Vp] fp32 on the device
+    float *logits;                 // [streams, Vp] fp32 on the device: row b = the next-token logits of stream b
     float *logits_host;            // [streams, Vp]
-    int *tokens;                   // device [rows]
+    int *prompt;                   // device [max_tokens]: the prompt of a prefill
+    int *next;                     // device [streams]: each stream's next input token (the last sampled one)
+    int *next_host;                // pinned [streams]: the sampled ids read back after a step
     int *pos_len;                  // device [2, streams]: the new token's position per stream, then pos + 1
-    int *pos;                      // host [streams]: positions processed so far
+    int *pos;                      // host [2, streams]: the same (pos[b] = positions processed so far)
+    SamplingParams sp;             // the sampler of gpu_infer_sample and of the captured graphs
+    Rng *rng;                      // device [streams]: each stream's sampler state
+    double *probs;                 // device [streams, V] sampler scratch
+    int *order;                    // device [streams, V] sampler scratch
+    cudaStream_t stream;           // every inference kernel runs here
+    cudaGraphExec_t *graph;        // [streams + 1]: graph[n] = a sampling decode step of streams 0..n-1, or NULL
 } GpuInferState;
 
 static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int streams, int max_tokens) {
@@ -514,7 +525,7 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->streams = streams;
     I->max_tokens = max_tokens;
     I->rows = SDM_MAX(max_tokens, streams);
-    size_t rows = (size_t)I->rows, D = (size_t)g->D, F = (size_t)g->F;
+    size_t rows = (size_t)I->rows, D = (size_t)g->D, F = (size_t)g->F, S = (size_t)streams;
     I->sdm = (SdmInferState *)sdm_calloc(g->L, sizeof(SdmInferState));
     I->attn = (AttnInferState *)sdm_calloc(g->L, sizeof(AttnInferState));
     for (int l = 0; l < g->L; l++) {
@@ -531,98 +542,225 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->ab = device_alloc(MEM_ACTIVATIONS, rows * 2 * F * g->es);
     I->hf = device_alloc(MEM_ACTIVATIONS, rows * F * g->es);
     I->rstd = (float *)device_alloc(MEM_ACTIVATIONS, rows * 4);
-    I->logits = (float *)device_alloc(MEM_ACTIVATIONS, (size_t)streams * g->Vp * 4);
-    I->logits_host = (float *)sdm_malloc((size_t)streams * g->Vp * 4);
-    I->tokens = (int *)device_alloc(MEM_ACTIVATIONS, rows * 4);
-    I->pos_len = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)2 * streams * 4);
-    I->pos = (int *)sdm_calloc((size_t)streams, sizeof(int));
+    I->logits = (float *)device_alloc(MEM_ACTIVATIONS, S * g->Vp * 4);
+    I->logits_host = (float *)sdm_malloc(S * g->Vp * 4);
+    I->prompt = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)max_tokens * 4);
+    I->next = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
+    cudaCheck(cudaMallocHost((void **)&I->next_host, S * 4));
+    I->pos_len = (int *)device_alloc(MEM_ACTIVATIONS, 2 * S * 4);
+    I->pos = (int *)sdm_calloc(2 * S, sizeof(int));
+    I->rng = (Rng *)device_alloc(MEM_ACTIVATIONS, S * sizeof(Rng));
+    I->probs = (double *)device_alloc(MEM_ACTIVATIONS, S * g->V * sizeof(double));
+    I->order = (int *)device_alloc(MEM_ACTIVATIONS, S * g->V * 4);
+    cudaCheck(cudaStreamCreate(&I->stream)); // blocking: ordered after the weights' uploads on the legacy stream
+    I->graph = (cudaGraphExec_t *)sdm_calloc(S + 1, sizeof(cudaGraphExec_t));
+}
+
+// Drop the captured decode graphs (they hold the sampler's parameters).
+static inline void gpu_infer_drop_graphs(GpuInferState *I) {
+    for (int n = 0; n <= I->streams; n++)
+        if (I->graph[n]) cudaCheck(cudaGraphExecDestroy(I->graph[n]));
+    memset(I->graph, 0, sizeof(cudaGraphExec_t) * (size_t)(I->streams + 1));
 }
 
 static inline void gpu_infer_destroy(GpuInferState *I) {
+    gpu_infer_drop_graphs(I);
     for (int l = 0; l < I->g->L; l++) {
         if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_destroy(&I->sdm[l]);
         else attn_infer_destroy(&I->attn[l]);
     }
-    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->tokens, I->pos_len};
+    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->prompt, I->next, I->pos_len, I->rng,
+                    I->probs, I->order};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
+    cudaCheck(cudaFreeHost(I->next_host));
+    cudaCheck(cudaStreamDestroy(I->stream));
     free(I->sdm);
     free(I->attn);
     free(I->logits_host);
     free(I->pos);
+    free(I->graph);
     memset(I, 0, sizeof *I);
+}
+
+// Stream b's position is now p: host and device copies of (pos, len).
+static inline void gpu_infer_set_pos(GpuInferState *I, int b, int p) {
+    I->pos[b] = p;
+    I->pos[I->streams + b] = p + 1;
+    cudaCheck(cudaMemcpyAsync(I->pos_len + b, I->pos + b, sizeof(int), cudaMemcpyHostToDevice, I->stream));
+    cudaCheck(cudaMemcpyAsync(I->pos_len + I->streams + b, I->pos + I->streams + b, sizeof(int),
+                              cudaMemcpyHostToDevice, I->stream));
+    cudaCheck(cudaStreamSynchronize(I->stream)); // the host values may change before an asynchronous copy reads them
 }
 
 // Stream b (b < 0: every stream) starts afresh: its SDM banks become copies of M0 (or zeros), its position 0.
 static inline void gpu_infer_reset(GpuInferState *I, int b) {
     for (int l = 0; l < I->g->L; l++)
-        if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_reset(&I->sdm[l], &I->g->weights.block[l].sdm, b, 0);
+        if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_reset(&I->sdm[l], &I->g->weights.block[l].sdm, b, I->stream);
     for (int i = 0; i < I->streams; i++)
-        if (b < 0 || i == b) I->pos[i] = 0;
+        if (b < 0 || i == b) gpu_infer_set_pos(I, i, 0);
 }
 
-// Mixer of layer l on the n rows of I->x into I->branch: a prefill of stream b (b >= 0), or a decode step.
+// Stream b's sampler starts from rng_make(seed), as the host sampler's Rng would.
+static inline void gpu_infer_seed(GpuInferState *I, int b, uint64_t seed) {
+    Rng r = rng_make(seed);
+    cudaCheck(cudaMemcpyAsync(I->rng + b, &r, sizeof r, cudaMemcpyHostToDevice, I->stream));
+    cudaCheck(cudaStreamSynchronize(I->stream));
+}
+
+// The sampler of later samples and decode steps; a change drops the graphs captured with the old one.
+static inline void gpu_infer_set_sampling(GpuInferState *I, const SamplingParams *sp) {
+    if (I->sp.temperature == sp->temperature && I->sp.top_p == sp->top_p && I->sp.top_k == sp->top_k) return;
+    gpu_infer_drop_graphs(I);
+    I->sp = *sp;
+}
+
+// Stream `to` takes over stream `from`'s state (banks, KV caches, position, next token, sampler), so a generator
+// can keep its active streams in 0..n-1 when one finishes.
+static inline void gpu_infer_move(GpuInferState *I, int from, int to) {
+    if (from == to) return;
+    for (int l = 0; l < I->g->L; l++) {
+        if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_copy_stream(&I->sdm[l], from, to, I->stream);
+        else attn_infer_copy_stream(&I->attn[l], from, to, I->stream);
+    }
+    cudaCheck(cudaMemcpyAsync(I->next + to, I->next + from, sizeof(int), cudaMemcpyDeviceToDevice, I->stream));
+    cudaCheck(cudaMemcpyAsync(I->rng + to, I->rng + from, sizeof(Rng), cudaMemcpyDeviceToDevice, I->stream));
+    gpu_infer_set_pos(I, to, I->pos[from]);
+}
+
+// Mixer of layer l on the n rows of I->x into I->branch: a prefill of stream b (b >= 0), or a decode step of
+// streams 0..n-1.
 static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n) {
     const GmBlockWeights *w = &I->g->weights.block[l];
     if (I->g->m->kind[l] == LAYER_SDM) {
-        if (b >= 0) sdm_infer_prefill(&I->sdm[l], &w->sdm, b, I->x, I->branch, n, 0);
-        else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, I->branch, 0);
+        if (b >= 0) sdm_infer_prefill(&I->sdm[l], &w->sdm, b, I->x, I->branch, n, I->stream);
+        else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, I->branch, n, I->stream);
     } else {
-        if (b >= 0) attn_infer_prefill(&I->attn[l], &w->attn, b, I->x, I->branch, n, 0);
-        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_len, I->pos_len + I->streams, 0);
+        if (b >= 0) attn_infer_prefill(&I->attn[l], &w->attn, b, I->x, I->branch, n, I->stream);
+        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_len, I->pos_len + I->streams, n,
+                               I->stream);
     }
 }
 
-// The model on the n tokens in I->tokens (see gpu_infer_mixer for b); returns host fp32 logits [n_out, Vp] of
-// the last n_out rows.
-static inline const float *gpu_infer_run(GpuInferState *I, int b, int n, int n_out) {
+// The model on n tokens[n] (device; see gpu_infer_mixer for b); the logits of the last n_out rows go to rows
+// first..first+n_out-1 of I->logits.
+static inline void gpu_infer_run(GpuInferState *I, const int *tokens, int b, int n, int n_out, int first) {
     const GpuModel *g = I->g;
     int D = g->D;
     float eps = (float)g->m->norm_eps;
     const GmWeights *w = &g->weights;
-    embedding_forward(I->h, w->tok_emb, I->tokens, g->ctype, n, D, 0);
-    rmsnorm_forward(I->x, I->rstd, I->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
+    cudaStream_t st = I->stream;
+    embedding_forward(I->h, w->tok_emb, tokens, g->ctype, n, D, st);
+    rmsnorm_forward(I->x, I->rstd, I->h, w->block[0].mixer_norm, g->ctype, n, D, eps, st);
     for (int l = 0; l < g->L; l++) {
         gpu_infer_mixer(I, l, b, n);
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, w->block[l].ffn_norm, g->ctype, n, D, eps, 0);
-        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n);
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_next_norm(g, l), g->ctype, n, D, eps, 0);
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, w->block[l].ffn_norm, g->ctype, n, D, eps, st);
+        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n, st);
+        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_next_norm(g, l), g->ctype, n, D, eps, st);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
-    matmul_forward(I->logits, DT_FP32, g->Vp, last, w->head, NULL, g->ctype, n_out, g->V, D, 0);
-    cudaCheck(cudaMemcpy(I->logits_host, I->logits, (size_t)n_out * g->Vp * 4, cudaMemcpyDeviceToHost));
-    return I->logits_host;
+    matmul_forward(I->logits + (size_t)first * g->Vp, DT_FP32, g->Vp, last, w->head, NULL, g->ctype, n_out, g->V, D,
+                   st);
 }
 
-// Prefill of stream b (fresh: after gpu_infer_reset) with its prompt tokens[T] (host): returns the logits [V]
-// (host fp32, valid until the next call) of the token after the prompt.
-static inline const float *gpu_infer_prefill(GpuInferState *I, int b, const int *tokens, int T) {
+// Host copy of the logits rows first..first+n-1 (rows of g->Vp floats, valid until the next call); synchronises.
+static inline const float *gpu_infer_logits(GpuInferState *I, int first, int n) {
+    size_t row = (size_t)I->g->Vp;
+    cudaCheck(cudaMemcpyAsync(I->logits_host + first * row, I->logits + first * row, n * row * 4,
+                              cudaMemcpyDeviceToHost, I->stream));
+    cudaCheck(cudaStreamSynchronize(I->stream));
+    return I->logits_host + first * row;
+}
+
+// Prefill of stream b (fresh: after gpu_infer_reset) with its prompt tokens[T] (host), any length up to
+// max_tokens: the logits of the token after the prompt stay in row b of I->logits.
+static inline void gpu_infer_prefill_device(GpuInferState *I, int b, const int *tokens, int T) {
     if (b < 0 || b >= I->streams) sdm_die("gpu_infer_prefill: stream %d of %d", b, I->streams);
     if (I->pos[b] != 0) sdm_die("gpu_infer_prefill: stream %d is not fresh (call gpu_infer_reset first)", b);
     if (T < 1 || T > I->max_tokens) sdm_die("gpu_infer_prefill: a prompt of %d tokens (1..%d)", T, I->max_tokens);
-    cudaCheck(cudaMemcpy(I->tokens, tokens, sizeof(int) * T, cudaMemcpyHostToDevice));
-    const float *logits = gpu_infer_run(I, b, T, 1);
-    I->pos[b] = T;
-    return logits;
+    cudaCheck(cudaMemcpyAsync(I->prompt, tokens, sizeof(int) * T, cudaMemcpyHostToDevice, I->stream));
+    gpu_infer_run(I, I->prompt, b, T, 1, b);
+    gpu_infer_set_pos(I, b, T);
 }
 
-// Decode step: one new token per stream, tokens[streams] (host); returns the logits [streams, Vp] (host fp32,
-// row stride g->Vp, valid until the next call) of the token after each.
-static inline const float *gpu_infer_decode(GpuInferState *I, const int *tokens) {
-    int S = I->streams;
-    int *pl = (int *)sdm_malloc(sizeof(int) * 2 * S);
-    for (int i = 0; i < S; i++) {
+// The same, returning those logits [V] (host fp32, valid until the next call).
+static inline const float *gpu_infer_prefill(GpuInferState *I, int b, const int *tokens, int T) {
+    gpu_infer_prefill_device(I, b, tokens, T);
+    return gpu_infer_logits(I, b, 1);
+}
+
+// Positions pos and len of streams 0..n-1 advance by one on the device (the host mirrors it).
+__global__ void gpu_infer_advance_kernel(int *pos_len, int streams, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    pos_len[i]++;
+    pos_len[streams + i]++;
+}
+
+// Enqueue one decode step of streams 0..n-1 on their next tokens: logits rows 0..n-1, positions + 1, and with
+// `sample` the next tokens drawn into I->next and copied to I->next_host.
+static inline void gpu_infer_enqueue_decode(GpuInferState *I, int n, int sample) {
+    gpu_infer_run(I, I->next, -1, n, n, 0);
+    gpu_infer_advance_kernel<<<ceil_div(n, 256), 256, 0, I->stream>>>(I->pos_len, I->streams, n);
+    cudaCheckLast();
+    if (!sample) return;
+    sample_tokens(I->logits, I->g->Vp, I->g->V, n, &I->sp, I->rng, I->probs, I->order, I->next, I->stream);
+    cudaCheck(cudaMemcpyAsync(I->next_host, I->next, sizeof(int) * n, cudaMemcpyDeviceToHost, I->stream));
+}
+
+// Refuse a decode step of streams 0..n-1 that would overflow a full-attention KV cache; then advance the host's
+// positions.
+static inline void gpu_infer_count_step(GpuInferState *I, int n) {
+    if (n < 1 || n > I->streams) sdm_die("gpu_infer_decode: a step of %d of %d streams", n, I->streams);
+    for (int i = 0; i < n; i++) {
         if (I->full_attention && I->pos[i] >= I->max_tokens)
             sdm_die("gpu_infer_decode: stream %d is full (%d positions, the KV cache holds %d)", i, I->pos[i],
                     I->max_tokens);
-        pl[i] = I->pos[i];
-        pl[S + i] = I->pos[i] + 1;
+        I->pos[i]++;
+        I->pos[I->streams + i]++;
     }
-    cudaCheck(cudaMemcpy(I->pos_len, pl, sizeof(int) * 2 * S, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(I->tokens, tokens, sizeof(int) * S, cudaMemcpyHostToDevice));
-    free(pl);
-    const float *logits = gpu_infer_run(I, -1, S, S);
-    for (int i = 0; i < S; i++) I->pos[i]++;
-    return logits;
+}
+
+// Teacher-forced decode step of every stream: one new token per stream, tokens[streams] (host); returns the logits
+// [streams, Vp] (host fp32, row stride g->Vp, valid until the next call) of the token after each.
+static inline const float *gpu_infer_decode(GpuInferState *I, const int *tokens) {
+    gpu_infer_count_step(I, I->streams);
+    cudaCheck(cudaMemcpyAsync(I->next, tokens, sizeof(int) * I->streams, cudaMemcpyHostToDevice, I->stream));
+    gpu_infer_enqueue_decode(I, I->streams, 0);
+    return gpu_infer_logits(I, 0, I->streams);
+}
+
+// Stream b's next token drawn (I->sp) from its logits row, e.g. after its prefill; returns it.
+static inline int gpu_infer_sample(GpuInferState *I, int b) {
+    const GpuModel *g = I->g;
+    sample_tokens(I->logits + (size_t)b * g->Vp, g->Vp, g->V, 1, &I->sp, I->rng + b, I->probs, I->order, I->next + b,
+                  I->stream);
+    cudaCheck(cudaMemcpyAsync(I->next_host + b, I->next + b, sizeof(int), cudaMemcpyDeviceToHost, I->stream));
+    cudaCheck(cudaStreamSynchronize(I->stream));
+    return I->next_host[b];
+}
+
+// graph[n], captured on first use. Relaxed capture: the first GEMM of a process may allocate cuBLASLt's workspace.
+static inline cudaGraphExec_t gpu_infer_graph(GpuInferState *I, int n) {
+    if (!I->graph[n]) {
+        cudaGraph_t graph;
+        cudaCheck(cudaStreamBeginCapture(I->stream, cudaStreamCaptureModeRelaxed));
+        gpu_infer_enqueue_decode(I, n, 1);
+        cudaCheck(cudaStreamEndCapture(I->stream, &graph));
+        cudaCheck(cudaGraphInstantiate(&I->graph[n], graph, 0));
+        cudaCheck(cudaGraphDestroy(graph));
+    }
+    return I->graph[n];
+}
+
+// Decode step of streams 0..n-1 on their next tokens, sampling the token after each (I->sp): replays graph[n]
+// (use_graph) or launches the same kernels one by one. Returns the n sampled ids (host, valid until the next
+// call); the only synchronisation of the step is reading them.
+static inline const int *gpu_infer_step(GpuInferState *I, int n, int use_graph) {
+    gpu_infer_count_step(I, n);
+    if (use_graph) cudaCheck(cudaGraphLaunch(gpu_infer_graph(I, n), I->stream));
+    else gpu_infer_enqueue_decode(I, n, 1);
+    cudaCheck(cudaStreamSynchronize(I->stream));
+    return I->next_host;
 }
 
 #endif

@@ -28,6 +28,7 @@ static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int 
     I.rows = SDM_MAX(max_tokens, streams);
     I.L = sdm_layer_setup(s, 1, I.rows, ctype, 0);
     sdm_layer_alloc_forward(&I.L);
+    sdm_layer_use_side_stream(&I.L);
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
     I.L.saved = device_alloc(MEM_SCRATCH, I.saved_bytes);
     I.banks = device_alloc(MEM_SDM_SAVED, (size_t)streams * sdm_bank_bytes(s));
@@ -44,11 +45,13 @@ static inline void *sdm_infer_bank(const SdmInferState *I, int b) {
     return (char *)I->banks + (size_t)b * sdm_bank_bytes(&I->L.s);
 }
 
-// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank (docs/SDM.md#the-bank).
+// Stream b's bank (b < 0: every stream's) = a copy of the learned M0, or zeros without a learned bank
+// (docs/SDM.md#the-bank); also packs the input biases of p, which the prefills and decode steps then use.
 static inline void sdm_infer_reset(SdmInferState *I, const SdmLayerParams *p, int b, cudaStream_t st) {
     const SdmDims *s = &I->L.s;
-    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, I->L.ctype,
-              (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+    sdm_bank_init(b < 0 ? I->banks : sdm_infer_bank(I, b), sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL,
+                  I->L.ctype, (size_t)s->heads * s->slots * s->head_dim, b < 0 ? I->streams : 1, st);
+    sdm_layer_pack_biases(&I->L, p, st);
 }
 
 // The buffers' first B*T rows describe this call.
@@ -70,14 +73,21 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
     sdm_layer_output(&I->L, p, y, st);
 }
 
-// Decode step of every stream: y [streams, D] = the layer of one new token per stream x [streams, D].
-static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y,
+// Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D].
+static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y, int n,
                                     cudaStream_t st) {
-    sdm_infer_shape(I, I->streams, 1);
+    if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
+    sdm_infer_shape(I, n, 1);
     sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
     sdm_layer_output(&I->L, p, y, st);
+}
+
+// Stream `to`'s bank = stream `from`'s (a generator compacting its active streams).
+static inline void sdm_infer_copy_stream(SdmInferState *I, int from, int to, cudaStream_t st) {
+    cudaCheck(cudaMemcpyAsync(sdm_infer_bank(I, to), sdm_infer_bank(I, from), sdm_bank_bytes(&I->L.s),
+                              cudaMemcpyDeviceToDevice, st));
 }
 
 #endif

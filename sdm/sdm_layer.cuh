@@ -115,6 +115,8 @@ typedef struct {
     SdmLayerTemps tmp;   // training: the layer's own temporaries, or shared ones (owns_tmp = 0)
     int owns_tmp;
     Profiler *prof;      // NULL: not profiled
+    cudaStream_t side;   // NULL, or a stream for the read top-k (sdm_layer_use_side_stream)
+    cudaEvent_t fork, join; // ordering between the caller's stream and `side`
 } SdmLayer;
 
 // NULL when the GPU layer supports the configuration, else the reason.
@@ -232,6 +234,11 @@ static inline void sdm_layer_destroy(SdmLayer *L) {
                     sdm_layer_r_is_temp(L) ? NULL : L->r, L->saved};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) device_free(bufs[i]);
     if (L->owns_tmp) sdm_layer_temps_destroy(&L->tmp);
+    if (L->side) {
+        cudaCheck(cudaStreamDestroy(L->side));
+        cudaCheck(cudaEventDestroy(L->fork));
+        cudaCheck(cudaEventDestroy(L->join));
+    }
     sdm_topk_plan_free(&L->tw);
     sdm_topk_plan_free(&L->tr);
     memset(L, 0, sizeof(*L));
@@ -261,6 +268,14 @@ static inline const char *sdm_layer_stage_work(const SdmLayer *L, int ev, double
     case SDM_EV_F_READOUT: *bytes = BT * D * (4 + cs); return SDM_PART_READOUT; // fp32 readings in, r out
     default: *bytes = BT * D * 3 * 4; return SDM_PART_READOUT;               // readings and dr in, dr out (fp32)
     }
+}
+
+// Run the read top-k on a stream of its own, beside the gates and the write top-k (it needs only z). Each top-k
+// problem is one warp's work, so at decode's few problems the two kernels are latency-bound and overlap fully.
+static inline void sdm_layer_use_side_stream(SdmLayer *L) {
+    cudaCheck(cudaStreamCreateWithFlags(&L->side, cudaStreamNonBlocking));
+    cudaCheck(cudaEventCreateWithFlags(&L->fork, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&L->join, cudaEventDisableTiming));
 }
 
 static inline void sdm_layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
@@ -297,12 +312,9 @@ static inline SdmReadoutArgs sdm_layer_readout_args(const SdmLayer *L, const Sdm
     return ra;
 }
 
-// z = x W_inᵀ + b (the fused projection), then the gates, values and both top-k selections with their weights,
-// for the L->B * L->T tokens of x [B,T,D].
-static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
-    const SdmDims *s = &L->s;
-    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
-    bool f32 = L->ctype == DT_FP32;
+// L->b_packed = the input biases in the column order of z (the fused projection's bias), after every change of
+// the weights: each training forward; once per reset in inference, where it would cost six copies per token.
+static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st) {
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         sdm_layer_bias_block(L, i, &col, &width);
@@ -310,15 +322,33 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
             cudaCheck(cudaMemcpyAsync((void *)dtype_elem_ptr(L->b_packed, col, L->ctype), p->b_in[i],
                                       (size_t)width * dtype_size(L->ctype), cudaMemcpyDeviceToDevice, st));
     }
+}
+
+// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then the gates, values and both
+// top-k selections with their weights, for the L->B * L->T tokens of x [B,T,D].
+static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
+    const SdmDims *s = &L->s;
+    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
+    bool f32 = L->ctype == DT_FP32;
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
+    cudaStream_t rs = st; // the read top-k's stream
+    if (L->side) {
+        cudaCheck(cudaEventRecord(L->fork, st));
+        cudaCheck(cudaStreamWaitEvent(L->side, L->fork, 0));
+        rs = L->side;
+    }
+    sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL,
+                     NULL, rs);
     sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
     cudaCheckLast();
     sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
                  L->kappa, NULL, L->gamma, st);
-    sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL, NULL,
-                 st);
+    if (L->side) {
+        cudaCheck(cudaEventRecord(L->join, L->side));
+        cudaCheck(cudaStreamWaitEvent(st, L->join, 0));
+    }
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);
 }
 
@@ -335,6 +365,7 @@ static inline void sdm_layer_output(SdmLayer *L, const SdmLayerParams *p, void *
 // Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.
 static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
     const SdmDims *s = &L->s;
+    sdm_layer_pack_biases(L, p, st);
     sdm_layer_address(L, p, x, st);
     sdm_bank_init(L->bank, sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, L->ctype,
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);

@@ -3,8 +3,10 @@
 // <= 10 GiB) and D=768, H=1, N=36864, W=R=64, C=64, B=2, T=8192 (target <= 8 ms). Both with the flagship's
 // options (learned bank, output gate, readings LayerNorm). Reports the median time of fwd+bwd, the
 // forward/backward split, the per-stage times (the layer's marks in a step profile, core/profile.cuh), the device
-// memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200).
-#include "sdm/sdm_layer.cuh"
+// memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200). Then the
+// flagship layer's decode step (sdm/sdm_infer.cuh: projections, top-k, memory op, readout) at batch 1 and 32
+// (targets <= 25 and <= 60 us).
+#include "sdm/sdm_infer.cuh"
 #include "tests/test.h"
 
 #define BF16_PEAK_TFLOPS 790.0
@@ -120,7 +122,8 @@ static float part_ms(Profiler *prof, const char *part) {
     return (float)(prof->table.part[prof_part(&prof->table, part)].ms / prof->table.steps);
 }
 
-static void bench(const char *name, int D, int H, int nf, int W, int C, int B, int T, double target_ms) {
+// The layer's hyper-parameters with the flagship's options (learned bank, output gate, readings LayerNorm).
+static SdmDims layer_dims(int D, int H, int nf, int W, int C) {
     SdmDims s;
     memset(&s, 0, sizeof(s));
     s.dim = D; s.heads = H; s.head_dim = D / H;
@@ -129,33 +132,56 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     s.write_act = s.read_act = SDM_ACT_SOFTMAX; s.write_scale = s.read_scale = 1.0f;
     s.learned_bank = 1; s.output_gate = 1; s.normalize_readings = 1; s.norm_eps = 1e-5f;
     s.snapshot = SDM_SNAP_NONE; s.bank_fp32 = 0;
+    return s;
+}
+
+// Random bf16 parameters of layer L (seeds from `seed`); *bias holds the input biases, in z's column order.
+static SdmLayerParams random_layer_params(const SdmLayer *L, uint32_t seed, void **bias) {
+    const SdmDims *s = &L->s;
+    int D = s->dim, H = s->heads, d = s->head_dim;
+    float ws = 1.0f / sqrtf((float)D);
+    SdmLayerParams p;
+    memset(&p, 0, sizeof(p));
+    p.w_in = rand_buf((size_t)L->n_in * D, seed + 1, 2.0f * ws, 0.0f);
+    *bias = rand_buf(L->n_in, seed + 2, 0.1f, 0.0f);
+    for (int i = 0; i < SDM_B_COUNT; i++) {
+        int col, width;
+        sdm_layer_bias_block(L, i, &col, &width);
+        p.b_in[i] = dtype_elem_ptr(*bias, col, DT_BF16);
+    }
+    p.A_log = rand_buf(H, seed + 3, 0.5f, 1.0f);
+    p.dt_bias = rand_buf(H, seed + 4, 1.0f, -3.0f);
+    p.ln_w = rand_buf(d, seed + 5, 0.1f, 1.0f);
+    p.ln_b = rand_buf(d, seed + 6, 0.1f, 0.0f);
+    p.w_out = rand_buf((size_t)D * D, seed + 7, ws, 0.0f);
+    p.b_out = rand_buf(D, seed + 8, 0.1f, 0.0f);
+    p.bank0 = rand_buf((size_t)H * s->slots * d, seed + 9, 0.02f, 0.0f);
+    return p;
+}
+
+static void free_layer_params(SdmLayerParams *p, void *bias) {
+    const void *bufs[] = {p->w_in, bias, p->A_log, p->dt_bias, p->ln_w, p->ln_b, p->w_out, p->b_out, p->bank0};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree((void *)bufs[i]));
+}
+
+static void bench(const char *name, int D, int H, int nf, int W, int C, int B, int T, double target_ms) {
+    SdmDims s = layer_dims(D, H, nf, W, C);
     size_t free0, total;
     cudaCheck(cudaDeviceSynchronize());
     cudaCheck(cudaMemGetInfo(&free0, &total));
     Profiler *prof = prof_create(BF16_PEAK_TFLOPS, HBM_TBPS);
     SdmLayer L = sdm_layer_create(&s, B, T, DT_BF16, prof, 0, NULL);
     size_t BT = (size_t)B * T, d = s.head_dim, nbank = (size_t)H * s.slots * d;
-    float ws = 1.0f / sqrtf((float)D);
-    SdmLayerParams p;
+    void *bias;
+    SdmLayerParams p = random_layer_params(&L, 0, &bias);
     SdmLayerGrads g;
-    memset(&p, 0, sizeof(p));
     memset(&g, 0, sizeof(g));
-    p.w_in = rand_buf((size_t)L.n_in * D, 1, 2.0f * ws, 0.0f);
-    void *bias = rand_buf(L.n_in, 2, 0.1f, 0.0f);
     float *gbias = zero_grad(L.n_in);
     for (int i = 0; i < SDM_B_COUNT; i++) {
         int col, width;
         sdm_layer_bias_block(&L, i, &col, &width);
-        p.b_in[i] = dtype_elem_ptr(bias, col, DT_BF16);
         g.b_in[i] = gbias + col;
     }
-    p.A_log = rand_buf(H, 3, 0.5f, 1.0f);
-    p.dt_bias = rand_buf(H, 4, 1.0f, -3.0f);
-    p.ln_w = rand_buf(d, 5, 0.1f, 1.0f);
-    p.ln_b = rand_buf(d, 6, 0.1f, 0.0f);
-    p.w_out = rand_buf((size_t)D * D, 7, ws, 0.0f);
-    p.b_out = rand_buf(D, 8, 0.1f, 0.0f);
-    p.bank0 = rand_buf(nbank, 9, 0.02f, 0.0f);
     g.w_in = zero_grad((size_t)L.n_in * D); g.A_log = zero_grad(H);
     g.dt_bias = zero_grad(H); g.ln_w = zero_grad(d); g.ln_b = zero_grad(d); g.w_out = zero_grad((size_t)D * D);
     g.b_out = zero_grad(D); g.bank0 = zero_grad(nbank);
@@ -211,18 +237,77 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     bench_pieces(&L, &p, &g, x, dy, y, dx);
     sdm_layer_destroy(&L);
     prof_destroy(prof);
-    const void *bufs[] = {p.w_in, bias, p.A_log, p.dt_bias, p.ln_w, p.ln_b, p.w_out, p.b_out, p.bank0, x, dy, y, dx,
-                          g.w_in, gbias, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
+    free_layer_params(&p, bias);
+    const void *bufs[] = {x, dy, y, dx, g.w_in, gbias, g.A_log, g.dt_bias, g.ln_w, g.ln_b, g.w_out, g.b_out, g.bank0};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaCheck(cudaFree((void *)bufs[i]));
     cudaCheck(cudaEventDestroy(e0));
     cudaCheck(cudaEventDestroy(e1));
     cudaCheck(cudaEventDestroy(e2));
 }
 
+#define DECODE_STEPS 100 // steps per graph
+#define DECODE_COPIES 4  // weight copies cycled through: 4 x 42 MB outgrows the 50 MB L2, as a model's layers do
+
+// The flagship layer's decode step of B streams (sdm_infer_decode), timed as a CUDA graph of DECODE_STEPS steps,
+// each on new inputs (so new slots) and the next of DECODE_COPIES weight copies, as in a model where the other
+// layers evict this one's weights from L2. Floor: the weights from HBM, plus 2 heads x (2W + R) bank rows.
+static void bench_decode(int B, double target_us) {
+    SdmDims s = layer_dims(2048, 2, 256, 64, 64);
+    int D = s.dim;
+    SdmInferState I = sdm_infer_create(&s, B, B, DT_BF16);
+    SdmLayerParams p[DECODE_COPIES];
+    void *bias[DECODE_COPIES];
+    for (int c = 0; c < DECODE_COPIES; c++) p[c] = random_layer_params(&I.L, 100 * c, &bias[c]);
+    void *x = rand_buf((size_t)DECODE_STEPS * B * D, 20, 1.0f, 0.0f), *y = rand_buf((size_t)B * D, 21, 1.0f, 0.0f);
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    sdm_infer_reset(&I, &p[0], -1, st);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: the first GEMM allocates
+    for (int i = 0; i < DECODE_STEPS; i++)
+        sdm_infer_decode(&I, &p[i % DECODE_COPIES], (const char *)x + (size_t)i * B * D * 2, y, B, st);
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    const int reps = 7;
+    float us[reps];
+    cudaCheck(cudaGraphLaunch(exec, st)); // warm-up
+    for (int r = 0; r < reps; r++) {
+        cudaCheck(cudaEventRecord(e0, st));
+        cudaCheck(cudaGraphLaunch(exec, st));
+        cudaCheck(cudaEventRecord(e1, st));
+        cudaCheck(cudaEventSynchronize(e1));
+        cudaCheck(cudaEventElapsedTime(&us[r], e0, e1));
+        us[r] *= 1e3f / DECODE_STEPS;
+    }
+    qsort(us, reps, sizeof(float), cmp_float);
+    double weights = 2.0 * ((double)I.L.n_in + D) * D, rows = 2.0 * B * s.heads * (2 * s.writes + s.reads) * s.head_dim;
+    printf("== flagship layer decode step, batch %2d: median %.1f us (min %.1f; target %.0f us); floor %.1f us "
+           "(weights %.1f MB + bank rows %.1f MB at %.1f TB/s)\n", B, us[reps / 2], us[0], target_us,
+           (weights + rows) / HBM_TBPS / 1e6, weights / 1e6, rows / 1e6, HBM_TBPS);
+    CHECK(us[reps / 2] > 0.0f, "decode batch %d: no time measured", B);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+    cudaCheck(cudaStreamDestroy(st));
+    for (int c = 0; c < DECODE_COPIES; c++) free_layer_params(&p[c], bias[c]);
+    cudaCheck(cudaFree(x));
+    cudaCheck(cudaFree(y));
+    sdm_infer_destroy(&I);
+}
+
 int main(int argc, char **argv) {
-    int which = argc > 1 ? atoi(argv[1]) : 0; // 0: both, 1: flagship only, 2: D=768 only
-    if (which != 2) bench("flagship layer", 2048, 2, 256, 64, 64, 8, 4096, 21.0);
-    if (which != 1) bench("D=768 layer", 768, 1, 192, 64, 64, 2, 8192, 8.0);
+    int which = argc > 1 ? atoi(argv[1]) : 0; // 0: all, 1: flagship only, 2: D=768 only, 3: decode only
+    if (which == 0 || which == 1) bench("flagship layer", 2048, 2, 256, 64, 64, 8, 4096, 21.0);
+    if (which == 0 || which == 2) bench("D=768 layer", 768, 1, 192, 64, 64, 2, 8192, 8.0);
+    if (which == 0 || which == 3) {
+        bench_decode(1, 25.0);
+        bench_decode(32, 60.0);
+    }
     matmul_destroy();
     return test_summary();
 }

@@ -8,7 +8,12 @@
 //   (c) two generations with the same seed are identical;
 //   (d) reset restores M0, and a prompt after reset gives the bits of a fresh state;
 //   (e) infer_sdm (run as ./infer_sdm from the repository root: `make infer_sdm` first) on a checkpoint written
-//       by ckpt_save prints the greedy text this test generates; it refuses a corrupt file and a bad option.
+//       by ckpt_save prints the greedy text this test generates; it refuses a corrupt file and a bad option;
+//   (f) the device sampler (core/sampling.cuh) draws the tokens of core/sampling.h from the same logits and Rng
+//       states, for greedy, temperature, top-k and top-p (with ties), and leaves the same Rng states;
+//   (g) generation with a CUDA graph per batch size gives the tokens of eager launches, and a batch of streams
+//       (requests of different prompt and output lengths, finished ones leaving) the tokens of one at a time;
+//   (h) a prefill of P tokens leaves the SDM bank and KV caches of a prefill of 1 token + P - 1 decode steps.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -211,7 +216,7 @@ static void check_generation_and_reset(const float *host) {
     printf("(c) generation, T=0.9 top-p 0.95: seed 7 gives %d tokens, again %d tokens, %s; seed 8: %d tokens, %s\n",
            s1.n_new, s2.n_new, s1.n_new == s2.n_new && !memcmp(out1, out2, sizeof(int) * s1.n_new) ? "identical" : "DIFFERENT",
            s3.n_new, s3.n_new == s1.n_new && !memcmp(out1, out3, sizeof(int) * s1.n_new) ? "the same" : "different");
-    CHECK(s1.n_new == s2.n_new && s1.hit_eos == s2.hit_eos && !memcmp(out1, out2, sizeof(int) * s1.n_new),
+    CHECK(s1.n_new == s2.n_new && s1.n_eos == s2.n_eos && !memcmp(out1, out2, sizeof(int) * s1.n_new),
           "two generations with seed 7 differ");
 
     // (d) a used state, reset: banks = M0 exactly, then prompt b gives the bits of a fresh state
@@ -262,6 +267,24 @@ static char *run_command(const char *cmd, int *status) {
     return buf;
 }
 
+#define INFER_MAX_NEW 8
+
+// The block infer_sdm prints for prompt (greedy, INFER_MAX_NEW tokens, fp32) after `header`, generated on I.
+static char *expected_block(GpuInferState *I, const char *prompt, const char *header) {
+    int toks[SEQ_LEN_CFG], out[INFER_MAX_NEW];
+    int P = gen_prompt_tokens((const uint8_t *)prompt, strlen(prompt), SEQ_LEN_CFG - INFER_MAX_NEW, toks);
+    SamplingParams greedy = {0.0, 0.0, 0};
+    GenStats gs = gen_run(I, toks, P, INFER_MAX_NEW, &greedy, 1, out);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    fputs(header, f);
+    gen_print_escaped(f, out, gs.n_new);
+    fprintf(f, "\n-----\n");
+    fclose(f);
+    return text;
+}
+
 // (e) infer_sdm on a checkpoint of this model.
 static void check_infer_sdm(const float *host) {
     if (access("./infer_sdm", X_OK) != 0) {
@@ -279,31 +302,18 @@ static void check_infer_sdm(const float *host) {
     CkptTrainState ts = {42, 1, zeros, zeros, loader, sizeof loader};
     CHECK(ckpt_save(run, m, &cfg, host, &ts, 1, err), "ckpt_save: %s", err);
 
-    // the expected greedy text, from the same parameters
-    const int MAX_NEW = 8;
-    const char *prompt = "hello";
+    // the expected greedy texts, from the same parameters, one prompt at a time
     GpuModel g;
     gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
     gpu_model_set_params(&g, host);
     GpuInferState I;
     gpu_infer_create(&I, &g, 1, SEQ_LEN_CFG);
-    int toks[SEQ_LEN_CFG], out[MAX_NEW];
-    int P = gen_prompt_tokens((const uint8_t *)prompt, strlen(prompt), SEQ_LEN_CFG - MAX_NEW, toks);
-    SamplingParams greedy = {0.0, 0.0, 0};
-    GenStats gs = gen_run(&I, toks, P, MAX_NEW, &greedy, 1, out);
-    char *expect = NULL;
-    size_t expect_len = 0;
-    FILE *mf = open_memstream(&expect, &expect_len);
-    fprintf(mf, "----- generated\n");
-    gen_print_escaped(mf, out, gs.n_new);
-    fprintf(mf, "\n-----\n");
-    fclose(mf);
-    gpu_infer_destroy(&I);
-    gpu_model_destroy(&g);
+    const char *prompts[] = {"hello", "ab", "xyz"};
+    char *expect = expected_block(&I, prompts[0], "----- generated\n");
 
     int status;
-    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompt %s --max-new %d --temperature 0 --fp32 2>&1", run, prompt,
-             MAX_NEW);
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompt %s --max-new %d --temperature 0 --fp32 2>&1", run, prompts[0],
+             INFER_MAX_NEW);
     char *got = run_command(cmd, &status);
     printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
     printf("    expected text block:\n%s", expect);
@@ -311,6 +321,41 @@ static void check_infer_sdm(const float *host) {
     CHECK(strstr(got, expect) != NULL, "infer_sdm's greedy text differs from the test's generation");
     CHECK(strstr(got, "tokens/s") != NULL, "infer_sdm printed no speed line");
     free(got);
+    free(expect);
+
+    // --prompts: three prompts (and an empty line) on two streams, each the text of its prompt alone
+    char prompts_file[64];
+    snprintf(prompts_file, sizeof prompts_file, "%s/prompts.txt", dir);
+    FILE *pf = fopen(prompts_file, "w");
+    CHECK(pf != NULL, "cannot write %s", prompts_file);
+    if (pf) {
+        fprintf(pf, "%s\n\n%s\n%s", prompts[0], prompts[1], prompts[2]);
+        fclose(pf);
+    }
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompts %s --batch 2 --max-new %d --temperature 0 --fp32 2>&1", run,
+             prompts_file, INFER_MAX_NEW);
+    got = run_command(cmd, &status);
+    printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
+    CHECK(status == 0, "infer_sdm --prompts exited with %d", status);
+    for (int i = 0; i < 3; i++) {
+        char header[32];
+        snprintf(header, sizeof header, "----- generated %d\n", i);
+        expect = expected_block(&I, prompts[i], header);
+        CHECK(strstr(got, expect) != NULL, "infer_sdm --prompts: the text of prompt %d differs from its own", i);
+        free(expect);
+    }
+    free(got);
+    remove(prompts_file);
+
+    // --bench on the tiny model prints the prefill and every batch's decode speed
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --bench --max-new %d --fp32 2>&1", run, INFER_MAX_NEW);
+    got = run_command(cmd, &status);
+    printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
+    CHECK(status == 0 && strstr(got, "prefill: ") && strstr(got, "decode batch  1") && strstr(got, "decode batch 32"),
+          "infer_sdm --bench did not print the prefill and decode speeds");
+    free(got);
+    gpu_infer_destroy(&I);
+    gpu_model_destroy(&g);
 
     // a corrupt model.bin (one parameter byte flipped) and a bad option are refused with a message
     char model[200], bad[220];
@@ -345,8 +390,199 @@ static void check_infer_sdm(const float *host) {
     ckpt_remove_dir(model);
     rmdir(run);
     rmdir(dir);
-    free(expect);
     free(zeros);
+    free(m);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// (f) the device sampler against core/sampling.h
+
+#define SAMPLE_ROWS 64
+#define SAMPLE_DRAWS 8
+
+// logits [rows, ld]: kind 0 normal(0, 2); 1 integers 0..3 (many ties, also at the top-k cut); 2 all equal.
+static void sampler_logits(float *logits, int rows, int ld, int V, int kind, Rng *r) {
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < V; v++)
+            logits[(size_t)i * ld + v] = kind == 0   ? (float)(2.0 * rng_normal(r))
+                                         : kind == 1 ? (float)rng_below(r, 4)
+                                                     : 1.5f;
+}
+
+// SAMPLE_DRAWS draws from each of SAMPLE_ROWS rows, device against host; returns the number of different tokens.
+static int check_sampler_case(int V, int kind, const SamplingParams *sp) {
+    int ld = (V + 7) / 8 * 8, rows = SAMPLE_ROWS;
+    Rng r = rng_make(31 + V + kind);
+    float *logits = (float *)sdm_malloc(sizeof(float) * rows * ld);
+    sampler_logits(logits, rows, ld, V, kind, &r);
+    Rng *host_rng = (Rng *)sdm_malloc(sizeof(Rng) * rows), *dev_rng_back = (Rng *)sdm_malloc(sizeof(Rng) * rows);
+    for (int i = 0; i < rows; i++) host_rng[i] = rng_make(1000 + i);
+    float *d_logits = (float *)device_alloc(MEM_SCRATCH, sizeof(float) * rows * ld);
+    Rng *d_rng = (Rng *)device_alloc(MEM_SCRATCH, sizeof(Rng) * rows);
+    double *d_probs = (double *)device_alloc(MEM_SCRATCH, sizeof(double) * rows * V);
+    int *d_order = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows * V), *d_next = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows);
+    cudaCheck(cudaMemcpy(d_logits, logits, sizeof(float) * rows * ld, cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_rng, host_rng, sizeof(Rng) * rows, cudaMemcpyHostToDevice));
+    double *probs = (double *)sdm_malloc(sizeof(double) * V);
+    int next[SAMPLE_ROWS], differ = 0;
+    for (int k = 0; k < SAMPLE_DRAWS; k++) {
+        sample_tokens(d_logits, ld, V, rows, sp, d_rng, d_probs, d_order, d_next, 0);
+        cudaCheck(cudaMemcpy(next, d_next, sizeof next, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < rows; i++)
+            differ += next[i] != sample_token(logits + (size_t)i * ld, V, sp, &host_rng[i], probs);
+    }
+    cudaCheck(cudaMemcpy(dev_rng_back, d_rng, sizeof(Rng) * rows, cudaMemcpyDeviceToHost));
+    int same_rng = !memcmp(dev_rng_back, host_rng, sizeof(Rng) * rows);
+    printf("  V=%3d %-10s T=%.1f top-p %.2f top-k %3d: %d of %d draws differ, Rng states %s\n", V,
+           kind == 0 ? "normal" : kind == 1 ? "ties" : "all equal", sp->temperature, sp->top_p, sp->top_k, differ,
+           rows * SAMPLE_DRAWS, same_rng ? "equal" : "DIFFER");
+    CHECK(same_rng, "device sampler: Rng states differ from the host's");
+    void *bufs[] = {d_logits, d_rng, d_probs, d_order, d_next};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
+    free(logits);
+    free(host_rng);
+    free(dev_rng_back);
+    free(probs);
+    return differ;
+}
+
+// Every token equal. The only arithmetic that may differ is exp (CUDA's and the C library's double exp can differ
+// by one ulp), which moves a cumulative boundary by ~1e-16: the chance that one of these 30,000 uniforms falls
+// there is ~1e-12, so any difference is a bug.
+static void check_sampler(void) {
+    printf("(f) device sampler vs core/sampling.h, %d rows x %d draws per case\n", SAMPLE_ROWS, SAMPLE_DRAWS);
+    const SamplingParams cases[] = {{0.0, 0.0, 0},  {1.0, 0.0, 0},   {0.7, 0.0, 1},  {0.7, 0.0, 5}, {1.3, 0.0, 300},
+                                    {0.9, 0.1, 0},  {0.9, 0.5, 0},   {1.0, 0.95, 0}, {1.0, 1.0, 0}, {0.8, 0.9, 3}};
+    const int Vs[] = {12, 258};
+    int differ = 0;
+    for (size_t v = 0; v < sizeof Vs / sizeof Vs[0]; v++)
+        for (int kind = 0; kind < 3; kind++)
+            for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+                differ += check_sampler_case(Vs[v], kind, &cases[c]);
+    CHECK(differ == 0, "device sampler: %d draws differ from core/sampling.h", differ);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// (g) graphs and batches
+
+#define GEN_REQUESTS 4
+
+// GEN_REQUESTS requests over prompts of 3..9 tokens of `tokens` and outputs of 4..10 tokens, generated on a state
+// of `streams` streams; out [GEN_REQUESTS][T_SEQ].
+static void generate_requests(GpuInferState *I, const int *tokens, const SamplingParams *sp, int use_graph,
+                              int out[][T_SEQ], GenRequest *req) {
+    const int P[GEN_REQUESTS] = {5, 3, 9, 6}, max_new[GEN_REQUESTS] = {4, 10, 7, 9};
+    for (int i = 0; i < GEN_REQUESTS; i++) {
+        GenRequest r = {tokens + 2 * i, P[i], max_new[i], out[i], 0, 0};
+        req[i] = r;
+    }
+    gen_batch(I, req, GEN_REQUESTS, sp, 11, use_graph);
+}
+
+static int same_requests(const GenRequest *a, const GenRequest *b) {
+    for (int i = 0; i < GEN_REQUESTS; i++)
+        if (a[i].n_new != b[i].n_new || a[i].hit_eos != b[i].hit_eos ||
+            memcmp(a[i].out, b[i].out, sizeof(int) * a[i].n_new))
+            return 0;
+    return 1;
+}
+
+// Graph and eager launches run the same kernels on the same data: equal bits, so equal tokens. One at a time
+// against batched (fp32): the GEMMs of another batch size round differently (~1e-7 relative), which changes a
+// token only at a near tie of two logits or of the uniform and a cumulative boundary (~1e-6 per token here).
+static void check_graphs_and_batches(const float *host) {
+    Config cfg;
+    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    build_model(&cfg, m, "fp32");
+    GpuModel g;
+    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
+    gpu_model_set_params(&g, host);
+    GpuInferState one, two;
+    gpu_infer_create(&one, &g, 1, T_SEQ);
+    gpu_infer_create(&two, &g, 2, T_SEQ);
+    int tokens[2 * T_SEQ];
+    random_tokens(tokens, 2 * T_SEQ, m->vocab, 21);
+    const SamplingParams sps[] = {{0.0, 0.0, 0}, {1.0, 0.0, 20}, {0.9, 0.95, 0}};
+    for (size_t c = 0; c < sizeof sps / sizeof sps[0]; c++) {
+        static int out[4][GEN_REQUESTS][T_SEQ];
+        GenRequest graph2[GEN_REQUESTS], eager2[GEN_REQUESTS], graph1[GEN_REQUESTS], eager1[GEN_REQUESTS];
+        generate_requests(&two, tokens, &sps[c], 1, out[0], graph2);
+        generate_requests(&two, tokens, &sps[c], 0, out[1], eager2);
+        generate_requests(&one, tokens, &sps[c], 1, out[2], graph1);
+        generate_requests(&one, tokens, &sps[c], 0, out[3], eager1);
+        int n = 0;
+        for (int i = 0; i < GEN_REQUESTS; i++) n += graph2[i].n_new;
+        int ge2 = same_requests(graph2, eager2), ge1 = same_requests(graph1, eager1);
+        int b = same_requests(graph2, graph1);
+        printf("(g) T=%.1f top-p %.2f top-k %2d, %d requests (%d tokens): graph vs eager on 2 streams %s, on 1 stream "
+               "%s; 2 streams vs 1 %s\n", sps[c].temperature, sps[c].top_p, sps[c].top_k, GEN_REQUESTS, n,
+               ge2 ? "equal" : "DIFFER", ge1 ? "equal" : "DIFFER", b ? "equal" : "DIFFER");
+        CHECK(ge2 && ge1, "generation with CUDA graphs differs from eager launches");
+        CHECK(b, "a batch of 2 streams generates other tokens than one stream at a time");
+    }
+    gpu_infer_destroy(&one);
+    gpu_infer_destroy(&two);
+    gpu_model_destroy(&g);
+    free(m);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// (h) prefill = token-by-token decode, in the state it leaves
+
+// A device array of n elements of the compute dtype (fp32 here) as doubles.
+static double *device_doubles(const void *p, size_t n) {
+    float *f = (float *)sdm_malloc(4 * n);
+    double *d = (double *)sdm_malloc(sizeof(double) * n);
+    cudaCheck(cudaMemcpy(f, p, 4 * n, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) d[i] = f[i];
+    free(f);
+    return d;
+}
+
+// fp32: the chunked op and the per-token recurrence agree to TOL_FP32 (docs/TESTING.md#tolerances); the caches hold
+// keys and values of GEMMs at other shapes, equal to rounding.
+static void check_prefill_state(const float *host) {
+    Config cfg;
+    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    build_model(&cfg, m, "fp32");
+    GpuModel g;
+    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
+    gpu_model_set_params(&g, host);
+    GpuInferState A, B;
+    gpu_infer_create(&A, &g, 1, T_SEQ);
+    gpu_infer_create(&B, &g, 1, T_SEQ);
+    int tokens[T_SEQ];
+    random_tokens(tokens, T_SEQ, m->vocab, 33);
+    gpu_infer_reset(&A, 0);
+    gpu_infer_reset(&B, 0);
+    gpu_infer_prefill(&A, 0, tokens, T_SEQ);
+    gpu_infer_prefill(&B, 0, tokens, 1);
+    for (int t = 1; t < T_SEQ; t++) gpu_infer_decode(&B, &tokens[t]);
+    printf("(h) prefill of %d tokens vs prefill of 1 + %d decode steps, state left:\n", T_SEQ, T_SEQ - 1);
+    for (int l = 0; l < g.L; l++) {
+        const void *a[2], *b[2];
+        size_t n;
+        if (m->kind[l] == LAYER_SDM) {
+            a[0] = A.sdm[l].banks, b[0] = B.sdm[l].banks, a[1] = b[1] = NULL;
+            n = sdm_bank_bytes(&m->sdm) / 4;
+        } else {
+            a[0] = A.attn[l].k_cache, a[1] = A.attn[l].v_cache, b[0] = B.attn[l].k_cache, b[1] = B.attn[l].v_cache;
+            n = (size_t)A.attn[l].C * m->attn[l].n_kv_heads * m->attn[l].head_dim;
+        }
+        for (int i = 0; i < 2 && a[i]; i++) {
+            double *x = device_doubles(a[i], n), *y = device_doubles(b[i], n);
+            double err = rel_error(x, y, n);
+            const char *what = m->kind[l] == LAYER_SDM ? "SDM bank" : i == 0 ? "K cache" : "V cache";
+            printf("  layer %d %-8s (%6zu values): rel err %.2e  %s\n", l, what, n, err,
+                   err <= TOL_FP32 ? "ok" : "FAIL");
+            CHECK(err <= TOL_FP32, "layer %d %s after prefill vs decode: rel err %.3e", l, what, err);
+            free(x);
+            free(y);
+        }
+    }
+    gpu_infer_destroy(&A);
+    gpu_infer_destroy(&B);
+    gpu_model_destroy(&g);
     free(m);
 }
 
@@ -371,6 +607,9 @@ int main(void) {
     check_dtype("bf16", host);
     check_generation_and_reset(host);
     check_infer_sdm(host);
+    check_sampler();
+    check_graphs_and_batches(host);
+    check_prefill_state(host);
     free(host);
     free(m);
     return test_summary();

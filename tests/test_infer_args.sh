@@ -27,7 +27,9 @@ refused "--max-new" "$tmp/garbage.bin" --max-new 12x
 refused "--temperature" "$tmp/garbage.bin" --temperature -1
 refused "--seed needs a value" "$tmp/garbage.bin" --seed
 refused "unknown option '--bogus'" "$tmp/garbage.bin" --bogus 1
-refused "not both" "$tmp/garbage.bin" --prompt a --prompt-file b
+refused "not several" "$tmp/garbage.bin" --prompt a --prompt-file b
+refused "not several" "$tmp/garbage.bin" --prompts a --prompt b
+refused "--batch" "$tmp/garbage.bin" --batch 0
 refused "--prompt-file $tmp/nope" "$tmp/garbage.bin" --prompt-file "$tmp/nope"
 # a run folder of 30 checkpoints made in random order (garbage model.bin): the newest, step 3000, is the one read
 many="$tmp/many"

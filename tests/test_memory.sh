@@ -63,7 +63,7 @@ expect "$out" "SDM banks + saved state" $(( 4 * (8 * 4096 * 1024 * 2 + saved) ))
 expect "$out" "per-sequence bank gradients" $(( 8 * 4096 * 1024 * 4 )) debug_hybrid
 
 # --- one place: no program or module source allocates device memory except through device_alloc ------------------
-direct=$(grep -n 'cudaMalloc\|cudaFree' core/*.* sdm/*.* attention/*.* model/*.* data/*.* ./*.cu | grep -v '^core/cuda_common.cuh:')
+direct=$(grep -n 'cudaMalloc(\|cudaFree(' core/*.* sdm/*.* attention/*.* model/*.* data/*.* ./*.cu | grep -v '^core/cuda_common.cuh:')
 if [ -z "$direct" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$direct"; fi
 
 # --- world size: the breakdown is per GPU and names the ranks --------------------------------------------------------
