@@ -87,7 +87,7 @@ test-cpu: $(CPU_TESTS)
 test: compile-cuda
 	$(MAKE) --no-print-directory test-cpu
 
-test-gpu: $(GPU_TESTS) train_sdm infer_sdm  # gpu_test_infer and gpu_test_train run the programs
+test-gpu: $(GPU_TESTS) train_sdm infer_sdm prepare_data  # gpu_test_infer and gpu_test_train run the programs
 	tests/run_all.sh $(GPU_TESTS)
 
 bench: $(BENCHES)

@@ -2,20 +2,26 @@
 //
 //   ./infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [--max-new N] [--temperature T]
 //               [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph] [--fp32] [--bench]
+//   ./infer_sdm CHECKPOINT --eval SHARDS [--eval-batches N] [--eval-task T] [--out DIR] [--fp32]
 //
 // CHECKPOINT is a model.bin or a run folder (its newest complete checkpoint). A prompt is BOS + its bytes, cut
 // from the left to leave room for N new tokens in the model's context (data.seq_len of its config). temperature 0
 // is greedy; otherwise top-p, if given, takes precedence over top-k. Generation stops at EOS or after N tokens.
 // With --prompts, every line of F is a prompt, generated B at a time (model/generate.cuh gen_batch). The generated
 // bytes are printed with non-printables escaped, then the speed. --bench times prefill and decode instead.
+// --eval scores the checkpoint on token shards as train_sdm's evaluation does (model/evaluate.cuh): mean loss, loss
+// by position in the row and recall accuracy by gap, on rows of the training shape (data.batch_size x data.seq_len).
 #include <sys/stat.h>
 
+#include "data/dataloader.h"
 #include "model/checkpoint.h"
+#include "model/evaluate.cuh"
 #include "model/generate.cuh"
 
 typedef struct {
     const char *checkpoint, *prompt, *prompt_file, *prompts_file;
-    int max_new, top_k, fp32, batch, no_graph, bench;
+    const char *eval, *eval_task, *out; // --eval SHARDS, --eval-task (default: the checkpoint's eval.task), --out DIR
+    int max_new, top_k, fp32, batch, no_graph, bench, eval_batches;
     double temperature, top_p;
     uint64_t seed;
 } Options;
@@ -24,6 +30,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [--max-new N]\n"
                "                 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph]\n"
                "                 [--fp32] [--bench]\n"
+               "       infer_sdm CHECKPOINT --eval SHARDS [--eval-batches N] [--eval-task T] [--out DIR] [--fp32]\n"
                "  CHECKPOINT       a model.bin, or a run folder (its newest complete checkpoint)\n"
                "  --prompt TEXT    the prompt (default: empty, i.e. BOS alone)\n"
                "  --prompt-file F  the prompt is the bytes of file F\n"
@@ -36,7 +43,12 @@ static void usage(FILE *f) {
                "  --batch B        streams generating at once with --prompts (default 32)\n"
                "  --no-graph       launch every decode kernel per token instead of replaying a CUDA graph\n"
                "  --bench          time prefill (one prompt of the whole context) and decode at batch 1, 8, 32\n"
-               "  --fp32           all-fp32 mode (default: bf16 unless the model was trained in fp32)\n");
+               "  --fp32           all-fp32 mode (default: bf16 unless the model was trained in fp32)\n"
+               "  --eval SHARDS    no generation: loss, loss by position and recall accuracy by gap on the token\n"
+               "                   shards SHARDS (a glob, or globs separated by commas, as data.val)\n"
+               "  --eval-batches N batches of data.batch_size x data.seq_len rows (default: all of SHARDS)\n"
+               "  --eval-task T    auto|recall|mqar|copy|none (default: the checkpoint's eval.task)\n"
+               "  --out DIR        also append the scores to DIR/eval_positions.tsv and DIR/eval_recall.tsv\n");
 }
 
 static double parse_double(const char *name, const char *s, double lo, double hi) {
@@ -82,11 +94,19 @@ static Options parse_args(int argc, char **argv) {
         else if (!strcmp(a, "--top-p")) { o.top_p = parse_double(a, v, 0.0, 1.0); if (o.top_p == 0.0) sdm_die("--top-p: must be above 0"); }
         else if (!strcmp(a, "--top-k")) o.top_k = (int)parse_int(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--seed")) o.seed = (uint64_t)parse_int(a, v, 0, INT64_MAX);
+        else if (!strcmp(a, "--eval")) o.eval = v;
+        else if (!strcmp(a, "--eval-batches")) o.eval_batches = (int)parse_int(a, v, 1, INT32_MAX);
+        else if (!strcmp(a, "--eval-task")) o.eval_task = v;
+        else if (!strcmp(a, "--out")) o.out = v;
         else sdm_die("unknown option '%s' (see --help)", a);
     }
     if (!o.checkpoint) { usage(stderr); sdm_die("no CHECKPOINT given"); }
     if (!!o.prompt + !!o.prompt_file + !!o.prompts_file > 1)
         sdm_die("give one of --prompt, --prompt-file and --prompts, not several");
+    if (o.eval && (o.prompt || o.prompt_file || o.prompts_file || o.bench))
+        sdm_die("--eval scores shards: it takes no prompt and no --bench");
+    if (!o.eval && (o.eval_batches || o.eval_task || o.out)) sdm_die("--eval-batches, --eval-task and --out need --eval");
+
     return o;
 }
 
@@ -202,6 +222,38 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
     free(prompt);
 }
 
+// --eval: the checkpoint's scores on the shards o->eval, over rows of its training shape (model/evaluate.cuh).
+static void eval_shards(const Options *o, const Config *cfg, const ModelDesc *m, const float *params, Dtype dt,
+                        uint64_t step) {
+    int B = cfg->batch_size, T = cfg->seq_len;
+    DataLoader dl;
+    char err[DATA_ERR_LEN];
+    if (dataloader_open(&dl, o->eval, B, T, 0, 1, (uint64_t)cfg->seed, 0, (uint32_t)m->vocab, err))
+        sdm_die("--eval: %s", err);
+    int batches = (int)dataloader_batches_per_epoch(&dl);
+    if (o->eval_batches) batches = SDM_MIN(batches, o->eval_batches);
+    if (batches < 1) sdm_die("--eval %s: fewer tokens than one batch of %d x %d", o->eval, B, T + 1);
+    GpuModel g;
+    gpu_model_create(&g, m, B, T, dt, 1, 0);
+    gpu_model_set_params(&g, params);
+    int32_t *rows = (int32_t *)sdm_malloc(sizeof(int32_t) * B * (T + 1));
+    int *inputs = (int *)sdm_malloc(sizeof(int) * B * T), *targets = (int *)sdm_malloc(sizeof(int) * B * T);
+    EvalStats s;
+    eval_stats_init(&s, cfg->eval_task, T);
+    for (int k = 0; k < batches; k++) {
+        if (dataloader_next_batch(&dl, rows, err)) sdm_die("--eval: %s", err);
+        eval_batch(&g, rows, inputs, targets, &s);
+    }
+    printf("eval step %llu | val loss %.4f over %d batches of %d x %d tokens\n", (unsigned long long)step,
+           eval_mean_loss(&s), batches, B, T);
+    eval_report(&s, (long long)step, o->out, NULL);
+    free(rows);
+    free(inputs);
+    free(targets);
+    gpu_model_destroy(&g);
+    dataloader_close(&dl);
+}
+
 int main(int argc, char **argv) {
     // 1. options, the prompts' bytes, and the checkpoint: its config rebuilds the model description; its
     //    parameters are fp32
@@ -223,12 +275,23 @@ int main(int argc, char **argv) {
         if (!cfg_apply_line(&cfg, "distributed.model_dtype = fp32", "--fp32", err)) sdm_die("%s", err);
         model_build(m, &cfg);
     }
+    printf("checkpoint: %s (step %llu), %lld parameters, %s\n", path, (unsigned long long)step, m->storage,
+           fp32 ? "all-fp32" : "bf16");
+    if (o.eval) {
+        char line[CFG_STR + 32];
+        snprintf(line, sizeof line, "eval.task = %s", o.eval_task ? o.eval_task : cfg.eval_task);
+        if (!cfg_apply_line(&cfg, line, "--eval-task", err)) sdm_die("%s", err);
+        cuda_require_gpu();
+        eval_shards(&o, &cfg, m, params, fp32 ? DT_FP32 : DT_BF16, step);
+        free(params);
+        free(text);
+        free(m);
+        return 0;
+    }
     int context = cfg.seq_len;
     if (o.max_new >= context)
         sdm_die("--max-new %d leaves no room for a prompt in the model's context of %d tokens (data.seq_len)",
                 o.max_new, context);
-    printf("checkpoint: %s (step %llu), %lld parameters, %s\n", path, (unsigned long long)step, m->storage,
-           fp32 ? "all-fp32" : "bf16");
 
     cuda_require_gpu();
     // 2. the prompts (BOS + bytes, cut from the left to context - max_new tokens), the model on the GPU and an

@@ -18,8 +18,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "model/checkpoint.h"
 #include "core/config.h"
+#include "data/dataloader.h"
+#include "model/checkpoint.h"
+#include "model/evaluate.cuh"
 #include "model/generate.cuh"
 #include "model/model_ref.h"
 #include "tests/test.h"
@@ -285,6 +287,61 @@ static char *expected_block(GpuInferState *I, const char *prompt, const char *he
     return text;
 }
 
+// (e) infer_sdm --eval on MQAR shards from ./prepare_data: the loss it prints is the one model/evaluate.cuh gives
+// for the same rows here, and the scores are appended to --out's TSV files.
+static void check_infer_eval(const ModelDesc *m, const Config *cfg, const float *host, const char *run,
+                             const char *dir) {
+    char cmd[768], data[128], glob[160], line[64];
+    snprintf(data, sizeof data, "%s/mqar", dir);
+    snprintf(cmd, sizeof cmd, "./prepare_data --task mqar --seq-len %d --pairs 2 --min-gap 4 --train-tokens 4096 "
+             "--val-tokens 4096 --quiet -o %s 2>&1", SEQ_LEN_CFG, data);
+    int status;
+    char *got = run_command(cmd, &status);
+    CHECK(status == 0, "%s: exit %d: %s", cmd, status, got);
+    free(got);
+    snprintf(glob, sizeof glob, "%s/mqar_val_*.bin", data);
+
+    DataLoader dl;
+    char derr[DATA_ERR_LEN];
+    CHECK(dataloader_open(&dl, glob, cfg->batch_size, SEQ_LEN_CFG, 0, 1, (uint64_t)cfg->seed, 0, (uint32_t)m->vocab,
+                          derr) == 0, "%s", derr);
+    GpuModel g;
+    gpu_model_create(&g, m, cfg->batch_size, SEQ_LEN_CFG, DT_FP32, 1, 0);
+    gpu_model_set_params(&g, host);
+    int B = cfg->batch_size, T = SEQ_LEN_CFG;
+    int32_t *rows = (int32_t *)sdm_malloc(sizeof(int32_t) * B * (T + 1));
+    int *inputs = (int *)sdm_malloc(sizeof(int) * B * T), *targets = (int *)sdm_malloc(sizeof(int) * B * T);
+    EvalStats es;
+    eval_stats_init(&es, "mqar", T);
+    for (int k = 0; k < 2; k++) {
+        CHECK(dataloader_next_batch(&dl, rows, derr) == 0, "%s", derr);
+        eval_batch(&g, rows, inputs, targets, &es);
+    }
+    snprintf(line, sizeof line, "val loss %.4f over 2 batches", eval_mean_loss(&es));
+    free(rows);
+    free(inputs);
+    free(targets);
+    gpu_model_destroy(&g);
+    dataloader_close(&dl);
+
+    snprintf(cmd, sizeof cmd, "./infer_sdm %s --eval '%s' --eval-batches 2 --eval-task mqar --out %s --fp32 2>&1", run,
+             glob, dir);
+    got = run_command(cmd, &status);
+    printf("(e) %s\n    exit %d, output:\n%s    expected: %s\n", cmd, status, got, line);
+    CHECK(status == 0 && strstr(got, line) && strstr(got, "mqar: "), "infer_sdm --eval: not '%s' and the MQAR scores",
+          line);
+    free(got);
+    char tsv[200];
+    snprintf(tsv, sizeof tsv, "%s/eval_positions.tsv", dir);
+    CHECK(access(tsv, R_OK) == 0, "infer_sdm --eval --out wrote no %s", tsv);
+    remove(tsv);
+    snprintf(tsv, sizeof tsv, "%s/eval_recall.tsv", dir);
+    CHECK(access(tsv, R_OK) == 0, "infer_sdm --eval --out wrote no %s", tsv);
+    remove(tsv);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", data);
+    CHECK(system(cmd) == 0, "%s", cmd);
+}
+
 // (e) infer_sdm on a checkpoint of this model.
 static void check_infer_sdm(const float *host) {
     if (access("./infer_sdm", X_OK) != 0) {
@@ -356,6 +413,7 @@ static void check_infer_sdm(const float *host) {
     free(got);
     gpu_infer_destroy(&I);
     gpu_model_destroy(&g);
+    check_infer_eval(m, &cfg, host, run, dir);
 
     // a corrupt model.bin (one parameter byte flipped) and a bad option are refused with a message
     char model[200], bad[220];
