@@ -13,92 +13,93 @@
 // by position in the row and recall accuracy by gap, on rows of the training shape (data.batch_size x data.seq_len).
 #include <sys/stat.h>
 
+#include "core/config.h"
 #include "data/dataloader.h"
 #include "model/checkpoint.h"
 #include "model/evaluate.cuh"
 #include "model/generate.cuh"
 
 typedef struct {
-    const char *checkpoint, *prompt, *prompt_file, *prompts_file;
-    const char *eval, *eval_task, *out; // --eval SHARDS, --eval-task (default: the checkpoint's eval.task), --out DIR
-    int max_new, top_k, fp32, batch, no_graph, bench, eval_batches;
+    const char *checkpoint;                           // the one positional argument
+    const char *prompt, *prompt_file, *prompts_file;  // taken as given: a prompt may hold any byte
+    const char *eval, *eval_task, *out;               // eval_task is checked as the key eval.task of the config
+    int max_new, top_k, batch, eval_batches, seed;    // numbers and switches: parsed by core/config.h (INFER_FLAGS)
+    int fp32, no_graph, bench;
     double temperature, top_p;
-    uint64_t seed;
 } Options;
 
+#define INFER_OFF(field) offsetof(Options, field)
+// The numeric options and switches, parsed and range-checked like config keys (a switch takes no value).
+static const CfgField INFER_FLAGS[] = {
+    {"--max-new", CFG_INT, INFER_OFF(max_new), "256", 1, 1 << 24, NULL, "generate at most N tokens"},
+    {"--temperature", CFG_FLOAT, INFER_OFF(temperature), "0.8", 0, 100, NULL, "0 = greedy"},
+    {"--top-p", CFG_FLOAT, INFER_OFF(top_p), "", 1e-12, 1, NULL,
+     "nucleus sampling, 0 < P <= 1 (takes precedence over --top-k)"},
+    {"--top-k", CFG_INT, INFER_OFF(top_k), "", 1, 1 << 30, NULL, "sample among the K most probable tokens"},
+    {"--seed", CFG_INT, INFER_OFF(seed), "1", 0, 2147483647, NULL,
+     "sampling seed (the i-th prompt of --prompts uses S + i)"},
+    {"--batch", CFG_INT, INFER_OFF(batch), "32", 1, 4096, NULL, "streams generating at once with --prompts"},
+    {"--eval-batches", CFG_INT, INFER_OFF(eval_batches), "", 1, 2147483647, NULL,
+     "--eval: batches of data.batch_size x data.seq_len rows (empty: all)"},
+    {"--fp32", CFG_BOOL, INFER_OFF(fp32), "false", 1, 0, NULL,
+     "all-fp32 mode (otherwise bf16, unless the model was trained in fp32)"},
+    {"--no-graph", CFG_BOOL, INFER_OFF(no_graph), "false", 1, 0, NULL,
+     "launch every decode kernel per token instead of replaying a CUDA graph"},
+    {"--bench", CFG_BOOL, INFER_OFF(bench), "false", 1, 0, NULL,
+     "time prefill (one prompt of the whole context) and decode at batch 1, 8, 32"},
+};
+#define INFER_N_FLAGS ((int)(sizeof INFER_FLAGS / sizeof INFER_FLAGS[0]))
+
 static void usage(FILE *f) {
-    fprintf(f, "usage: infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [--max-new N]\n"
-               "                 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph]\n"
-               "                 [--fp32] [--bench]\n"
+    fprintf(f, "usage: infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [options]\n"
                "       infer_sdm CHECKPOINT --eval SHARDS [--eval-batches N] [--eval-task T] [--out DIR] [--fp32]\n"
-               "  CHECKPOINT       a model.bin, or a run folder (its newest complete checkpoint)\n"
-               "  --prompt TEXT    the prompt (default: empty, i.e. BOS alone)\n"
-               "  --prompt-file F  the prompt is the bytes of file F\n"
-               "  --prompts F      one prompt per line of file F (empty lines skipped), generated in batches\n"
-               "  --max-new N      generate at most N tokens (default 256)\n"
-               "  --temperature T  0 = greedy (default 0.8)\n"
-               "  --top-p P        nucleus sampling, 0 < P <= 1 (takes precedence over --top-k)\n"
-               "  --top-k K        sample among the K most probable tokens, K >= 1\n"
-               "  --seed S         sampling seed (default 1; the i-th prompt of --prompts uses S + i)\n"
-               "  --batch B        streams generating at once with --prompts (default 32)\n"
-               "  --no-graph       launch every decode kernel per token instead of replaying a CUDA graph\n"
-               "  --bench          time prefill (one prompt of the whole context) and decode at batch 1, 8, 32\n"
-               "  --fp32           all-fp32 mode (default: bf16 unless the model was trained in fp32)\n"
-               "  --eval SHARDS    no generation: loss, loss by position and recall accuracy by gap on the token\n"
-               "                   shards SHARDS (a glob, or globs separated by commas, as data.val)\n"
-               "  --eval-batches N batches of data.batch_size x data.seq_len rows (default: all of SHARDS)\n"
-               "  --eval-task T    auto|recall|mqar|copy|none (default: the checkpoint's eval.task)\n"
-               "  --out DIR        also append the scores to DIR/eval_positions.tsv and DIR/eval_recall.tsv\n");
+               "  CHECKPOINT                         a model.bin, or a run folder (its newest complete checkpoint)\n"
+               "  --prompt TEXT                      the prompt (default: empty, i.e. BOS alone)\n"
+               "  --prompt-file F                    the prompt is the bytes of file F\n"
+               "  --prompts F                        one prompt per line of F (empty lines skipped), in batches\n"
+               "  --eval SHARDS                      no generation: loss, loss by position and recall accuracy by\n"
+               "                                     gap on the token shards SHARDS (globs separated by commas)\n"
+               "  --eval-task T                      auto|recall|mqar|copy|none (default: the checkpoint's eval.task)\n"
+               "  --out DIR                          --eval: also append the scores to DIR/eval_*.tsv\n");
+    cfg_print_fields(f, INFER_FLAGS, INFER_N_FLAGS);
 }
 
-static double parse_double(const char *name, const char *s, double lo, double hi) {
-    char *end;
-    double x = strtod(s, &end);
-    if (end == s || *end || !(x >= lo && x <= hi)) sdm_die("%s: '%s' is not a number in [%g, %g]", name, s, lo, hi);
-    return x;
-}
-
-static long long parse_int(const char *name, const char *s, long long lo, long long hi) {
-    char *end;
-    long long x = strtoll(s, &end, 10);
-    if (end == s || *end || x < lo || x > hi) sdm_die("%s: '%s' is not an integer in [%lld, %lld]", name, s, lo, hi);
-    return x;
+// The slot of a string option (taken as given), or NULL.
+static const char **string_option(Options *o, const char *name) {
+    if (!strcmp(name, "--prompt")) return &o->prompt;
+    if (!strcmp(name, "--prompt-file")) return &o->prompt_file;
+    if (!strcmp(name, "--prompts")) return &o->prompts_file;
+    if (!strcmp(name, "--eval")) return &o->eval;
+    if (!strcmp(name, "--eval-task")) return &o->eval_task;
+    if (!strcmp(name, "--out")) return &o->out;
+    return NULL;
 }
 
 static Options parse_args(int argc, char **argv) {
     Options o;
     memset(&o, 0, sizeof o);
-    o.max_new = 256;
-    o.temperature = 0.8;
-    o.seed = 1;
-    o.batch = 32;
+    char err[CFG_ERR], where[96];
+    for (int k = 0; k < INFER_N_FLAGS; k++)
+        if (INFER_FLAGS[k].def[0] && !cfg_set(&o, &INFER_FLAGS[k], INFER_FLAGS[k].def, err)) sdm_die("%s", err);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
-        if (!strcmp(a, "--fp32")) { o.fp32 = 1; continue; }
-        if (!strcmp(a, "--no-graph")) { o.no_graph = 1; continue; }
-        if (!strcmp(a, "--bench")) { o.bench = 1; continue; }
         if (a[0] != '-') {
             if (o.checkpoint) sdm_die("unexpected argument '%s' (the checkpoint is already '%s')", a, o.checkpoint);
             o.checkpoint = a;
             continue;
         }
+        const CfgField *f = NULL;
+        for (int k = 0; k < INFER_N_FLAGS && !f; k++)
+            if (!strcmp(a, INFER_FLAGS[k].key)) f = &INFER_FLAGS[k];
+        const char **slot = f ? NULL : string_option(&o, a);
+        if (!f && !slot) sdm_die("unknown option '%s' (see --help)", a);
+        if (f && f->type == CFG_BOOL) { cfg_set(&o, f, "true", err); continue; }
         if (i + 1 >= argc) sdm_die("%s needs a value (see --help)", a);
         const char *v = argv[++i];
-        if (!strcmp(a, "--prompt")) o.prompt = v;
-        else if (!strcmp(a, "--prompt-file")) o.prompt_file = v;
-        else if (!strcmp(a, "--prompts")) o.prompts_file = v;
-        else if (!strcmp(a, "--batch")) o.batch = (int)parse_int(a, v, 1, 4096);
-        else if (!strcmp(a, "--max-new")) o.max_new = (int)parse_int(a, v, 1, 1 << 24);
-        else if (!strcmp(a, "--temperature")) o.temperature = parse_double(a, v, 0.0, 100.0);
-        else if (!strcmp(a, "--top-p")) { o.top_p = parse_double(a, v, 0.0, 1.0); if (o.top_p == 0.0) sdm_die("--top-p: must be above 0"); }
-        else if (!strcmp(a, "--top-k")) o.top_k = (int)parse_int(a, v, 1, 1 << 30);
-        else if (!strcmp(a, "--seed")) o.seed = (uint64_t)parse_int(a, v, 0, INT64_MAX);
-        else if (!strcmp(a, "--eval")) o.eval = v;
-        else if (!strcmp(a, "--eval-batches")) o.eval_batches = (int)parse_int(a, v, 1, INT32_MAX);
-        else if (!strcmp(a, "--eval-task")) o.eval_task = v;
-        else if (!strcmp(a, "--out")) o.out = v;
-        else sdm_die("unknown option '%s' (see --help)", a);
+        snprintf(where, sizeof where, "argument '%.40s %.40s'", a, v);
+        if (slot) *slot = v;
+        else if (!cfg_set(&o, f, v, err)) sdm_die("%s: %s", where, err);
     }
     if (!o.checkpoint) { usage(stderr); sdm_die("no CHECKPOINT given"); }
     if (!!o.prompt + !!o.prompt_file + !!o.prompts_file > 1)
@@ -106,7 +107,6 @@ static Options parse_args(int argc, char **argv) {
     if (o.eval && (o.prompt || o.prompt_file || o.prompts_file || o.bench))
         sdm_die("--eval scores shards: it takes no prompt and no --bench");
     if (!o.eval && (o.eval_batches || o.eval_task || o.out)) sdm_die("--eval-batches, --eval-task and --out need --eval");
-
     return o;
 }
 
@@ -309,7 +309,7 @@ int main(int argc, char **argv) {
     // 3. generate and print, or time
     SamplingParams sp = {o.temperature, o.top_p, o.top_k};
     if (o.bench) {
-        bench(&st, context, o.max_new, &sp, o.seed, !o.no_graph);
+        bench(&st, context, o.max_new, &sp, (uint64_t)o.seed, !o.no_graph);
     } else {
         GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph);
         for (int i = 0; i < count; i++) {

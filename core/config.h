@@ -253,9 +253,10 @@ static inline int cfg_parse_numbers(const char *value, double *out, int max, cha
     return n;
 }
 
-// Set one field from its text value; on error write a message (without location) to err and return 0.
-static inline int cfg_set(Config *c, const CfgField *f, const char *value, char *err) {
-    char *base = (char *)c + f->offset;
+// Set field f of the struct at obj (a Config, or any struct a CfgField table describes, such as infer_sdm's options)
+// from its text value; on error write a message (without location) to err and return 0.
+static inline int cfg_set(void *obj, const CfgField *f, const char *value, char *err) {
+    char *base = (char *)obj + f->offset;
     double d;
     long long i;
     switch (f->type) {
@@ -602,15 +603,20 @@ static inline void cfg_dump(const Config *c, FILE *fp) {
     }
 }
 
-static inline void cfg_print_help(FILE *fp) {
-    fprintf(fp, "config keys (set in a .cfg file as 'key = value', or on the command line as key=value):\n");
-    for (int i = 0; i < CFG_N_FIELDS; i++) {
-        const CfgField *f = &CFG_FIELDS[i];
+// One line per field of a table: key, help, default, choices or range.
+static inline void cfg_print_fields(FILE *fp, const CfgField *fields, int n) {
+    for (int i = 0; i < n; i++) {
+        const CfgField *f = &fields[i];
         fprintf(fp, "  %-34s %s (default: %s", f->key, f->help, f->def[0] ? f->def : "empty");
         if (f->choices) fprintf(fp, "; one of %s", f->choices);
-        else if (f->lo <= f->hi) fprintf(fp, "; range %g..%g", f->lo, f->hi);
+        else if (f->lo <= f->hi) fprintf(fp, "; range %.10g..%.10g", f->lo, f->hi);
         fprintf(fp, ")\n");
     }
+}
+
+static inline void cfg_print_help(FILE *fp) {
+    fprintf(fp, "config keys (set in a .cfg file as 'key = value', or on the command line as key=value):\n");
+    cfg_print_fields(fp, CFG_FIELDS, CFG_N_FIELDS);
 }
 
 // Speed and memory knobs of the reference that sdm.c accepts (so its configs load unchanged) but does not implement

@@ -31,6 +31,9 @@ refused "not several" "$tmp/garbage.bin" --prompt a --prompt-file b
 refused "not several" "$tmp/garbage.bin" --prompts a --prompt b
 refused "--batch" "$tmp/garbage.bin" --batch 0
 refused "--prompt-file $tmp/nope" "$tmp/garbage.bin" --prompt-file "$tmp/nope"
+refused "need --eval" "$tmp/garbage.bin" --out "$tmp"
+refused "takes no prompt" "$tmp/garbage.bin" --eval "$tmp/x.bin" --prompt a
+refused "--eval-batches" "$tmp/garbage.bin" --eval "$tmp/x.bin" --eval-batches 0
 # a run folder of 30 checkpoints made in random order (garbage model.bin): the newest, step 3000, is the one read
 many="$tmp/many"
 for s in $(seq 100 100 3000 | shuf); do
