@@ -1,5 +1,6 @@
-// attention/attention_ref.h: the double-precision CPU reference of one attention layer (docs/MODEL.md#attention), written to be
-// read as the definition. Speed does not matter here; the GPU kernels and the whole-model oracle are checked against it.
+// attention/attention_ref.h: the double-precision CPU reference of one attention layer (docs/MODEL.md#attention),
+// written to be read as the definition. Speed does not matter here; the GPU kernels and the whole-model oracle are
+// checked against it.
 //
 //   q = Wq x [B,T,n_h,d_h];  k = Wk x, v = Wv x [B,T,n_kv,d_h]          (no biases)
 //   q, k <- RoPE(q), RoPE(k) at positions 0..T-1 of each row

@@ -1,7 +1,7 @@
-// attention/attn_decode.cuh: attention decode on the GPU (docs/MODEL.md#inference, docs/MODEL.md#attention): append each stream's newest k, v
-// [B,n_kv,d_h] to its KV cache [B,C,n_kv,d_h] (position pos lives in slot pos % C), and out [B,n_h,d_h] = attention
-// of each stream's newest query over its cached positions 0..len[b]-1 (the last w of them for SWA), one block per
-// (stream, head).
+// attention/attn_decode.cuh: attention decode on the GPU (docs/MODEL.md#inference, docs/MODEL.md#attention): append
+// each stream's newest k, v [B,n_kv,d_h] to its KV cache [B,C,n_kv,d_h] (position pos lives in slot pos % C), and out
+// [B,n_h,d_h] = attention of each stream's newest query over its cached positions 0..len[b]-1 (the last w of them for
+// SWA), one block per (stream, head).
 #ifndef SDM_ATTN_DECODE_CUH
 #define SDM_ATTN_DECODE_CUH
 

@@ -1,6 +1,6 @@
-// attention/attn_fwd.cuh: the attention forward on the GPU (docs/MODEL.md#attention): attn_forward gives out [B,T,n_h,d_h]
-// = softmax(q k^T / sqrt(d_h), causal or sliding-window mask) v from q [B,T,n_h,d_h], k, v [B,T,n_kv,d_h] (after
-// RoPE) and, for training, lse [B,n_h,T] fp32. bf16: the flash-style tensor-core kernel; fp32: one warp per row.
+// attention/attn_fwd.cuh: the attention forward on the GPU (docs/MODEL.md#attention): attn_forward gives out
+// [B,T,n_h,d_h] = softmax(q k^T / sqrt(d_h), causal or sliding-window mask) v from q [B,T,n_h,d_h], k, v [B,T,n_kv,d_h]
+// (after RoPE) and, for training, lse [B,n_h,T] fp32. bf16: the flash-style tensor-core kernel; fp32: one warp per row.
 #ifndef SDM_ATTN_FWD_CUH
 #define SDM_ATTN_FWD_CUH
 

@@ -1,5 +1,5 @@
-// attention/attn_rope_gate.cuh: the pointwise parts of the attention layer on the GPU (docs/MODEL.md#attention): RoPE in
-// place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h] (forward, or its transpose for the backward; positions from pos0[b]
+// attention/attn_rope_gate.cuh: the pointwise parts of the attention layer on the GPU (docs/MODEL.md#attention): RoPE
+// in place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h] (forward, or its transpose for the backward; positions from pos0[b]
 // for decode), and the sigmoid output gate og = sigmoid(z) * o with its backward, elementwise on [B,T,n_h*d_h].
 #ifndef SDM_ATTN_ROPE_GATE_CUH
 #define SDM_ATTN_ROPE_GATE_CUH

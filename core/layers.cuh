@@ -304,8 +304,8 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
-// row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
+// SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side
+// in a row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
 
 __device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 

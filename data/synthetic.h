@@ -11,8 +11,8 @@
 //   mqar: BOS, P facts  FACT key value  (distinct keys), then filler with one query  QUERY key value  per fact,
 //         its value (the answer) g tokens after the fact's value, g log-uniform in [min_gap, max_gap]; facts are
 //         queried in the order their gaps give. Queries come after the facts, so fact i (from 0) has gaps of at
-//         least 3(P-i): the smallest gaps belong to the last facts. A gap that cannot be placed (outside the body or on another
-//         query) is redrawn; after SYN_TRIES draws the fact stays unqueried (counted as dropped).
+//         least 3(P-i): the smallest gaps belong to the last facts. A gap that cannot be placed (outside the body or on
+//         another query) is redrawn; after SYN_TRIES draws the fact stays unqueried (counted as dropped).
 //   copy: BOS, filler, COPY_FROM s_1..s_L, filler, COPY_TO s_1..s_L, filler: L random letters, both markers g
 //         tokens apart (so each letter is g tokens from its original), g log-uniform in [max(min_gap, L+1),
 //         max_gap]; every letter of the second copy is an answer token.

@@ -2,8 +2,9 @@
 # FineWeb-Edu (ODC-By licence) as bytes-tokenizer shards, from JSONL.
 # usage: scripts/prepare_fineweb_edu.sh [INPUT.jsonl[.gz|.zst]...] [-- prepare_data options]
 #   Without inputs, a sample of FINEWEB_DOCS documents (default 20000) is taken from the Hugging Face
-#   datasets-server API (needs internet; rows come as JSON, turned into JSONL with jq). The official parquet files need a converter
-#   (e.g. `duckdb -c "COPY (SELECT text FROM 'x.parquet') TO 'x.jsonl' (FORMAT JSON)"`); give the JSONL here.
+#   datasets-server API (needs internet; rows come as JSON, turned into JSONL with jq). The official parquet files
+#   need a converter (e.g. `duckdb -c "COPY (SELECT text FROM 'x.parquet') TO 'x.jsonl' (FORMAT JSON)"`); give the
+#   JSONL here.
 # Output: data/generated/fineweb_edu (train_*.bin, val_*.bin); OUT_DIR overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -213,8 +213,9 @@ static inline void sdm_layer_temps_destroy(SdmLayerTemps *t) {
     memset(t, 0, sizeof *t);
 }
 
-// A training layer for B sequences of T tokens, marked in prof (NULL: not profiled). shared: temporaries from sdm_layer_temps_create for this shape
-// and the same `recompute` (one set serves every layer of a model), or NULL for the layer's own.
+// A training layer for B sequences of T tokens, marked in prof (NULL: not profiled). shared: temporaries from
+// sdm_layer_temps_create for this shape and the same `recompute` (one set serves every layer of a model), or NULL for
+// the layer's own.
 static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, Profiler *prof, int recompute,
                                         const SdmLayerTemps *shared) {
     SdmLayer L = sdm_layer_setup(s, B, T, ctype, 1);

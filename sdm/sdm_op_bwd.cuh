@@ -1,5 +1,5 @@
-// sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks in
-// reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and the
+// sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks
+// in reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and the
 // per-entry dot products against the bank gradient G and the restored bank), bsolve (dDelta, dX, dR0, dv) and
 // bscatter (the dense fp32 bank gradient G at the touched rows; bank rows restored from the snapshots), then one
 // bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). In: what
@@ -277,8 +277,9 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
             }
         // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r
         //          + sum_{writes b before q} dmu_b
-        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since pi_q = e^{mu_q -
-        // gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when gamma << 0)
+        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since
+        // pi_q = e^{mu_q - gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation
+        // when gamma << 0)
         for (int q = h; q >= 0; q = prev[q]) {
             int tq = q / W;
             float x = dg[q];

@@ -1,10 +1,10 @@
-// sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to docs/SDM.md#decode-and-prefill): 16-byte bank vectors
-// (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores of a bf16 or fp32 row, the snapshot storage of the
-// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per 32 columns), SdmOpArgs (every pointer into
-// `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h, by value), the token-major offset of
-// (stream, token) in a [B,T,H,width] array, and the host helpers every entry point uses (shape check, smem sizes).
-// Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R], per-chunk C x C arrays
-// [S][nc][C][C], per-chunk rows [S][C][d] (see SdmOpLayout).
+// sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to
+// docs/SDM.md#decode-and-prefill): 16-byte bank vectors (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores
+// of a bf16 or fp32 row, the snapshot storage of the backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale
+// per 32 columns), SdmOpArgs (every pointer into `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h,
+// by value), the token-major offset of (stream, token) in a [B,T,H,width] array, and the host helpers every entry point
+// uses (shape check, smem sizes). Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R],
+// per-chunk C x C arrays [S][nc][C][C], per-chunk rows [S][C][d] (see SdmOpLayout).
 #ifndef SDM_SDM_OP_COMMON_CUH
 #define SDM_SDM_OP_COMMON_CUH
 

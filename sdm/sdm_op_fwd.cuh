@@ -1,6 +1,6 @@
-// sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and prefill) runs
-// phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches per chunk:
-// fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
+// sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and
+// prefill) runs phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches
+// per chunk: fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
 // written slot's row updated once). In: v [B,T,H,d] and the phase-1 quantities; out: readings [B,T,H,d], the bank
 // [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta, U = V - R0 [S][Tp][d] and the
 // snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.

@@ -11,7 +11,8 @@
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
 // floors: forward 8.0 ms, backward 22.0 ms):
-//   v1 design, one persistent CTA per (stream, 64-column block) walking all chunks (replaced by docs/SDM.md#phases-on-the-gpu):
+//   v1 design, one persistent CTA per (stream, 64-column block) walking all chunks (replaced by
+//   docs/SDM.md#phases-on-the-gpu):
 //       forward 33.7 ms, backward 112.6 ms; the same kernels with one launch per chunk: prefill 31.4 vs 31.2 ms
 //       persistent (no gain from persistence); gathers of 128-byte row slices, latency-bound.
 //   batched loads + split gathers in that design: forward 27.3 ms, backward 60.3 ms (phase-2 column loop 23.5 ms).

@@ -26,8 +26,8 @@
 #include "model/model_ref.h"
 #include "tests/test.h"
 
-// fp32: the decode applies the recurrence (docs/SDM.md#the-recurrence) token by token where the teacher-forced op uses the chunked WY form,
-// and the GEMMs run at other shapes: both round differently at the 1e-7 level.
+// fp32: the decode applies the recurrence (docs/SDM.md#the-recurrence) token by token where the teacher-forced op uses
+// the chunked WY form, and the GEMMs run at other shapes: both round differently at the 1e-7 level.
 #define TOL_FP32 1e-5
 // bf16: the decode rounds the bf16 bank after every token, the chunked forward once per chunk; activations are
 // bf16, so a GEMM of another shape can move a value by one bf16 ulp (2^-8), and the attention decode keeps the

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Citations of the design documents resolve inside the repository: no source file cites the external design spec or a
-# numbered section (the section sign, U+00A7) of a document outside the repository, and every `docs/<PAGE>.md#<anchor>` (and every link between
-# the docs/ pages) names an existing page and one of its headings (GitHub slugs: lower case, punctuation dropped,
-# spaces as hyphens, repeated headings numbered -1, -2, ...).
+# numbered section (the section sign, U+00A7) of a document outside the repository, and every
+# `docs/<PAGE>.md#<anchor>` (and every link between the docs/ pages) names an existing page and one of its headings
+# (GitHub slugs: lower case, punctuation dropped, spaces as hyphens, repeated headings numbered -1, -2, ...).
 # Usage: tests/test_docs.sh [ROOT] (default: the repository root).
 pass=0; fail=0
 ok() { pass=$((pass + 1)); }
