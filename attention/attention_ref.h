@@ -111,7 +111,8 @@ static inline void attn_core_forward_ref(const AttnDims *a, int B, int T, const 
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nh; j++) {
-                double l = attn_core_forward_row_ref(a, T, &in, b, t, j, o + (((size_t)b * T + t) * nh + j) * a->head_dim, prob);
+                double l = attn_core_forward_row_ref(a, T, &in, b, t, j,
+                                                     o + (((size_t)b * T + t) * nh + j) * a->head_dim, prob);
                 if (lse) lse[((size_t)b * nh + j) * T + t] = l;
             }
     free(prob);

@@ -198,7 +198,8 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
         ss += v * v;
     }
     float r = rsqrtf(core_warp_sum(ss) / (float)D + eps);
-    for (int k = lane; k < D; k += 32) y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
+    for (int k = lane; k < D; k += 32)
+        y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
     if (lane == 0) rstd[row] = r;
 }
 

@@ -66,7 +66,8 @@ static inline void sdm_infer_shape(SdmInferState *I, int B, int T) {
 static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, int b, const void *x, void *y, int T,
                                      cudaStream_t st) {
     sdm_infer_shape(I, 1, T);
-    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes) sdm_die("SDM inference: prefill scratch too small for T = %d", T);
+    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes)
+        sdm_die("SDM inference: prefill scratch too small for T = %d", T);
     sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);

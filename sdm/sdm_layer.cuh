@@ -344,8 +344,8 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
     sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
     cudaCheckLast();
-    sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
-                 L->kappa, NULL, L->gamma, st);
+    sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay,
+                     L->wslot, L->kappa, NULL, L->gamma, st);
     if (L->side) {
         cudaCheck(cudaEventRecord(L->join, L->side));
         cudaCheck(cudaStreamWaitEvent(st, L->join, 0));

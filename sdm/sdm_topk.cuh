@@ -335,9 +335,10 @@ static inline void sdm_topk_forward(const SdmTopkPlan *pl, const void *z, Dtype 
                                 float *gamma, cudaStream_t s) {
     size_t smem = pl->smem_per_warp * pl->warps;
     if (smem > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(sdm_topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g,
-                                                                             kwd, slot, weight, score, gamma);
+        cudaCheck(
+            cudaFuncSetAttribute(sdm_topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(
+        *pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g, kwd, slot, weight, score, gamma);
     cudaCheckLast();
 }
 
@@ -361,9 +362,9 @@ typedef struct {
     float *gate_grad;                       // [tokens, 3H]
 } SdmWriteGateArgs;
 
-__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
-                                        int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
-                                        SdmWriteGateArgs ga) {
+__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw,
+                                            float scale, int P, int H, void *dz, bool fp32, int ldz, int col0,
+                                            int gates, SdmWriteGateArgs ga) {
     extern __shared__ float sdm_addr_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -415,9 +416,9 @@ __global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, con
     }
 }
 
-static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
-                                    int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
-                                    const SdmWriteGateArgs *ga, cudaStream_t s) {
+static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, const float *w, const float *dw,
+                                        float scale, int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
+                                        const SdmWriteGateArgs *ga, cudaStream_t s) {
     const int warps = 4;
     size_t smem = sizeof(float) * (size_t)(pl->key_dim + pl->k) * warps;
     if (smem > 48 * 1024)
@@ -425,8 +426,8 @@ static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, 
                                        (int)smem));
     SdmWriteGateArgs none;
     memset(&none, 0, sizeof(none));
-    sdm_address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz,
-                                                                        col0, gates, gates ? *ga : none);
+    sdm_address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(
+        *pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz, col0, gates, gates ? *ga : none);
     cudaCheckLast();
 }
 

@@ -133,14 +133,16 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     float fg = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fgather_kernel<__nv_bfloat16><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+            sdm_fgather_kernel<__nv_bfloat16>
+                <<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++) sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c);
     });
     float fc = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fscatter_kernel<__nv_bfloat16><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
+            sdm_fscatter_kernel<__nv_bfloat16>
+                <<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
     float tk = time_ms(reps, [&] {
         for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, bank, 0, g->dbank_init, dout, c, c, 0);
@@ -179,7 +181,8 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     cudaCheck(cudaMalloc(&saved, saved_b));
     cudaCheck(cudaMalloc(&scratch, scratch_b));
     printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
-           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4), gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
+           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4),
+           gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
     std::vector<float> tf, tb;
