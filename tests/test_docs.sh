@@ -33,7 +33,9 @@ sect=$(printf '\302\247')    # the section sign in UTF-8, likewise
 for f in $files; do
     hits=$(grep -n -e "$spec" -e "$sect" "$f")
     if [ -n "$hits" ]; then
-        while IFS= read -r h; do bad "$f:$h: cites a document outside the repository (cite docs/<PAGE>.md#<anchor>)"; done <<< "$hits"
+        while IFS= read -r h; do
+            bad "$f:$h: cites a document outside the repository (cite docs/<PAGE>.md#<anchor>)"
+        done <<< "$hits"
     else
         ok
     fi
@@ -43,7 +45,9 @@ done
 # check FILE TARGET_PAGE ANCHOR
 check() {
     if [ ! -f "$2" ]; then bad "$1: cites $2, which does not exist"; return; fi
-    if [ -n "$3" ] && ! anchors "$2" | grep -qx -- "$3"; then bad "$1: cites $2#$3, which is not a heading of $2"; return; fi
+    if [ -n "$3" ] && ! anchors "$2" | grep -qx -- "$3"; then
+        bad "$1: cites $2#$3, which is not a heading of $2"; return
+    fi
     ok
 }
 for f in $files; do
