@@ -106,7 +106,8 @@ static Options parse_args(int argc, char **argv) {
         sdm_die("give one of --prompt, --prompt-file and --prompts, not several");
     if (o.eval && (o.prompt || o.prompt_file || o.prompts_file || o.bench))
         sdm_die("--eval scores shards: it takes no prompt and no --bench");
-    if (!o.eval && (o.eval_batches || o.eval_task || o.out)) sdm_die("--eval-batches, --eval-task and --out need --eval");
+    if (!o.eval && (o.eval_batches || o.eval_task || o.out))
+        sdm_die("--eval-batches, --eval-task and --out need --eval");
     return o;
 }
 

@@ -1,5 +1,6 @@
-// attention/attention.cuh: causal and sliding-window attention on the GPU (docs/MODEL.md#attention): RoPE, the attention core
-// (flash-style forward with logsumexp, deterministic backward), the sigmoid gate, and decode against a KV cache.
+// attention/attention.cuh: causal and sliding-window attention on the GPU (docs/MODEL.md#attention): RoPE, the
+// attention core (flash-style forward with logsumexp, deterministic backward), the sigmoid gate, and decode against a
+// KV cache.
 //
 // Layouts (row-major, last index fastest; what the projection GEMM writes):
 //   q, out, dq, dout [B,T,n_h,d_h];  k, v, dk, dv [B,T,n_kv,d_h];  lse [B,n_h,T] fp32 (natural log)

@@ -1,5 +1,7 @@
-// attention/attention_layer.cuh: one attention mixer of the model on the GPU (docs/MODEL.md#attention), full or sliding-window:
-//   q = x Wqᵀ, k = x Wkᵀ, v = x Wvᵀ -> RoPE(q, k) -> o = attention(q, k, v) -> og = sigmoid(x Wgᵀ) * o (gated) -> y = og Woᵀ
+// attention/attention_layer.cuh: one attention mixer of the model on the GPU (docs/MODEL.md#attention), full or
+// sliding-window:
+//   q = x Wqᵀ, k = x Wkᵀ, v = x Wvᵀ -> RoPE(q, k) -> o = attention(q, k, v) -> og = sigmoid(x Wgᵀ) * o (gated)
+//   -> y = og Woᵀ
 // built from the projection GEMMs (core/matmul.cuh) and the kernels of attention/attention.cuh. The layer object owns
 // the activations its backward needs; weights and their fp32 gradients live in the model's flat arrays. Backward
 // temporaries (AttnLayerBwd) live only inside one backward, so a model's layers share one set. With `recompute`
@@ -195,10 +197,10 @@ static inline void attn_layer_backward(AttnLayer *L, const AttnLayerParams *p, c
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Inference (docs/MODEL.md#inference): per stream a KV cache [C, n_kv, d_h] of K after RoPE and V, where position s lives in
-// slot s % C: a ring buffer of C = window entries for SWA, or a full cache of C = max_tokens for full attention. A
-// prefill runs one stream's prompt (positions 0..T-1) through the training kernels and stores its last C keys and
-// values; a decode step appends one token per stream at its position and attends over the cache.
+// Inference (docs/MODEL.md#inference): per stream a KV cache [C, n_kv, d_h] of K after RoPE and V, where position s
+// lives in slot s % C: a ring buffer of C = window entries for SWA, or a full cache of C = max_tokens for full
+// attention. A prefill runs one stream's prompt (positions 0..T-1) through the training kernels and stores its last C
+// keys and values; a decode step appends one token per stream at its position and attends over the cache.
 
 typedef struct {
     AttnDims a;

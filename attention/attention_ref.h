@@ -1,5 +1,6 @@
-// attention/attention_ref.h: the double-precision CPU reference of one attention layer (docs/MODEL.md#attention), written to be
-// read as the definition. Speed does not matter here; the GPU kernels and the whole-model oracle are checked against it.
+// attention/attention_ref.h: the double-precision CPU reference of one attention layer (docs/MODEL.md#attention),
+// written to be read as the definition. Speed does not matter here; the GPU kernels and the whole-model oracle are
+// checked against it.
 //
 //   q = Wq x [B,T,n_h,d_h];  k = Wk x, v = Wv x [B,T,n_kv,d_h]          (no biases)
 //   q, k <- RoPE(q), RoPE(k) at positions 0..T-1 of each row
@@ -110,7 +111,8 @@ static inline void attn_core_forward_ref(const AttnDims *a, int B, int T, const 
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int j = 0; j < nh; j++) {
-                double l = attn_core_forward_row_ref(a, T, &in, b, t, j, o + (((size_t)b * T + t) * nh + j) * a->head_dim, prob);
+                double l = attn_core_forward_row_ref(a, T, &in, b, t, j,
+                                                     o + (((size_t)b * T + t) * nh + j) * a->head_dim, prob);
                 if (lse) lse[((size_t)b * nh + j) * T + t] = l;
             }
     free(prob);

@@ -32,7 +32,8 @@ __global__ void attn_bwd_dq_rows_kernel(AttnArgs p, int rows) {
     attn_load_row<float, D>(q, (const float *)p.q + (size_t)w * D);
     attn_load_row<float, D>(dout, (const float *)p.dout + (size_t)w * D);
     for (int i = 0; i < D / 32; i++) dq[i] = 0.0f;
-    const float *k = (const float *)p.k + ((size_t)b * p.T * p.nkv + g) * D, *v = (const float *)p.v + ((size_t)b * p.T * p.nkv + g) * D;
+    const float *k = (const float *)p.k + ((size_t)b * p.T * p.nkv + g) * D,
+                *v = (const float *)p.v + ((size_t)b * p.T * p.nkv + g) * D;
     for (int s = attn_first_key_dev(t, p.window); s <= t; s++) {
         const float *kr = k + (size_t)s * p.nkv * D, *vr = v + (size_t)s * p.nkv * D;
         float pr = exp2f(attn_row_dot<float, D>(q, kr) * p.scale_log2 - lse2);
@@ -276,16 +277,20 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
     attn_store_acc<D>((bf16 *)p.dq + ((size_t)b * p.T * p.nh + j) * D, qstride, r0, p.T, dq, sc);
 }
 
-template <int D, int NW, int BM, int MINB, bool SKIP> static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
+template <int D, int NW, int BM, int MINB, bool SKIP>
+static inline void attn_dkdv_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BN = 16 * NW;
     size_t smem = (size_t)(2 * BN + 4 * BM) * (D + ATTN_PAD) * sizeof(bf16) + 4 * BM * sizeof(float);
-    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB, SKIP>, dim3((p.T + BN - 1) / BN, p.nkv, B), NW * 32, smem, st, p);
+    attn_launch(attn_bwd_dkdv_mma_kernel<D, NW, BM, MINB, SKIP>, dim3((p.T + BN - 1) / BN, p.nkv, B),
+                NW * 32, smem, st, p);
 }
 
-template <int D, int NW, int BN, int MINB, bool SKIP> static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
+template <int D, int NW, int BN, int MINB, bool SKIP>
+static inline void attn_dq_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * NW;
     size_t smem = (size_t)(2 * BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p);
+    attn_launch(attn_bwd_dq_mma_kernel<D, NW, BN, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B),
+                NW * 32, smem, st, p);
 }
 
 template <typename T, int D> static inline void attn_delta(const AttnArgs &p, int B, cudaStream_t st) {

@@ -12,7 +12,8 @@
 
 #include <type_traits>
 
-#include "attention/attention_ref.h" // attn_rope_inv_freq: the host computes the RoPE frequencies exactly as the CPU reference
+#include "attention/attention_ref.h" // attn_rope_inv_freq: the host computes the RoPE frequencies exactly as the CPU
+                                     // reference
 #include "attention/attn_dims.h"
 #include "core/common.h"
 #include "core/cuda_common.cuh" // Dtype, cudaCheck, core_warp_sum
@@ -25,7 +26,9 @@ typedef __nv_bfloat16 bf16;
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
 
-__device__ __forceinline__ int attn_first_key_dev(int p, int window) { return window == 0 ? 0 : max(0, p - window + 1); }
+__device__ __forceinline__ int attn_first_key_dev(int p, int window) {
+    return window == 0 ? 0 : max(0, p - window + 1);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Shared arguments of the core kernels
@@ -64,8 +67,8 @@ template <typename T, int D> __device__ __forceinline__ float attn_row_dot(const
 // Online softmax of one query over positions s_lo..s_hi in increasing order. Leaves o unnormalised; lse (natural
 // log) is returned; o must be divided by l.
 template <typename T, int D>
-__device__ void attn_warp_attend(const float (&q)[D / 32], const AttnKvRows<T> &kv, int s_lo, int s_hi, float scale_log2,
-                                 float (&o)[D / 32], float &l, float &lse) {
+__device__ void attn_warp_attend(const float (&q)[D / 32], const AttnKvRows<T> &kv, int s_lo, int s_hi,
+                                 float scale_log2, float (&o)[D / 32], float &l, float &lse) {
     float m = -INFINITY;
     l = 0.0f;
     for (int i = 0; i < D / 32; i++) o[i] = 0.0f;

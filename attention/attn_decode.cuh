@@ -1,7 +1,7 @@
-// attention/attn_decode.cuh: attention decode on the GPU (docs/MODEL.md#inference, docs/MODEL.md#attention): append each stream's newest k, v
-// [B,n_kv,d_h] to its KV cache [B,C,n_kv,d_h] (position pos lives in slot pos % C), and out [B,n_h,d_h] = attention
-// of each stream's newest query over its cached positions 0..len[b]-1 (the last w of them for SWA), one block per
-// (stream, head).
+// attention/attn_decode.cuh: attention decode on the GPU (docs/MODEL.md#inference, docs/MODEL.md#attention): append
+// each stream's newest k, v [B,n_kv,d_h] to its KV cache [B,C,n_kv,d_h] (position pos lives in slot pos % C), and out
+// [B,n_h,d_h] = attention of each stream's newest query over its cached positions 0..len[b]-1 (the last w of them for
+// SWA), one block per (stream, head).
 #ifndef SDM_ATTN_DECODE_CUH
 #define SDM_ATTN_DECODE_CUH
 
@@ -49,7 +49,8 @@ attn_decode_kernel(const T *q, const T *kc, const T *vc, T *out, const int *len,
 
 // Write the new token's k, v [B,n_kv,d_h] into slot pos[b] % C of each stream's cache.
 template <typename T>
-__global__ void attn_kv_append_kernel(const T *k, const T *v, T *kc, T *vc, const int *pos, int C, size_t row, size_t n) {
+__global__ void attn_kv_append_kernel(const T *k, const T *v, T *kc, T *vc, const int *pos, int C, size_t row,
+                                      size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     size_t b = i / row, dst = (b * C + pos[b] % C) * row + i % row;
@@ -87,7 +88,8 @@ static inline void attn_decode_launch(const AttnDims *a, int B, const void *q, c
 static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const void *q, const void *k_cache,
                                const void *v_cache, int C, const int *len, void *out, cudaStream_t st) {
     attn_check_dims(a);
-    if (a->window > 0 && C < a->window) sdm_die("attention: KV cache of %d entries is shorter than the window %d", C, a->window);
+    if (a->window > 0 && C < a->window)
+        sdm_die("attention: KV cache of %d entries is shorter than the window %d", C, a->window);
     if (B == 0) return;
     if (dt == DT_BF16 && a->head_dim == 64) attn_decode_launch<bf16, 64>(a, B, q, k_cache, v_cache, C, len, out, st);
     else if (dt == DT_BF16) attn_decode_launch<bf16, 128>(a, B, q, k_cache, v_cache, C, len, out, st);

@@ -1,6 +1,6 @@
-// attention/attn_fwd.cuh: the attention forward on the GPU (docs/MODEL.md#attention): attn_forward gives out [B,T,n_h,d_h]
-// = softmax(q k^T / sqrt(d_h), causal or sliding-window mask) v from q [B,T,n_h,d_h], k, v [B,T,n_kv,d_h] (after
-// RoPE) and, for training, lse [B,n_h,T] fp32. bf16: the flash-style tensor-core kernel; fp32: one warp per row.
+// attention/attn_fwd.cuh: the attention forward on the GPU (docs/MODEL.md#attention): attn_forward gives out
+// [B,T,n_h,d_h] = softmax(q k^T / sqrt(d_h), causal or sliding-window mask) v from q [B,T,n_h,d_h], k, v [B,T,n_kv,d_h]
+// (after RoPE) and, for training, lse [B,n_h,T] fp32. bf16: the flash-style tensor-core kernel; fp32: one warp per row.
 #ifndef SDM_ATTN_FWD_CUH
 #define SDM_ATTN_FWD_CUH
 
@@ -154,7 +154,8 @@ template <int D, int NW, int BN, int MT, int MINB, bool SKIP>
 static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
     constexpr int BM = 16 * MT * NW;
     size_t smem = (size_t)(BM + 4 * BN) * (D + ATTN_PAD) * sizeof(bf16);
-    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B), NW * 32, smem, st, p);
+    attn_launch(attn_fwd_mma_kernel<D, NW, BN, MT, MINB, SKIP>, dim3((p.T + BM - 1) / BM, p.nh, B),
+                NW * 32, smem, st, p);
 }
 
 template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {

@@ -29,7 +29,9 @@ __device__ __forceinline__ void attn_cp_async16(void *smem, const void *gmem, bo
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
 __device__ __forceinline__ void attn_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void attn_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void attn_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // rows [row0, row0+ROWS) of a [T, stride] bf16 matrix (D columns used) into smem [ROWS][D+PAD]; rows >= T read as 0.
 template <int D, int ROWS, int THREADS>
@@ -98,8 +100,8 @@ __device__ __forceinline__ void attn_mma_bt_m(float (&acc)[MT][NT][4], const uin
 
 // acc[mt] (16 x 8NT) += a[mt] (16 x 16) . B, B stored [k][n] with the k-step at row k0.
 template <int MT, int NT>
-__device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile, int sd,
-                                             int k0) {
+__device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const bf16 *tile,
+                                             int sd, int k0) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
         uint32_t b[4];
@@ -114,15 +116,16 @@ __device__ __forceinline__ void attn_mma_b_m(float (&acc)[MT][NT][4], const uint
 
 // The same for one row tile.
 template <int NT, bool SKIP>
-__device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0,
-                                            int glo, int ghi) {
-    attn_mma_bt_m<1, NT, SKIP>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
-                                  tile, sd, k0, glo, ghi);
+__device__ __forceinline__ void attn_mma_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd,
+                                            int k0, int glo, int ghi) {
+    attn_mma_bt_m<1, NT, SKIP>(*reinterpret_cast<float(*)[1][NT][4]>(&acc),
+                               *reinterpret_cast<const uint32_t(*)[1][4]>(&a), tile, sd, k0, glo, ghi);
 }
 template <int NT>
-__device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd, int k0) {
-    attn_mma_b_m<1, NT>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a), tile,
-                        sd, k0);
+__device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (&a)[4], const bf16 *tile, int sd,
+                                           int k0) {
+    attn_mma_b_m<1, NT>(*reinterpret_cast<float(*)[1][NT][4]>(&acc), *reinterpret_cast<const uint32_t(*)[1][4]>(&a),
+                        tile, sd, k0);
 }
 
 __device__ __forceinline__ uint32_t attn_pack(float lo, float hi) {
@@ -153,7 +156,8 @@ __device__ __forceinline__ void attn_store_acc(bf16 *g, size_t stride, int row0,
         bf16 *out = g + (size_t)row * stride;
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt++)
-            *(uint32_t *)(out + attn_acc_col(dt, 0)) = attn_pack(acc[dt][2 * h] * rowscale[h], acc[dt][2 * h + 1] * rowscale[h]);
+            *(uint32_t *)(out + attn_acc_col(dt, 0)) =
+                attn_pack(acc[dt][2 * h] * rowscale[h], acc[dt][2 * h + 1] * rowscale[h]);
     }
 }
 

@@ -1,5 +1,5 @@
-// attention/attn_rope_gate.cuh: the pointwise parts of the attention layer on the GPU (docs/MODEL.md#attention): RoPE in
-// place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h] (forward, or its transpose for the backward; positions from pos0[b]
+// attention/attn_rope_gate.cuh: the pointwise parts of the attention layer on the GPU (docs/MODEL.md#attention): RoPE
+// in place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h] (forward, or its transpose for the backward; positions from pos0[b]
 // for decode), and the sigmoid output gate og = sigmoid(z) * o with its backward, elementwise on [B,T,n_h*d_h].
 #ifndef SDM_ATTN_ROPE_GATE_CUH
 #define SDM_ATTN_ROPE_GATE_CUH
@@ -50,7 +50,8 @@ __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, 
 // In place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h]; direction 1 = forward, -1 = backward (the transpose).
 static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T, Dtype dt, void *q, void *k,
                              const int *pos0, int direction, cudaStream_t st) {
-    if (r->head_dim != a->head_dim) sdm_die("attention: RoPE table for head_dim %d used with %d", r->head_dim, a->head_dim);
+    if (r->head_dim != a->head_dim)
+        sdm_die("attention: RoPE table for head_dim %d used with %d", r->head_dim, a->head_dim);
     int half = a->head_dim / 2;
     size_t n = (size_t)B * T * (a->n_heads + a->n_kv_heads) * half;
     if (n == 0) return;

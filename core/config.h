@@ -173,7 +173,8 @@ static const CfgField CFG_FIELDS[] = {
     {"sdm.A_init_range", CFG_NUMS, CFG_OFF(A_init_range), "0,16", CFG_ANY, NULL, "U(lo,hi) range of A at init"},
     {"sdm.snapshot_quant", CFG_CHOICE, CFG_OFF(snapshot_quant), "none", CFG_ANY, "none|bf16|fp8|int4",
      "storage of backward snapshots of touched bank rows"},
-    {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32", "dtype of the bank copy (always fp32 when model_dtype is fp32)"},
+    {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32",
+     "dtype of the bank copy (always fp32 when model_dtype is fp32)"},
     {"sdm.cuda_graph", CFG_BOOL, CFG_OFF(cuda_graph), "true", CFG_ANY, NULL,
      "replay the SDM op from CUDA graphs (speed knob)"},
 
@@ -185,7 +186,8 @@ static const CfgField CFG_FIELDS[] = {
      "training shards (glob; empty: the embedded recall dataset)"},
     {"data.val", CFG_STRING, CFG_OFF(val_data), "", CFG_ANY, NULL, "validation shards (glob; empty: embedded)"},
 
-    {"checkpoint.dump_every", CFG_INT, CFG_OFF(dump_every), "500", 0, 1e9, NULL, "steps between checkpoints, and one at the end (0: none)"},
+    {"checkpoint.dump_every", CFG_INT, CFG_OFF(dump_every), "500", 0, 1e9, NULL,
+     "steps between checkpoints, and one at the end (0: none)"},
     {"checkpoint.eval_every", CFG_INT, CFG_OFF(eval_every), "500", 0, 1e9, NULL, "steps between evaluations"},
     {"checkpoint.keep", CFG_INT, CFG_OFF(keep_checkpoints), "2", 1, 1000, NULL, "checkpoints kept"},
     {"eval.steps", CFG_INT, CFG_OFF(eval_steps), "20", 1, 1e9, NULL, "validation batches per evaluation"},
@@ -284,7 +286,10 @@ static inline int cfg_set(void *obj, const CfgField *f, const char *value, char 
         return 1;
     }
     case CFG_STRING:
-        if (strlen(value) >= CFG_STR) { snprintf(err, CFG_ERR, "value longer than %d characters", CFG_STR - 1); return 0; }
+        if (strlen(value) >= CFG_STR) {
+            snprintf(err, CFG_ERR, "value longer than %d characters", CFG_STR - 1);
+            return 0;
+        }
         for (const char *q = value; *q; q++)  // the dump must load back: no line break, no comment start
             if (iscntrl((unsigned char)*q) || *q == '#') {
                 snprintf(err, CFG_ERR, "a control character or '#' at position %d of the value", (int)(q - value));
@@ -483,7 +488,10 @@ static inline int cfg_check_sdm(const Config *c, char *err) {
             return 0;
         }
     } else {
-        if (c->sdm_factors.n > 4) { snprintf(err, CFG_ERR, "key 'sdm.product_key_factor_dims': at most 4 factors"); return 0; }
+        if (c->sdm_factors.n > 4) {
+            snprintf(err, CFG_ERR, "key 'sdm.product_key_factor_dims': at most 4 factors");
+            return 0;
+        }
         long long prod = 1;
         for (int f = 0; f < c->sdm_factors.n; f++) {
             double v = c->sdm_factors.v[f];
@@ -588,7 +596,8 @@ static inline void cfg_format(const Config *c, const CfgField *f, char *out, siz
         size_t pos = 0;
         out[0] = 0;
         if (l->all) { snprintf(out, size, "all"); break; }
-        for (int k = 0; k < l->n && pos < size; k++) pos += snprintf(out + pos, size - pos, "%s%d", k ? "," : "", l->idx[k]);
+        for (int k = 0; k < l->n && pos < size; k++)
+            pos += snprintf(out + pos, size - pos, "%s%d", k ? "," : "", l->idx[k]);
         break;
     }
     }

@@ -198,7 +198,8 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
         ss += v * v;
     }
     float r = rsqrtf(core_warp_sum(ss) / (float)D + eps);
-    for (int k = lane; k < D; k += 32) y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
+    for (int k = lane; k < D; k += 32)
+        y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
     if (lane == 0) rstd[row] = r;
 }
 
@@ -304,8 +305,8 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side in a
-// row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
+// SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side
+// in a row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
 
 __device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 

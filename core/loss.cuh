@@ -1,5 +1,5 @@
-// core/loss.cuh: the fused LM-head loss (docs/MODEL.md#top-level): softmax cross-entropy over logits [n, V] in fp32, with the
-// gradient written over the logits in place, so the step never holds more than the one logits buffer.
+// core/loss.cuh: the fused LM-head loss (docs/MODEL.md#top-level): softmax cross-entropy over logits [n, V] in fp32,
+// with the gradient written over the logits in place, so the step never holds more than the one logits buffer.
 //   losses[i]   = logsumexp(logits[i, :V]) − logits[i, target[i]]
 //   logits[i,v] ← dscale · (softmax(logits[i])[v] − [v == target[i]])      (dscale = 1/n for the mean loss)
 //   mean        = Σ_i losses[i] / n, summed in a fixed order

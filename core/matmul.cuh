@@ -3,8 +3,8 @@
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
-// X, W share one input dtype (core/dtype.cuh): bf16 (fp32 accumulate) or fp32 (true fp32: CUBLAS_COMPUTE_32F never uses TF32).
-// Outputs may be bf16 or fp32 (e.g. bf16 inputs with fp32 gradient buffers). Y/dY may have a row stride
+// X, W share one input dtype (core/dtype.cuh): bf16 (fp32 accumulate) or fp32 (true fp32: CUBLAS_COMPUTE_32F never
+// uses TF32). Outputs may be bf16 or fp32 (e.g. bf16 inputs with fp32 gradient buffers). Y/dY may have a row stride
 // (ld >= N) so that a fused projection can pad its width to a multiple of 8 for aligned rows.
 // One cuBLASLt handle and workspace are created on first use and live until matmul_destroy(); a dry run of the
 // ledger (core/memory.h) records the workspace and creates no handle.

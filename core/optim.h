@@ -1,6 +1,6 @@
-// core/optim.h: the host side of the optimiser (docs/MODEL.md#optimizer): the learning-rate schedule, the AdamW coefficients of
-// one step, the gradient-clipping scale, and a double-precision AdamW step that is the oracle of the GPU kernel.
-// Plain C (also compiled by nvcc); clip_scale is shared with the device code so both use one formula.
+// core/optim.h: the host side of the optimiser (docs/MODEL.md#optimizer): the learning-rate schedule, the AdamW
+// coefficients of one step, the gradient-clipping scale, and a double-precision AdamW step that is the oracle of the
+// GPU kernel. Plain C (also compiled by nvcc); clip_scale is shared with the device code so both use one formula.
 #ifndef SDM_CORE_OPTIM_H
 #define SDM_CORE_OPTIM_H
 
@@ -22,9 +22,10 @@ static inline LrScheduler lr_scheduler_from_name(const char *name) {
 
 // f(step), the factor of the peak lr for the update that follows `step` completed updates (the first update uses
 // f(0)). As the reference: warmup f = step / warmup for step < warmup; then over
-// s = (step − warmup) / (n_steps − warmup) in [0, 1): cosine f = r + ½(1 − r)(1 + cos πs), linear f = 1 − s(1 − r);
-// f = r from n_steps on (the reference's jump back to 1 at exactly step = n_steps, never reached by a run of n_steps
-// updates, is not reproduced). "constant" is f = 1 at every step, warmup included, as in the reference.
+// s = (step − warmup) / (n_steps − warmup) in [0, 1): cosine f = r + ½(1 − r)(1 + cos πs),
+// linear f = 1 − s(1 − r); f = r from n_steps on (the reference's jump back to 1 at exactly step = n_steps, never
+// reached by a run of n_steps updates, is not reproduced). "constant" is f = 1 at every step, warmup included, as in
+// the reference.
 static inline double lr_schedule(LrScheduler kind, long long step, long long warmup, long long n_steps,
                                  double min_ratio) {
     if (kind == LR_CONSTANT) return 1.0;
@@ -87,7 +88,8 @@ static inline SDM_HOST_DEVICE void adamw_element(float *p, float *m, float *v, f
     *p = *p * c.decay_mul - c.step_size * *m / (sqrtf(*v) * c.rsqrt_bc2 + c.eps);
 }
 
-// The oracle: one AdamW update of n elements in double, written from docs/MODEL.md#optimizer (gradient g already scaled).
+// The oracle: one AdamW update of n elements in double, written from docs/MODEL.md#optimizer (gradient g already
+// scaled).
 static inline void ref_adamw_step(double *p, double *m, double *v, const double *g, size_t n, const AdamWHyper *h,
                                   int decay) {
     double bc1 = 1.0 - pow(h->beta1, (double)h->t), bc2 = 1.0 - pow(h->beta2, (double)h->t);

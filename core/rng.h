@@ -11,7 +11,11 @@
 
 typedef struct { uint64_t state; } Rng;
 
-static inline Rng rng_make(uint64_t seed) { Rng r; r.state = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull; return r; }
+static inline Rng rng_make(uint64_t seed) {
+    Rng r;
+    r.state = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+    return r;
+}
 
 static inline SDM_HOST_DEVICE uint64_t rng_u64(Rng *r) {
     uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);

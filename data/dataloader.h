@@ -253,9 +253,11 @@ static inline int dataloader_set_state(DataLoader *dl, const DataLoaderState *s,
     if (s->magic != DATALOADER_STATE_MAGIC || s->version != DATALOADER_STATE_VERSION)
         return data_fail(err, "dataloader state: bad magic or version (0x%08x, %u)", s->magic, s->version);
     if (s->total_rows != dl->total_rows || s->seq_len != (uint32_t)dl->T || s->shuffle != (uint32_t)dl->shuffle)
-        return data_fail(err, "dataloader state: saved for %llu rows of T=%u (shuffle %u), but the loader has %llu rows of "
-                         "T=%d (shuffle %d): different data or seq_len", (unsigned long long)s->total_rows, s->seq_len,
-                         s->shuffle, (unsigned long long)dl->total_rows, dl->T, dl->shuffle);
+        return data_fail(err,
+                         "dataloader state: saved for %llu rows of T=%u (shuffle %u), but the loader has %llu rows of "
+                         "T=%d (shuffle %d): different data or seq_len",
+                         (unsigned long long)s->total_rows, s->seq_len, s->shuffle, (unsigned long long)dl->total_rows,
+                         dl->T, dl->shuffle);
     if (s->position > s->total_rows)
         return data_fail(err, "dataloader state: position %llu beyond %llu rows", (unsigned long long)s->position,
                          (unsigned long long)s->total_rows);

@@ -41,7 +41,8 @@ static inline int dataset_make_dir(const char *dir, char *err) {
         if (*p != '/' && *p != 0) continue;
         char c = *p;
         *p = 0;
-        if (mkdir(path, 0755) != 0 && errno != EEXIST) return data_fail(err, "%s: cannot create: %s", path, strerror(errno));
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            return data_fail(err, "%s: cannot create: %s", path, strerror(errno));
         *p = c;
         if (c == 0) return 0;
     }
@@ -88,7 +89,8 @@ static inline int recall_dataset_write(const char *dir, const RecallConfig *c, c
     const char *prefixes[2] = {"recall_train", "recall_val"};
     const uint64_t sizes[2] = {c->train_tokens, c->val_tokens};
     for (int split = 0; split < 2; split++) {
-        if (shard_writer_open(&w, dir, prefixes[split], TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, DATASET_SHARD_TOKENS, err))
+        if (shard_writer_open(&w, dir, prefixes[split], TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, DATASET_SHARD_TOKENS,
+                              err))
             return -1;
         if (recall_write_split(c, (uint64_t)split, sizes[split], &w, err)) { shard_writer_abort(&w); return -1; }
         if (shard_writer_close(&w, err)) return -1;

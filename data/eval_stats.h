@@ -83,9 +83,9 @@ static inline void gap_score_print(const GapScore *s, const char *task, FILE *ou
 static inline void gap_score_tsv(const GapScore *s, long long step, const char *task, FILE *out) {
     for (int b = 0; b < s->n; b++)
         if (s->queries[b])
-            fprintf(out, "%lld\t%s\t%ld\t%ld\t%llu\t%.6f\t%.6f\n", step, task, gap_bucket_low(s, b), gap_bucket_high(s, b),
-                    (unsigned long long)s->queries[b], (double)s->exact[b] / (double)s->queries[b],
-                    (double)s->tokens_right[b] / (double)s->tokens[b]);
+            fprintf(out, "%lld\t%s\t%ld\t%ld\t%llu\t%.6f\t%.6f\n", step, task, gap_bucket_low(s, b),
+                    gap_bucket_high(s, b), (unsigned long long)s->queries[b],
+                    (double)s->exact[b] / (double)s->queries[b], (double)s->tokens_right[b] / (double)s->tokens[b]);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -128,7 +128,8 @@ static inline long position_bucket_high(const PositionLoss *p, int b) {
 static inline void position_loss_print(const PositionLoss *p, FILE *out) {
     fprintf(out, "val loss by position:");
     for (int b = 0; b < POSITION_MAX_BUCKETS; b++)
-        if (p->count[b]) fprintf(out, " [%ld,%ld] %.4f", 1L << b, position_bucket_high(p, b), p->sum[b] / (double)p->count[b]);
+        if (p->count[b])
+            fprintf(out, " [%ld,%ld] %.4f", 1L << b, position_bucket_high(p, b), p->sum[b] / (double)p->count[b]);
     fputc('\n', out);
 }
 

@@ -66,7 +66,9 @@ static inline void filler_word(ByteBuf *out, const char *w) {
     bytebuf_append(out, w, strlen(w));
 }
 
-static inline void filler_article(ByteBuf *out, const char *next) { filler_word(out, strchr("aeiou", next[0]) ? "an" : "a"); }
+static inline void filler_article(ByteBuf *out, const char *next) {
+    filler_word(out, strchr("aeiou", next[0]) ? "an" : "a");
+}
 
 // A noun phrase; *plural says whether it was plural (for the verb "was"/"were").
 static inline void filler_noun_phrase(Rng *r, ByteBuf *out, int *plural) {
@@ -98,7 +100,10 @@ static inline void filler_clause(Rng *r, ByteBuf *out) {
     int plural;
     filler_noun_phrase(r, out, &plural);
     switch (rng_below(r, 5)) {
-    case 0: filler_word(out, FILLER_PICK(r, filler_intransitive)); filler_word(out, FILLER_PICK(r, filler_adverbs)); break;
+    case 0:
+        filler_word(out, FILLER_PICK(r, filler_intransitive));
+        filler_word(out, FILLER_PICK(r, filler_adverbs));
+        break;
     case 1: filler_word(out, FILLER_PICK(r, filler_intransitive)); filler_place(r, out); break;
     case 2: filler_word(out, plural ? "were" : "was"); filler_word(out, FILLER_PICK(r, filler_adjectives)); break;
     default:

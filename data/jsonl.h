@@ -80,7 +80,8 @@ static inline int json_unicode_escape(JsonlParser *jp, uint32_t *cp) {
     if (*cp >= 0xDC00 && *cp <= 0xDFFF) return json_fail(jp, "lone low surrogate in \\u escape");
     if (*cp < 0xD800 || *cp > 0xDBFF) return 0;
     uint32_t lo = 0;
-    if (jp->end - jp->p < 2 || jp->p[0] != '\\' || jp->p[1] != 'u') return json_fail(jp, "lone high surrogate in \\u escape");
+    if (jp->end - jp->p < 2 || jp->p[0] != '\\' || jp->p[1] != 'u')
+        return json_fail(jp, "lone high surrogate in \\u escape");
     jp->p += 2;
     if (json_hex4(jp, &lo)) return -1;
     if (lo < 0xDC00 || lo > 0xDFFF) return json_fail(jp, "high surrogate not followed by a low one");

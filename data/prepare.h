@@ -148,7 +148,8 @@ static inline int preparer_add_file(Preparer *pp, const char *path, PrepUnit uni
         bytebuf_reserve(&pp->block, PREP_BLOCK);
         size_t got = fread(pp->block.data + carry, 1, pp->block.cap - carry, f);
         if (ferror(f)) {
-            rc = data_fail(err, "%s: read error at offset %llu: %s", path, (unsigned long long)file_bytes, strerror(errno));
+            rc = data_fail(err, "%s: read error at offset %llu: %s", path, (unsigned long long)file_bytes,
+                           strerror(errno));
             break;
         }
         file_bytes += got;

@@ -91,12 +91,15 @@ static void run_task(const char *dir, const char *task, const RecallConfig *rc, 
     if (!strcmp(task, "recall")) {
         if (recall_dataset_write(dir, rc, err)) sdm_die("%s", err);
     } else {
-        if (strcmp(task, "mqar") && strcmp(task, "copy")) sdm_die("--task: expected recall, mqar or copy, got \"%s\"", task);
+        if (strcmp(task, "mqar") && strcmp(task, "copy"))
+            sdm_die("--task: expected recall, mqar or copy, got \"%s\"", task);
         sc->task = !strcmp(task, "mqar") ? SYN_MQAR : SYN_COPY;
         if (syn_dataset_write(dir, sc, &dropped, err)) sdm_die("%s", err);
     }
     fprintf(stderr, "prepare_data: %s dataset in %s (%.1f s)\n", task, dir, now_seconds() - t0);
-    if (dropped) fprintf(stderr, "prepare_data: %llu facts left unqueried (no room at a drawn gap)\n", (unsigned long long)dropped);
+    if (dropped)
+        fprintf(stderr, "prepare_data: %llu facts left unqueried (no room at a drawn gap)\n",
+                (unsigned long long)dropped);
 }
 
 int main(int argc, char **argv) {
@@ -177,7 +180,8 @@ int main(int argc, char **argv) {
            (unsigned long long)(docs - val_docs), (unsigned long long)val_docs, (unsigned long long)skipped);
     printf("prepare_data: %llu train tokens in %d shard(s), %llu validation tokens in %d shard(s), in %s\n",
            (unsigned long long)train_tokens, train_shards, (unsigned long long)val_tokens, val_shards, dir);
-    printf("prepare_data: %.1f MB in %.2f s = %.0f MB/s\n", (double)bytes / 1e6, secs, (double)bytes / 1e6 / SDM_MAX(secs, 1e-9));
+    printf("prepare_data: %.1f MB in %.2f s = %.0f MB/s\n", (double)bytes / 1e6, secs,
+           (double)bytes / 1e6 / SDM_MAX(secs, 1e-9));
     if (val_docs == 0) fprintf(stderr, "prepare_data: warning: no validation documents (see --val-every)\n");
     return 0;
 }

@@ -112,7 +112,9 @@ static inline long recall_log_uniform(Rng *r, long lo, long hi) {
     return SDM_MAX(lo, SDM_MIN(g, hi));
 }
 
-static inline long recall_draw_gap(Rng *r, const RecallConfig *c) { return recall_log_uniform(r, c->min_gap, c->max_gap); }
+static inline long recall_draw_gap(Rng *r, const RecallConfig *c) {
+    return recall_log_uniform(r, c->min_gap, c->max_gap);
+}
 
 static inline void recall_append(ByteBuf *out, const char *s) { bytebuf_append(out, s, strlen(s)); }
 
@@ -161,7 +163,8 @@ static inline void recall_generate_document(Rng *r, const RecallConfig *c, ByteB
         for (int i = 0; i < nf; i++)
             if (facts[i].value_pos < 0 && (next_fact < 0 || facts[i].target < facts[next_fact].target)) next_fact = i;
         for (int q = 0; q < nq; q++)
-            if (queries[q].fact >= 0 && (next_query < 0 || queries[q].target < queries[next_query].target)) next_query = q;
+            if (queries[q].fact >= 0 && (next_query < 0 || queries[q].target < queries[next_query].target))
+                next_query = q;
         if (next_query >= 0 && (long)out->len >= queries[next_query].target) {
             recall_ask(out, &facts[queries[next_query].fact]);
             queries[next_query].fact = -1;
@@ -182,7 +185,8 @@ static inline void recall_generate_document(Rng *r, const RecallConfig *c, ByteB
 }
 
 // The whole split as one token stream (BOS + document + EOS, ...) of at least `tokens` tokens.
-static inline int recall_write_split(const RecallConfig *c, uint64_t stream, uint64_t tokens, ShardWriter *w, char *err) {
+static inline int recall_write_split(const RecallConfig *c, uint64_t stream, uint64_t tokens, ShardWriter *w,
+                                     char *err) {
     Rng r = rng_make(c->seed * 2 + stream);
     ByteBuf doc = {NULL, 0, 0};
     int32_t *tok = NULL;
@@ -190,7 +194,11 @@ static inline int recall_write_split(const RecallConfig *c, uint64_t stream, uin
     int rc = 0;
     while (rc == 0 && w->total_tokens < tokens) {
         recall_generate_document(&r, c, &doc);
-        if (cap < doc.len + 2) { free(tok); cap = 2 * (doc.len + 2); tok = (int32_t *)sdm_malloc(cap * sizeof(int32_t)); }
+        if (cap < doc.len + 2) {
+            free(tok);
+            cap = 2 * (doc.len + 2);
+            tok = (int32_t *)sdm_malloc(cap * sizeof(int32_t));
+        }
         rc = shard_writer_append(w, tok, tok_encode_document(doc.data, doc.len, tok), err);
     }
     free(tok);
@@ -240,7 +248,8 @@ static inline void recall_score_row(GapScore *s, const int32_t *tokens, const in
         long a = q + (long)plen, head = recall_run(tokens, n, a, 0), key_start = a + head;
         while (key_start > a && tokens[key_start - 1] != ' ') key_start--;  // the key is the last word
         long rel_end = key_start - 4;                                     // before " of "
-        if (rel_end <= a || !recall_match(tokens, n, rel_end, " of ", 4) || !recall_match(tokens, n, a + head, RECALL_QUERY_MID, mlen))
+        if (rel_end <= a || !recall_match(tokens, n, rel_end, " of ", 4) ||
+            !recall_match(tokens, n, a + head, RECALL_QUERY_MID, mlen))
             continue;
         long ans = a + head + (long)mlen, nd = recall_run(tokens, n, ans, 1);
         if (nd == 0 || ans + nd >= n) continue;  // the answer must end inside the row

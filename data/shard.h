@@ -110,7 +110,8 @@ static inline uint64_t shard_expected_size(const ShardHeader *h) {
 static inline int shard_check_size(const ShardHeader *h, uint64_t size, const char *name, char *err) {
     uint64_t want = shard_expected_size(h);
     if (size < want)
-        return data_fail(err, "%s: truncated: the header promises %llu tokens (%llu bytes) but the data ends at offset %llu",
+        return data_fail(err,
+                         "%s: truncated: the header promises %llu tokens (%llu bytes) but the data ends at offset %llu",
                          name, (unsigned long long)h->count, (unsigned long long)want, (unsigned long long)size);
     if (size > want)
         return data_fail(err, "%s: offset %llu: %llu unexpected bytes after the last of %llu tokens", name,
@@ -340,7 +341,8 @@ static inline int shard_writer_append(ShardWriter *w, const int32_t *tokens, siz
 // bytes [n] appended as the tokens 0..255 (the bytes tokenizer's identity map, without building an int32 copy:
 // this is the prepare tool's hot loop). The vocab is at least 258, so every byte is a valid token.
 static inline int shard_writer_append_bytes(ShardWriter *w, const uint8_t *bytes, size_t n, char *err) {
-    if (w->h.vocab < 256) return data_fail(err, "%s: bytes need a vocab of at least 256 (have %u)", w->prefix, w->h.vocab);
+    if (w->h.vocab < 256)
+        return data_fail(err, "%s: bytes need a vocab of at least 256 (have %u)", w->prefix, w->h.vocab);
     while (n > 0) {
         size_t m;
         if (shard_writer_room(w, n, &m, err)) return -1;

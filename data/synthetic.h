@@ -11,8 +11,8 @@
 //   mqar: BOS, P facts  FACT key value  (distinct keys), then filler with one query  QUERY key value  per fact,
 //         its value (the answer) g tokens after the fact's value, g log-uniform in [min_gap, max_gap]; facts are
 //         queried in the order their gaps give. Queries come after the facts, so fact i (from 0) has gaps of at
-//         least 3(P-i): the smallest gaps belong to the last facts. A gap that cannot be placed (outside the body or on another
-//         query) is redrawn; after SYN_TRIES draws the fact stays unqueried (counted as dropped).
+//         least 3(P-i): the smallest gaps belong to the last facts. A gap that cannot be placed (outside the body or on
+//         another query) is redrawn; after SYN_TRIES draws the fact stays unqueried (counted as dropped).
 //   copy: BOS, filler, COPY_FROM s_1..s_L, filler, COPY_TO s_1..s_L, filler: L random letters, both markers g
 //         tokens apart (so each letter is g tokens from its original), g log-uniform in [max(min_gap, L+1),
 //         max_gap]; every letter of the second copy is an answer token.
@@ -75,7 +75,8 @@ static inline void syn_gap_range(const SynConfig *c, long *lo, long *hi) {
 static inline int syn_config_check(const SynConfig *c, char *err) {
     long T = c->seq_len, lo, hi;
     syn_gap_range(c, &lo, &hi);
-    if (T < 16 || T > (1 << 24)) return data_fail(err, "%s: seq_len must be in 16..2^24 (got %ld)", syn_task_name(c->task), T);
+    if (T < 16 || T > (1 << 24))
+        return data_fail(err, "%s: seq_len must be in 16..2^24 (got %ld)", syn_task_name(c->task), T);
     if (c->train_tokens == 0) return data_fail(err, "%s: train_tokens must be positive", syn_task_name(c->task));
     if (c->task == SYN_MQAR) {
         if (c->pairs < 1 || c->pairs > SYN_NUM_KEYS)
@@ -83,9 +84,11 @@ static inline int syn_config_check(const SynConfig *c, char *err) {
         if (6L * c->pairs + 4 > T)  // the facts, and room for every query after them
             return data_fail(err, "mqar: %d pairs need seq_len >= %d (got %ld)", c->pairs, 6 * c->pairs + 4, T);
         if (lo < 1 || hi < lo || hi > T - 5)
-            return data_fail(err, "mqar: need 1 <= min_gap <= max_gap <= seq_len - 5 = %ld (got %ld, %ld)", T - 5, lo, hi);
+            return data_fail(err, "mqar: need 1 <= min_gap <= max_gap <= seq_len - 5 = %ld (got %ld, %ld)", T - 5, lo,
+                             hi);
         if (hi < 3L * c->pairs)  // the first fact's query comes after the last fact
-            return data_fail(err, "mqar: max_gap %ld cannot reach past %d facts (need >= %d)", hi, c->pairs, 3 * c->pairs);
+            return data_fail(err, "mqar: max_gap %ld cannot reach past %d facts (need >= %d)", hi, c->pairs,
+                             3 * c->pairs);
     } else {
         if (c->copy_len < 1) return data_fail(err, "copy: copy_len must be positive (got %d)", c->copy_len);
         if (hi < lo || hi > T - 3 - c->copy_len)

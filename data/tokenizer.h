@@ -1,5 +1,5 @@
-// data/tokenizer.h: the bytes tokenizer (docs/FORMATS.md#bytes-tokenizer: V = 258, tokens 0..255 are bytes, BOS = 256, EOS = 257;
-// a document is BOS + its bytes + EOS) and a strict UTF-8 validator used by the prepare tool.
+// data/tokenizer.h: the bytes tokenizer (docs/FORMATS.md#bytes-tokenizer: V = 258, tokens 0..255 are bytes, BOS = 256,
+// EOS = 257; a document is BOS + its bytes + EOS) and a strict UTF-8 validator used by the prepare tool.
 #ifndef SDM_DATA_TOKENIZER_H
 #define SDM_DATA_TOKENIZER_H
 

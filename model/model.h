@@ -38,7 +38,8 @@ typedef struct {
 } ParamSpec;
 
 #define MODEL_MAX_PARAMS (CFG_MAX_LAYERS * 32 + 8)
-#define MODEL_ALIGN 8 // tensors start at multiples of 8 elements: 16-byte aligned in bf16, as vector loads and cuBLASLt like
+// tensors start at multiples of 8 elements: 16-byte aligned in bf16, as vector loads and cuBLASLt like
+#define MODEL_ALIGN 8
 
 typedef struct {
     int n_layers, dim, vocab, ffn_hidden, tied;
@@ -243,9 +244,12 @@ static inline const ParamSpec *model_layer_param(const ModelDesc *m, int l, cons
     return model_find(m, name);
 }
 
-// SDM gate parameters at init (docs/MODEL.md#initialisation): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the inverse
-// softplus of dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4), so that softplus(a + dt_bias) starts near dt. One draw each.
-static inline double model_init_A_log(Rng *r, double A_lo, double A_hi) { return log(fmax(rng_range(r, A_lo, A_hi), 1e-4)); }
+// SDM gate parameters at init (docs/MODEL.md#initialisation): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the
+// inverse softplus of dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4), so that softplus(a + dt_bias) starts near dt. One draw
+// each.
+static inline double model_init_A_log(Rng *r, double A_lo, double A_hi) {
+    return log(fmax(rng_range(r, A_lo, A_hi), 1e-4));
+}
 
 static inline double model_init_dt_bias(Rng *r) {
     double dt = fmax(exp(rng_range(r, log(0.001), log(0.1))), 1e-4);
@@ -255,11 +259,13 @@ static inline double model_init_dt_bias(Rng *r) {
 #define MODEL_INIT_BLOCK 65536 // values drawn from one RNG stream
 
 // Initialise block `block` of tensor `index` (its values [block*MODEL_INIT_BLOCK, ...)) into out, tensor-relative
-// (docs/MODEL.md#initialisation). Each block draws from its own stream, derived from the seed, the tensor's index and the
-// block, so the values do not depend on how the work is split over threads.
-static inline void model_init_block(const ModelDesc *m, int index, unsigned long long seed, long long block, float *out) {
+// (docs/MODEL.md#initialisation). Each block draws from its own stream, derived from the seed, the tensor's index and
+// the block, so the values do not depend on how the work is split over threads.
+static inline void model_init_block(const ModelDesc *m, int index, unsigned long long seed, long long block,
+                                    float *out) {
     const ParamSpec *p = &m->params[index];
-    Rng r = rng_make((seed * 1000003ull + (unsigned long long)index) * 0x9E3779B97F4A7C15ull + (unsigned long long)block);
+    Rng r =
+        rng_make((seed * 1000003ull + (unsigned long long)index) * 0x9E3779B97F4A7C15ull + (unsigned long long)block);
     long long end = SDM_MIN(p->numel, (block + 1) * MODEL_INIT_BLOCK);
     for (long long i = block * MODEL_INIT_BLOCK; i < end; i++) {
         double v = 0;
@@ -274,7 +280,9 @@ static inline void model_init_block(const ModelDesc *m, int index, unsigned long
     }
 }
 
-static inline long long model_init_blocks(const ParamSpec *p) { return (p->numel + MODEL_INIT_BLOCK - 1) / MODEL_INIT_BLOCK; }
+static inline long long model_init_blocks(const ParamSpec *p) {
+    return (p->numel + MODEL_INIT_BLOCK - 1) / MODEL_INIT_BLOCK;
+}
 
 static inline void model_init_tensor(const ModelDesc *m, int index, unsigned long long seed, float *out) {
     for (long long b = 0; b < model_init_blocks(&m->params[index]); b++) model_init_block(m, index, seed, b, out);
@@ -288,7 +296,8 @@ static inline void *model_init_worker(void *arg) {
     long long job = 0;
     for (int i = 0; i < j->m->n_params; i++)
         for (long long b = 0; b < model_init_blocks(&j->m->params[i]); b++, job++)
-            if (job % j->threads == j->thread) model_init_block(j->m, i, j->seed, b, j->storage + j->m->params[i].offset);
+            if (job % j->threads == j->thread)
+                model_init_block(j->m, i, j->seed, b, j->storage + j->m->params[i].offset);
     return NULL;
 }
 

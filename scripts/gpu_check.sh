@@ -8,7 +8,8 @@ what=${1:-all}; shift || true
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 jobs=$(nproc 2>/dev/null || echo 4)
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; git log -1 --format='commit %h %s'; } \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  git log -1 --format='commit %h %s'; } \
     2>&1 | tee "$out/machine.txt"
 
 make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda >"$out/build.log" 2>&1
@@ -37,6 +38,8 @@ if [ "$what" != bench ]; then
     grep -E '^== |passed, [0-9]+ failed$' "$out/test_gpu.log" | paste - - 2>/dev/null | sed 's/^== //'
 fi
 if [ "$what" != tests ]; then
-    for l in "$out"/bench_*.log; do [ -f "$l" ] && { echo "-- $(basename "$l" .log)"; grep -E '^\|' "$l" | tail -n 20; }; done
+    for l in "$out"/bench_*.log; do
+        [ -f "$l" ] && { echo "-- $(basename "$l" .log)"; grep -E '^\|' "$l" | tail -n 20; }
+    done
 fi
 [ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && [ $bench_rc -eq 0 ]

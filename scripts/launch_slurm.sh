@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node run under SLURM: one task per GPU. Submit with, e.g.
-#   sbatch --nodes=8 --ntasks-per-node=8 --gpus-per-node=8 scripts/launch_slurm.sh ./train_sdm -c configs/sdm_flagship.cfg
+#   sbatch --nodes=8 --ntasks-per-node=8 --gpus-per-node=8 \
+#       scripts/launch_slurm.sh ./train_sdm -c configs/sdm_flagship.cfg
 # core/bootstrap.h reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; rank 0 (the first node) serves the NCCL id to
 # the tasks that show this run's SDM_RUN_SECRET (made here unless set; srun passes the environment on). srun stops
 # every task when one fails (--kill-on-bad-exit) and exits non-zero.

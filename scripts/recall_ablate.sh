@@ -40,5 +40,6 @@ for n in "${names[@]}"; do
     val=$(grep -o 'val loss [0-9.]*' "$out/$n.log" | tail -n 1 | awk '{print $3}')
     step=$(grep -o '^eval step [0-9]*' "$out/$n.log" | tail -n 1 | awk '{print $3}')
     tps=$(grep -o '[0-9]* tok/s' "$out/$n.log" | tail -n 1 | awk '{print $1}')
-    printf '%-14s %6s %8s %8s %s\n' "$n" "${step:--}" "${val:--}" "${tps:--}" "${acc:- (no evaluation; see $out/$n.log)}"
+    printf '%-14s %6s %8s %8s %s\n' "$n" "${step:--}" "${val:--}" "${tps:--}" \
+        "${acc:- (no evaluation; see $out/$n.log)}"
 done

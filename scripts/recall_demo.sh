@@ -39,7 +39,10 @@ if [ "${PLOT_ONLY:-0}" != 1 ]; then
     make --no-print-directory prepare_data svgplot
     [ "$train_sdm" = ./train_sdm ] && make --no-print-directory train_sdm
     for a in $archs; do
-        [ -e "$out/$a" ] && { echo "recall_demo: $out/$a exists (train_sdm would resume it): remove it or choose another OUT" >&2; exit 1; }
+        [ -e "$out/$a" ] && {
+            echo "recall_demo: $out/$a exists (train_sdm would resume it): remove it or choose another OUT" >&2
+            exit 1
+        }
     done
     # shellcheck disable=SC2086  # MQAR_ARGS is a list of options
     ./prepare_data --task mqar --seq-len "$seq_len" ${MQAR_ARGS:---pairs 16 --min-gap 16} -o "$data"
@@ -53,7 +56,9 @@ if [ "${PLOT_ONLY:-0}" != 1 ]; then
     done
     failed=0
     for a in $archs; do
-        if ! wait "${pids[$a]}"; then echo "recall_demo: $a failed; the end of $out/$a.log:" >&2; tail -n 5 "$out/$a.log" >&2; failed=1; fi
+        if ! wait "${pids[$a]}"; then
+            echo "recall_demo: $a failed; the end of $out/$a.log:" >&2; tail -n 5 "$out/$a.log" >&2; failed=1
+        fi
     done
     echo "recall_demo: trained in $(( $(date +%s) - t0 )) s"
     [ $failed = 0 ] || exit 1
@@ -72,18 +77,22 @@ for a in $archs; do
     awk -F'\t' -v s="$a" '$2 == "mqar" { rows[$1] = rows[$1] sprintf("%s\t%.3f\t%s\n", s,
             $4 < 0 ? 1.5 * $3 : sqrt(($3 > 1 ? $3 : 1) * $4), $6); if ($1 + 0 >= last) last = $1 + 0 }
         END { printf "%s", rows[last] }' "$out/$a/eval_recall.tsv" >> "$out/accuracy_by_gap.tsv"
-    awk -F'\t' -v s="$a" '{ rows[$1] = rows[$1] sprintf("%s\t%.3f\t%s\n", s, sqrt($2 * $3), $4); if ($1 + 0 >= last) last = $1 + 0 }
+    awk -F'\t' -v s="$a" '{ rows[$1] = rows[$1] sprintf("%s\t%.3f\t%s\n", s, sqrt($2 * $3), $4);
+            if ($1 + 0 >= last) last = $1 + 0 }
         END { printf "%s", rows[last] }' "$out/$a/eval_positions.tsv" >> "$out/loss_by_position.tsv"
 done
 [ -s "$out/accuracy_by_gap.tsv" ] || { echo "recall_demo: no MQAR scores in the runs' eval_recall.tsv" >&2; exit 1; }
 # chance: one value in 10 digits, over the plotted gaps
-awk -F'\t' 'NR == 1 || $2 < lo { lo = $2 } NR == 1 || $2 > hi { hi = $2 } END { printf "chance\t%s\t0.1\nchance\t%s\t0.1\n", lo, hi }' \
+awk -F'\t' 'NR == 1 || $2 < lo { lo = $2 } NR == 1 || $2 > hi { hi = $2 }
+    END { printf "chance\t%s\t0.1\nchance\t%s\t0.1\n", lo, hi }' \
     "$out/accuracy_by_gap.tsv" >> "$out/accuracy_by_gap.tsv"
 
 ./svgplot --logx --ymin 0 --ymax 1 --title "MQAR recall by gap (SWA window $window, rows of $seq_len tokens)" \
-    --xlabel "gap: tokens from fact to query" --ylabel "exact accuracy" -o "$out/accuracy_by_gap.svg" "$out/accuracy_by_gap.tsv"
+    --xlabel "gap: tokens from fact to query" --ylabel "exact accuracy" \
+    -o "$out/accuracy_by_gap.svg" "$out/accuracy_by_gap.tsv"
 ./svgplot --logx --title "Validation loss by position in the row (SWA window $window)" \
-    --xlabel "position in the row (tokens)" --ylabel "mean loss (nats)" -o "$out/loss_by_position.svg" "$out/loss_by_position.tsv"
+    --xlabel "position in the row (tokens)" --ylabel "mean loss (nats)" \
+    -o "$out/loss_by_position.svg" "$out/loss_by_position.tsv"
 echo "recall_demo: accuracy by gap (series, gap, exact):"
 column -t -s $'\t' "$out/accuracy_by_gap.tsv" 2>/dev/null || cat "$out/accuracy_by_gap.tsv"
 echo "recall_demo: wrote $out/accuracy_by_gap.svg and $out/loss_by_position.svg"

@@ -1,6 +1,6 @@
-// sdm/sdm_bank.cuh: the SDM layer's banks on the GPU (docs/SDM.md#the-bank, docs/SDM.md#layer-chain-rule): B sequences' banks [B, H, N, d] in the
-// bank dtype (bf16 or fp32) initialised from the learned M0 [H, N, d] (or zeros), the M0 gradient as the sum over
-// b in order of the per-sequence fp32 bank gradients, and the size of one sequence's bank.
+// sdm/sdm_bank.cuh: the SDM layer's banks on the GPU (docs/SDM.md#the-bank, docs/SDM.md#layer-chain-rule): B sequences'
+// banks [B, H, N, d] in the bank dtype (bf16 or fp32) initialised from the learned M0 [H, N, d] (or zeros), the M0
+// gradient as the sum over b in order of the per-sequence fp32 bank gradients, and the size of one sequence's bank.
 #ifndef SDM_SDM_BANK_CUH
 #define SDM_SDM_BANK_CUH
 
@@ -8,8 +8,8 @@
 #include "sdm/sdm_dims.h"
 
 // =================================================================================================================
-// The bank: every sequence starts from its own copy of M0 (docs/SDM.md#the-bank), and dM0 is the sum of the copies' gradients
-// over b in order 0..B-1 (docs/SDM.md#layer-chain-rule).
+// The bank: every sequence starts from its own copy of M0 (docs/SDM.md#the-bank), and dM0 is the sum of the copies'
+// gradients over b in order 0..B-1 (docs/SDM.md#layer-chain-rule).
 // =================================================================================================================
 
 __global__ void sdm_bank_copy_kernel(void *bank, bool bank_fp32, const void *m0, bool m0_fp32, size_t per_seq, int B) {

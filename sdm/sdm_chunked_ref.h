@@ -1,6 +1,7 @@
-// sdm/sdm_chunked_ref.h: the chunked WY (UT-transform) form of the SDM memory op in double precision (docs/SDM.md#chunked-wy-form)
-// and its reverse recursion over chunks (docs/SDM.md#backward). Same results as sdm_op_*_ref (sdm_ref.h) up to rounding, for
-// every chunk length C. It is the blueprint of the GPU kernels, so it is structured the way they are:
+// sdm/sdm_chunked_ref.h: the chunked WY (UT-transform) form of the SDM memory op in double precision
+// (docs/SDM.md#chunked-wy-form) and its reverse recursion over chunks (docs/SDM.md#backward). Same results as
+// sdm_op_*_ref (sdm_ref.h) up to rounding, for every chunk length C. It is the blueprint of the GPU kernels, so it is
+// structured the way they are:
 //   Phase 1, per chunk and independent of the bank: per-slot decay scans from zero, Gram matrices A and S by two-
 //            pointer merges of sorted slot lists, L = I + diag(beta) A and its inverse, loop-invariant products;
 //   Phase 2, sequential over the chunk index (all B*H streams advance together): gather, small GEMMs, scatter with
@@ -64,14 +65,16 @@ static inline void sdm_chunk_free(SdmChunk *ch) {
     free(ch->snap); free(ch->Delta); free(ch->VmR0);
 }
 
-// Die unless the k slots of a token are strictly ascending in [0, N) (the merges of docs/SDM.md#gram-matrices rely on it).
+// Die unless the k slots of a token are strictly ascending in [0, N) (the merges of docs/SDM.md#gram-matrices rely on
+// it).
 static inline void sdm_check_slot_list(const int *slot, int k, int N) {
     for (int i = 0; i < k; i++)
         if (slot[i] < 0 || slot[i] >= N || (i > 0 && slot[i] <= slot[i - 1]))
             sdm_die("sdm chunked op: slot list not strictly ascending in [0, %d)", N);
 }
 
-// Copy chunk c of stream (b,h) from the token-major arrays, padding times past T with inert tokens (docs/SDM.md#padding).
+// Copy chunk c of stream (b,h) from the token-major arrays, padding times past T with inert tokens
+// (docs/SDM.md#padding).
 static inline void sdm_chunk_load(SdmChunk *ch, int T, int H, int N, int b, int h, int c, const int *wslot,
                                   const double *kappa, const double *gamma, const double *beta, const double *v,
                                   const int *rslot, const double *rho) {
@@ -134,7 +137,8 @@ static inline int sdm_last_write_at_or_before(const SdmChunk *ch, int slot, int 
     return (lo > 0 && ch->ks[ch->order[lo - 1]] == slot) ? lo - 1 : -1;
 }
 
-// per-slot log-decay sums (docs/SDM.md#decay-sums), accumulated from zero inside the chunk, by segmented scans over `order`.
+// per-slot log-decay sums (docs/SDM.md#decay-sums), accumulated from zero inside the chunk, by segmented scans over
+// `order`.
 static inline void sdm_chunk_decay_scans(SdmChunk *ch) {
     int n = ch->C * ch->W;
     for (int p0 = 0, p1; p0 < n; p0 = p1) {
@@ -167,8 +171,8 @@ static inline void sdm_merge_common(const int *a, int na, const int *b, int nb, 
     }
 }
 
-// One Gram entry: sum over common slots of w_row w_col exp(lam_row - lam_col) (docs/SDM.md#gram-matrices). Row entries start at
-// row_base (weights wr, log-decays lr), column entries at col_base (weights wc, log-decays lc).
+// One Gram entry: sum over common slots of w_row w_col exp(lam_row - lam_col) (docs/SDM.md#gram-matrices). Row entries
+// start at row_base (weights wr, log-decays lr), column entries at col_base (weights wc, log-decays lc).
 typedef struct { const double *wr, *lr, *wc, *lc; double sum; } SdmGramAcc;
 static inline void sdm_gram_add(void *ctx, int ia, int ib) {
     SdmGramAcc *g = (SdmGramAcc *)ctx;
@@ -200,7 +204,8 @@ static inline void sdm_matmul(int m, int k, int n, const double *A, int transA, 
         }
 }
 
-// docs/SDM.md#per-chunk-solution: L = I + diag(beta) A, L^-1 by forward substitution against I, then the loop-invariant products.
+// docs/SDM.md#per-chunk-solution: L = I + diag(beta) A, L^-1 by forward substitution against I, then the loop-invariant
+// products.
 static inline void sdm_chunk_solve(SdmChunk *ch) {
     int C = ch->C, d = ch->d;
     for (int col = 0; col < C; col++)

@@ -1,16 +1,16 @@
-// sdm/sdm_infer.cuh: the SDM layer's inference state on the GPU (docs/SDM.md#decode-and-prefill): per-stream banks [streams, H, N, d],
-// the prefill of one stream's prompt (chunked forward without saves) and the decode step of every stream (one token
-// each, in place), on the training layer's forward buffers (sdm/sdm_layer.cuh).
+// sdm/sdm_infer.cuh: the SDM layer's inference state on the GPU (docs/SDM.md#decode-and-prefill): per-stream banks
+// [streams, H, N, d], the prefill of one stream's prompt (chunked forward without saves) and the decode step of every
+// stream (one token each, in place), on the training layer's forward buffers (sdm/sdm_layer.cuh).
 #ifndef SDM_SDM_INFER_CUH
 #define SDM_SDM_INFER_CUH
 
 #include "sdm/sdm_layer.cuh"
 
 // =================================================================================================================
-// Inference (docs/SDM.md#decode-and-prefill): each stream's bank persists between calls. A prefill runs one stream's prompt through
-// the op's chunked forward without saves (training = 0) and leaves the final bank as the decode state; a decode
-// step applies docs/SDM.md#the-recurrence to one token of every stream in place (sdm_op_decode). Both reuse the training
-// forward's projections, top-k and readout on the first rows of the state's buffers.
+// Inference (docs/SDM.md#decode-and-prefill): each stream's bank persists between calls. A prefill runs one stream's
+// prompt through the op's chunked forward without saves (training = 0) and leaves the final bank as the decode state; a
+// decode step applies docs/SDM.md#the-recurrence to one token of every stream in place (sdm_op_decode). Both reuse the
+// training forward's projections, top-k and readout on the first rows of the state's buffers.
 // =================================================================================================================
 
 typedef struct {
@@ -66,7 +66,8 @@ static inline void sdm_infer_shape(SdmInferState *I, int B, int T) {
 static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, int b, const void *x, void *y, int T,
                                      cudaStream_t st) {
     sdm_infer_shape(I, 1, T);
-    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes) sdm_die("SDM inference: prefill scratch too small for T = %d", T);
+    if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes)
+        sdm_die("SDM inference: prefill scratch too small for T = %d", T);
     sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);

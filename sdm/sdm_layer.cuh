@@ -213,8 +213,9 @@ static inline void sdm_layer_temps_destroy(SdmLayerTemps *t) {
     memset(t, 0, sizeof *t);
 }
 
-// A training layer for B sequences of T tokens, marked in prof (NULL: not profiled). shared: temporaries from sdm_layer_temps_create for this shape
-// and the same `recompute` (one set serves every layer of a model), or NULL for the layer's own.
+// A training layer for B sequences of T tokens, marked in prof (NULL: not profiled). shared: temporaries from
+// sdm_layer_temps_create for this shape and the same `recompute` (one set serves every layer of a model), or NULL for
+// the layer's own.
 static inline SdmLayer sdm_layer_create(const SdmDims *s, int B, int T, Dtype ctype, Profiler *prof, int recompute,
                                         const SdmLayerTemps *shared) {
     SdmLayer L = sdm_layer_setup(s, B, T, ctype, 1);
@@ -343,8 +344,8 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
     sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
                                       L->v, L->g, L->beta);
     cudaCheckLast();
-    sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay, L->wslot,
-                 L->kappa, NULL, L->gamma, st);
+    sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay,
+                     L->wslot, L->kappa, NULL, L->gamma, st);
     if (L->side) {
         cudaCheck(cudaEventRecord(L->join, L->side));
         cudaCheck(cudaStreamWaitEvent(st, L->join, 0));

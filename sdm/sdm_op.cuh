@@ -4,7 +4,8 @@
 // Structure (per stream s = b*H + h, chunks of C tokens, all streams advance together):
 //   wy_kernel        Phase 1, one CTA per (stream, chunk), no bank access: slot links between the chunk's entries
 //                    (two-pointer merges of the sorted slot lists), per-slot decay scans from zero inside the chunk
-//                    (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S, and Linv = (I + diag(beta) A)^-1.
+//                    (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S, and
+//                    Linv = (I + diag(beta) A)^-1.
 //   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once):
 //                    fgather (per (stream, token), whole rows: R0, E, snapshots), fsolve (per (stream, DB columns):
 //                    Delta = Linv diag(beta) (V - R0), O = S Delta + E), fscatter (one warp per written slot: its last

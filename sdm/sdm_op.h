@@ -32,7 +32,8 @@
 //       fp32 bank-gradient accumulator. scratch: sdm_op_scratch_bytes, may be shared by all layers.
 //   void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream);
 //       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the
-//       recurrence (docs/SDM.md#the-recurrence) applied to the bank in place, readings written to out [B,1,H,d]. Needs no workspace.
+//       recurrence (docs/SDM.md#the-recurrence) applied to the bank in place, readings written to out [B,1,H,d]. Needs
+//       no workspace.
 //
 // Precision: every decay, Gram matrix, solve, GEMM and accumulation is IEEE fp32 (no TF32 anywhere); a bank row is
 // rounded to the bank dtype once per chunk. bank_fp32 = 1 with snapshot none is the all-fp32 mode. The op is

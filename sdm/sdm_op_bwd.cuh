@@ -1,5 +1,5 @@
-// sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks in
-// reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and the
+// sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks
+// in reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and the
 // per-entry dot products against the bank gradient G and the restored bank), bsolve (dDelta, dX, dR0, dv) and
 // bscatter (the dense fp32 bank gradient G at the touched rows; bank rows restored from the snapshots), then one
 // bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). In: what
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
-        float4 o = tp < a.T ? *(const float4 *)(dout + sdm_tok_off(a, s, tp, a.d) + col0 + lc) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 o = tp < a.T ? *(const float4 *)(dout + sdm_tok_off(a, s, tp, a.d) + col0 + lc)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
         *(float4 *)(Os + t * DB + lc) = o;
     }
     __syncthreads();
@@ -119,16 +120,20 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
         for (int u = t; u < C; u++) acc = sdm_axpy4(Li[u * C + t], *(const float4 *)(DDs + u * DB + lc), acc);
         *(float4 *)(a.dx + (tok0 + t) * a.d + col0 + lc) = acc;
         float bt = a.beta[tok0 + t];
-        *(float4 *)(a.cx + ((size_t)s * C + t) * a.d + col0 + lc) = make_float4(-bt * acc.x, -bt * acc.y, -bt * acc.z, -bt * acc.w);
-        if (tp < a.T) *(float4 *)(dv + sdm_tok_off(a, s, tp, a.d) + col0 + lc) = make_float4(bt * acc.x, bt * acc.y, bt * acc.z, bt * acc.w);
+        *(float4 *)(a.cx + ((size_t)s * C + t) * a.d + col0 + lc) =
+            make_float4(-bt * acc.x, -bt * acc.y, -bt * acc.z, -bt * acc.w);
+        if (tp < a.T)
+            *(float4 *)(dv + sdm_tok_off(a, s, tp, a.d) + col0 + lc) =
+                make_float4(bt * acc.x, bt * acc.y, bt * acc.z, bt * acc.w);
     }
 }
 
 // acc += sum over the read entries of one slot (walking back from r) of rho e^lam' dO_t, 4 columns at col
-__device__ __forceinline__ float4 sdm_read_chain_sum(const SdmOpArgs &a, const float *dout, int s, int c, size_t er, int r,
-                                                 int col, float4 acc) {
+__device__ __forceinline__ float4 sdm_read_chain_sum(const SdmOpArgs &a, const float *dout, int s, int c, size_t er,
+                                                     int r, int col, float4 acc) {
     for (int q = r; q >= 0; q = a.r_prevr[er + q]) // read entries exist only for tokens inside the sequence
-        acc = sdm_axpy4(a.r_gath[er + q], *(const float4 *)(dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
+        acc =
+            sdm_axpy4(a.r_gath[er + q], *(const float4 *)(dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
     return acc;
 }
 
@@ -149,7 +154,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
         if (slot < 0) return;
         if (a.w_prev[ew + i] < 0) { // restore
             void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-            for (int col = lane * 4; col < a.d; col += 128) sdm_store4_any(row, col, sdm_snap_load4(a.snap, ew + i, col), bank_fp32);
+            for (int col = lane * 4; col < a.d; col += 128)
+                sdm_store4_any(row, col, sdm_snap_load4(a.snap, ew + i, col), bank_fp32);
         }
         if (a.w_next[ew + i] >= 0) return;
         float *g = G + (rowN + slot) * a.d;
@@ -158,7 +164,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
         for (int col = lane * 4; col < a.d; col += 128) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
             for (int q = i; q >= 0; q = a.w_prev[ew + q])
-                acc = sdm_axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
+                acc =
+                    sdm_axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
             if (lr >= 0) racc = sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
             float4 x = sdm_axpy4(el, *(const float4 *)(g + col), acc);
             *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
@@ -182,7 +189,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
 // stride d (X rows may be token-major: xrow(t) gives the row pointer or NULL for padding). 64x64 output tiles,
 // 32-column smem slices, 4x4 outputs per thread.
 template <typename RowX>
-__device__ void sdm_chunk_gram(int C, int d, RowX xrow, const float *Y, float scale, bool strict, float *out, float *sm) {
+__device__ void sdm_chunk_gram(int C, int d, RowX xrow, const float *Y, float scale, bool strict, float *out,
+                               float *sm) {
     float *xs = sm, *ys = sm + 64 * 33;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     for (int t0 = 0; t0 < C; t0 += 64)
@@ -199,7 +207,8 @@ __device__ void sdm_chunk_gram(int C, int d, RowX xrow, const float *Y, float sc
                 __syncthreads();
                 for (int k = 0; k < 32; k++)
                     for (int i = 0; i < 4; i++)
-                        for (int j = 0; j < 4; j++) acc[i][j] = fmaf(xs[(ty * 4 + i) * 33 + k], ys[(tx * 4 + j) * 33 + k], acc[i][j]);
+                        for (int j = 0; j < 4; j++)
+                            acc[i][j] = fmaf(xs[(ty * 4 + i) * 33 + k], ys[(tx * 4 + j) * 33 + k], acc[i][j]);
             }
             for (int i = 0; i < 4; i++)
                 for (int j = 0; j < 4; j++) {
@@ -220,8 +229,9 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
     const float *Dl = a.delta + tok0 * a.d, *DX = a.dx + tok0 * a.d;
     float *dS = a.dS + cc, *dL = a.dL + cc;
     // dS = dO Delta^T (u <= t), dL = -dX Delta^T (u < t)
-    sdm_chunk_gram(C, a.d, [&](int t) { return t < nvalid ? dout + sdm_tok_off(a, s, c * C + t, a.d) : (const float *)NULL; },
-               Dl, 1.f, false, dS, sm);
+    sdm_chunk_gram(
+        C, a.d, [&](int t) { return t < nvalid ? dout + sdm_tok_off(a, s, c * C + t, a.d) : (const float *)NULL; },
+        Dl, 1.f, false, dS, sm);
     sdm_chunk_gram(C, a.d, [&](int t) { return DX + (size_t)t * a.d; }, Dl, -1.f, true, dL, sm);
     // dbeta_t = <V - R0, dX>_t + sum_{u<t} A[t,u] dL[t,u], one warp per token
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -248,7 +258,8 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
     }
     __syncthreads();
     // one thread per written slot (its last entry): Gram backward over the slot's entries, then the dgamma scans
-    float *dk = a.omega + ew, *dg = a.eta + ew, *dlam = a.psi + ew, *dmu = a.dmu + ew, *dr = a.phi + er, *dlr = a.dlamr + er;
+    float *dk = a.omega + ew, *dg = a.eta + ew, *dlam = a.psi + ew, *dmu = a.dmu + ew, *dr = a.phi + er,
+          *dlr = a.dlamr + er;
     const float *kap = a.w_kappa + ew, *lam = a.w_lam + ew, *rho = a.r_rho + er, *rlam = a.r_lam + er;
     const float *bt = a.beta + tok0;
     const int *prev = a.w_prev + ew, *prevr = a.r_prevr + er, *prevw = a.r_prevw + er;
@@ -263,7 +274,8 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
                 dlam[b] += x;
                 dlam[q] -= x;
             }
-        for (int r = a.w_lastread[ew + h]; r >= 0; r = prevr[r]) // read-write pairs with the write at or before the read
+        // read-write pairs with the write at or before the read
+        for (int r = a.w_lastread[ew + h]; r >= 0; r = prevr[r])
             for (int q = h; q >= 0; q = prev[q]) {
                 int tr = r / R, tq = q / W;
                 if (tq > tr) continue;
@@ -277,8 +289,9 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
             }
         // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r
         //          + sum_{writes b before q} dmu_b
-        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since pi_q = e^{mu_q -
-        // gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when gamma << 0)
+        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since
+        // pi_q = e^{mu_q - gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation
+        // when gamma << 0)
         for (int q = h; q >= 0; q = prev[q]) {
             int tq = q / W;
             float x = dg[q];
@@ -294,7 +307,8 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
         dkappa[o] = dk[e];
         dgamma[o] = dg[e];
     }
-    for (int e = threadIdx.x; e < nvalid * R; e += blockDim.x) drho[sdm_tok_off(a, s, c * C + e / R, R) + e % R] = dr[e];
+    for (int e = threadIdx.x; e < nvalid * R; e += blockDim.x)
+        drho[sdm_tok_off(a, s, c * C + e / R, R) + e % R] = dr[e];
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).

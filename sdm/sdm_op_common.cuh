@@ -1,10 +1,10 @@
-// sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to docs/SDM.md#decode-and-prefill): 16-byte bank vectors
-// (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores of a bf16 or fp32 row, the snapshot storage of the
-// backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale per 32 columns), SdmOpArgs (every pointer into
-// `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h, by value), the token-major offset of
-// (stream, token) in a [B,T,H,width] array, and the host helpers every entry point uses (shape check, smem sizes).
-// Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R], per-chunk C x C arrays
-// [S][nc][C][C], per-chunk rows [S][C][d] (see SdmOpLayout).
+// sdm/sdm_op_common.cuh: what the kernels of the GPU SDM memory op share (docs/SDM.md#the-recurrence to
+// docs/SDM.md#decode-and-prefill): 16-byte bank vectors (SdmBankVec: 4 fp32 or 8 bf16 values), 4-wide row loads/stores
+// of a bf16 or fp32 row, the snapshot storage of the backward (none/bf16/fp8/int4 rows, fp8/int4 with one fp32 scale
+// per 32 columns), SdmOpArgs (every pointer into `saved` / `scratch` at the offsets of sdm_op_layout in sdm/sdm_op.h,
+// by value), the token-major offset of (stream, token) in a [B,T,H,width] array, and the host helpers every entry point
+// uses (shape check, smem sizes). Streams are s = b*H + h (S = B*H); per-entry arrays are [S][Tp][W] / [S][Tp][R],
+// per-chunk C x C arrays [S][nc][C][C], per-chunk rows [S][C][d] (see SdmOpLayout).
 #ifndef SDM_SDM_OP_COMMON_CUH
 #define SDM_SDM_OP_COMMON_CUH
 
@@ -24,7 +24,10 @@ template <typename Tb> struct SdmBankVec;
 template <> struct SdmBankVec<float> {
     static constexpr int V = 4;
     __device__ static void unpack(uint4 r, float *x) {
-        x[0] = __uint_as_float(r.x); x[1] = __uint_as_float(r.y); x[2] = __uint_as_float(r.z); x[3] = __uint_as_float(r.w);
+        x[0] = __uint_as_float(r.x);
+        x[1] = __uint_as_float(r.y);
+        x[2] = __uint_as_float(r.z);
+        x[3] = __uint_as_float(r.w);
     }
     __device__ static void load(const float *p, float *x) {
         float4 a = *(const float4 *)p;
@@ -55,7 +58,8 @@ template <> struct SdmBankVec<__nv_bfloat16> {
 __device__ __forceinline__ float4 sdm_load4_any(const void *row, int col, bool fp32) {
     if (fp32) return *(const float4 *)((const float *)row + col);
     uint2 a = *(const uint2 *)((const __nv_bfloat16 *)row + col);
-    float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&a.x), hi = __bfloat1622float2(*(const __nv_bfloat162 *)&a.y);
+    float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&a.x),
+           hi = __bfloat1622float2(*(const __nv_bfloat162 *)&a.y);
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 __device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32) {
@@ -88,9 +92,11 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
     if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
         if (!active) return;
         if (sv.mode == SDM_SNAP_NONE && sv.bank_fp32) {
-            for (int i = 0; i < V; i += 4) *(float4 *)((float *)row + col + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+            for (int i = 0; i < V; i += 4)
+                *(float4 *)((float *)row + col + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
         } else {
-            for (int i = 0; i < V; i += 4) sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
+            for (int i = 0; i < V; i += 4)
+                sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
         }
         return;
     }
@@ -107,7 +113,8 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
             ((__nv_fp8_storage_t *)row)[col + i] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
     } else {
         for (int i = 0; i < V; i += 2) {
-            int hi = (int)fminf(fmaxf(rintf(x[i] * inv), -8.f), 7.f), lo = (int)fminf(fmaxf(rintf(x[i + 1] * inv), -8.f), 7.f);
+            int hi = (int)fminf(fmaxf(rintf(x[i] * inv), -8.f), 7.f),
+                lo = (int)fminf(fmaxf(rintf(x[i + 1] * inv), -8.f), 7.f);
             ((uint8_t *)row)[(col + i) / 2] = (uint8_t)(((hi & 15) << 4) | (lo & 15));
         }
     }
@@ -159,7 +166,11 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
     SDM_OP_PTR(w_slot, int); SDM_OP_PTR(w_prev, int); SDM_OP_PTR(w_next, int); SDM_OP_PTR(w_lastread, int);
     SDM_OP_PTR(w_kappa, float); SDM_OP_PTR(w_lam, float); SDM_OP_PTR(w_gath, float); SDM_OP_PTR(w_scat, float);
     SDM_OP_PTR(w_pi, float); SDM_OP_PTR(w_elam_tot, float);
-    SDM_OP_PTR(r_slot, int); SDM_OP_PTR(r_prevw, int); SDM_OP_PTR(r_prevr, int); SDM_OP_PTR(r_nextr, int); SDM_OP_PTR(r_lastw, int);
+    SDM_OP_PTR(r_slot, int);
+    SDM_OP_PTR(r_prevw, int);
+    SDM_OP_PTR(r_prevr, int);
+    SDM_OP_PTR(r_nextr, int);
+    SDM_OP_PTR(r_lastw, int);
     SDM_OP_PTR(r_rho, float); SDM_OP_PTR(r_lam, float); SDM_OP_PTR(r_gath, float); SDM_OP_PTR(beta, float);
     SDM_OP_PTR(A, float); SDM_OP_PTR(Sm, float); SDM_OP_PTR(Linv, float);
     SDM_OP_PTR(cx, float); SDM_OP_PTR(ce, float); SDM_OP_PTR(cdelta, float);
@@ -201,6 +212,8 @@ static inline void sdm_op_require(const SdmOpShape *s) {
 
 static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
 static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
-static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) { return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S); }
+static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) {
+    return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S);
+}
 
 #endif

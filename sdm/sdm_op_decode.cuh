@@ -1,7 +1,7 @@
-// sdm/sdm_op_decode.cuh: the single-token decode step of the SDM op (docs/SDM.md#the-recurrence, docs/SDM.md#decode-and-prefill): sdm_op_decode applies the
-// recurrence (retrieval from the decayed rows, delta, write, read after the write) to one token of each of the B*H
-// streams, in place on the bank [B,H,N,d] (bf16 or fp32), readings to out [B,1,H,d]. Inputs in the op's layout with
-// T = 1. No workspace.
+// sdm/sdm_op_decode.cuh: the single-token decode step of the SDM op (docs/SDM.md#the-recurrence,
+// docs/SDM.md#decode-and-prefill): sdm_op_decode applies the recurrence (retrieval from the decayed rows, delta, write,
+// read after the write) to one token of each of the B*H streams, in place on the bank [B,H,N,d] (bf16 or fp32),
+// readings to out [B,1,H,d]. Inputs in the op's layout with T = 1. No workspace.
 #ifndef SDM_SDM_OP_DECODE_CUH
 #define SDM_SDM_OP_DECODE_CUH
 

@@ -1,6 +1,6 @@
-// sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and prefill) runs
-// phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches per chunk:
-// fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
+// sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and
+// prefill) runs phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches
+// per chunk: fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
 // written slot's row updated once). In: v [B,T,H,d] and the phase-1 quantities; out: readings [B,T,H,d], the bank
 // [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta, U = V - R0 [S][Tp][d] and the
 // snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.
@@ -31,8 +31,8 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
 // the calling warp's partial row); `snap` stores each row's snapshot. The sums live in registers for SDM_GQ vectors
 // per lane (wider rows take several passes over the entries, each over other columns), two entries' loads in flight.
 template <typename Tb>
-__device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots, const float *gath,
-                                                  size_t e0, int n, float *part, bool snap) {
+__device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots,
+                                                      const float *gath, size_t e0, int n, float *part, bool snap) {
     constexpr int V = SdmBankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
     for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
@@ -51,7 +51,8 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 #pragma unroll
                 for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
-                    if (sl[j] >= 0 && q0 + u < nq && col < a.d) raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
+                    if (sl[j] >= 0 && q0 + u < nq && col < a.d)
+                        raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
                 }
             }
 #pragma unroll
@@ -91,7 +92,8 @@ __device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
 
 // Grid (C, S), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats.
 template <typename Tb>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
+__global__ void __launch_bounds__(SDM_ROW_THREADS)
+    sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
     extern __shared__ float sdm_fgather_part[]; // [warps][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
@@ -173,7 +175,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs
 
 // One chunk of the forward for every stream: gather, solve, scatter.
 template <typename Tb>
-static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c, cudaStream_t stream) {
+static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c,
+                                 cudaStream_t stream) {
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));

@@ -1,10 +1,10 @@
-// sdm/sdm_op_wy.cuh: phase 1 of the chunked SDM op (docs/SDM.md#chunked-wy-form, docs/SDM.md#numerics): the per-chunk WY quantities, one CTA per
-// (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa, gamma [B,T,H,W], beta [B,T,H],
-// rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot lists and links between the
-// chunk's entries (previous/next write of a slot, the writes a read sees, the last read of a slot) [S][Tp][W|R],
-// per-slot decay scans lam, gather/scatter weights, e^Lambda [S][Tp][W], beta [S][Tp], and per chunk the Gram
-// matrices A (strictly lower), S (lower with diagonal) and Linv = (I + diag(beta) A)^-1, each [S][nc][C][C].
-// Used by the forward (training and prefill); the backward reads what it saved.
+// sdm/sdm_op_wy.cuh: phase 1 of the chunked SDM op (docs/SDM.md#chunked-wy-form, docs/SDM.md#numerics): the per-chunk
+// WY quantities, one CTA per (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa, gamma
+// [B,T,H,W], beta [B,T,H], rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot lists
+// and links between the chunk's entries (previous/next write of a slot, the writes a read sees, the last read of a
+// slot) [S][Tp][W|R], per-slot decay scans lam, gather/scatter weights, e^Lambda [S][Tp][W], beta [S][Tp], and per
+// chunk the Gram matrices A (strictly lower), S (lower with diagonal) and Linv = (I + diag(beta) A)^-1, each
+// [S][nc][C][C]. Used by the forward (training and prefill); the backward reads what it saved.
 #ifndef SDM_SDM_OP_WY_CUH
 #define SDM_SDM_OP_WY_CUH
 
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(SdmOpArgs a, const int *wsl
     for (int e = threadIdx.x; e < C * R; e += blockDim.x)
         if (nextr[e] == INT_MAX) nextr[e] = -1;
     __syncthreads();
-    // per-slot decay scans from zero inside the chunk: lam inclusive forward, nu = sum strictly after, lamtot = slot total
+    // per-slot decay scans from zero inside the chunk: lam inclusive forward, nu = sum strictly after, lamtot = slot
+    // total
     for (int t = 0; t < C; t++) {
         for (int k = threadIdx.x; k < W; k += blockDim.x) {
             int e = t * W + k, pr = prev[e];

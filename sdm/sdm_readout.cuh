@@ -38,9 +38,8 @@ __device__ __forceinline__ float sdm_f4get(const float4 &v, int j) {
 }
 
 template <int NV>
-__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o,
-                                                                                 void *r, float *ln_mean,
-                                                                                 float *ln_rstd) {
+__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
+    sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o, void *r, float *ln_mean, float *ln_rstd) {
     int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
@@ -86,11 +85,9 @@ __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_forwa
 // read and then written by the same lane), dzG into dz (gate; dz may alias the forward z the same way), and the
 // per-warp LayerNorm partials: partials[warp][d] = sum drn * xhat, partials[n_warps + warp][d] = sum drn.
 template <int NV>
-__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_backward_kernel(SdmReadoutArgs ra, const float *o,
-                                                                                  const float *ln_mean,
-                                                                                  const float *ln_rstd, const float *dr,
-                                                                                  float *dout, void *dz,
-                                                                                  float *partials) {
+__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
+    sdm_readout_backward_kernel(SdmReadoutArgs ra, const float *o, const float *ln_mean, const float *ln_rstd,
+                                const float *dr, float *dout, void *dz, float *partials) {
     int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
@@ -159,26 +156,26 @@ __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK) sdm_readout_backw
 }
 
 // Launch the instantiation whose NV float4 groups per lane cover d (d <= 2048, d % 4 == 0).
-#define SDM_RO_DISPATCH(kernel, ra, st, ...)                                                                         \
-    do {                                                                                                         \
-        int blocks_ = ceil_div((ra).n_warps, SDM_RO_WARPS_PER_BLOCK), thr_ = 32 * SDM_RO_WARPS_PER_BLOCK;                \
-        if ((ra).d <= 128) kernel<1><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                 \
-        else if ((ra).d <= 256) kernel<2><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
-        else if ((ra).d <= 512) kernel<4><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                            \
-        else if ((ra).d <= 1024) kernel<8><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                           \
-        else kernel<16><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                              \
-        cudaCheckLast();                                                                                         \
+#define SDM_RO_DISPATCH(kernel, ra, st, ...)                                                                           \
+    do {                                                                                                               \
+        int blocks_ = ceil_div((ra).n_warps, SDM_RO_WARPS_PER_BLOCK), thr_ = 32 * SDM_RO_WARPS_PER_BLOCK;              \
+        if ((ra).d <= 128) kernel<1><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                       \
+        else if ((ra).d <= 256) kernel<2><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                  \
+        else if ((ra).d <= 512) kernel<4><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                  \
+        else if ((ra).d <= 1024) kernel<8><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                 \
+        else kernel<16><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                                    \
+        cudaCheckLast();                                                                                               \
     } while (0)
 
-static inline void sdm_readout_forward(const SdmReadoutArgs *ra, const float *o, void *r, float *ln_mean, float *ln_rstd,
-                                   cudaStream_t st) {
+static inline void sdm_readout_forward(const SdmReadoutArgs *ra, const float *o, void *r, float *ln_mean,
+                                       float *ln_rstd, cudaStream_t st) {
     SDM_RO_DISPATCH(sdm_readout_forward_kernel, *ra, st, o, r, ln_mean, ln_rstd);
 }
 
 // ...and, with the LayerNorm, d ln_w and d ln_b (accumulated) as column sums of the per-warp partials.
-static inline void sdm_readout_backward(const SdmReadoutArgs *ra, const float *o, const float *ln_mean, const float *ln_rstd,
-                                    float *dr, void *dz, float *partials, float *dln_w, float *dln_b,
-                                    cudaStream_t st) {
+static inline void sdm_readout_backward(const SdmReadoutArgs *ra, const float *o, const float *ln_mean,
+                                        const float *ln_rstd, float *dr, void *dz, float *partials, float *dln_w,
+                                        float *dln_b, cudaStream_t st) {
     SDM_RO_DISPATCH(sdm_readout_backward_kernel, *ra, st, o, ln_mean, ln_rstd, dr, dr, dz, partials);
     if (ra->ln) {
         matmul_colsum(dln_w, partials, DT_FP32, ra->d, ra->n_warps, ra->d, 1, st);

@@ -1,7 +1,7 @@
 // sdm/sdm_ref.h: the double-precision CPU reference of the SDM layer, the ground truth of sdm.c.
 // Part 1, the memory op: the exact per-token recurrence of docs/SDM.md#the-recurrence and its reverse-mode backward.
-// Part 2, the rest of the layer (docs/SDM.md#layer-overview): gates, product-key top-k, weight activations, readout, and the whole
-// layer forward/backward with its intermediate stages exposed for stage-by-stage comparison.
+// Part 2, the rest of the layer (docs/SDM.md#layer-overview): gates, product-key top-k, weight activations, readout,
+// and the whole layer forward/backward with its intermediate stages exposed for stage-by-stage comparison.
 //
 // Layout (shared with the GPU): tokens [B, T], heads H; per-token per-head arrays are token-major:
 //   wslot, kappa, gamma [B,T,H,W]  (slot index in 0..N-1 of head h, sorted ascending per (b,t,h))
@@ -27,8 +27,9 @@ static inline void sdm_axpy(double *y, double a, const double *x, int n) {
     for (int k = 0; k < n; k++) y[k] += a * x[k];
 }
 
-// One token of one (b,h) stream, steps (1)-(4) of docs/SDM.md#the-recurrence: decay the W touched rows, retrieve r from the decayed rows,
-// delta = beta (v - r), write kappa_i delta into each row. M: the stream's bank [N, d]; r, delta: [d] outputs.
+// One token of one (b,h) stream, steps (1)-(4) of docs/SDM.md#the-recurrence: decay the W touched rows, retrieve r from
+// the decayed rows, delta = beta (v - r), write kappa_i delta into each row. M: the stream's bank [N, d]; r, delta: [d]
+// outputs.
 static inline void sdm_token_write(int d, int W, const int *slot, const double *kappa, const double *gamma,
                                    double beta, const double *v, double *M, double *r, double *delta) {
     for (int k = 0; k < d; k++) r[k] = 0.0;
@@ -48,7 +49,8 @@ static inline void sdm_token_read(int d, int R, const int *slot, const double *r
     for (int j = 0; j < R; j++) sdm_axpy(o, rho[j], M + (size_t)slot[j] * d, d);
 }
 
-// The memory op, forward (docs/SDM.md#the-recurrence). bank: in the initial bank [B,H,N,d], out the final bank. out: [B,T,H,d].
+// The memory op, forward (docs/SDM.md#the-recurrence). bank: in the initial bank [B,H,N,d], out the final bank. out:
+// [B,T,H,d].
 static inline void sdm_op_forward_ref(int B, int T, int H, int N, int d, int W, int R,
                                       const int *wslot, const double *kappa, const double *gamma,
                                       const double *beta, const double *v, const int *rslot, const double *rho,
@@ -174,10 +176,11 @@ static inline double sdm_gate_decay_backward(double a, double A_log, double dt_b
 // larger slot index (= the larger first-factor index, then the larger second-factor index, ...: the slot index is the
 // mixed-radix number with the first factor most significant, so comparing it compares the digits in that order).
 // Algorithm: per factor, sort its sub-keys by that order (score, then index) and keep the first min(k, n_f) plus every
-// further entry whose float32 score equals the last kept one's (docs/SDM.md#tie-rule); then merge factors left to right, forming
-// every sum of a kept partial tuple and a kept sub-key, and keep the best k after each merge. This equals the brute-
-// force top-k over all N slots except when float32 rounding makes the sums of distinct sub-key scores equal (then a
-// dropped candidate may win the index tie-break); a GPU kernel that follows this algorithm matches it in every case.
+// further entry whose float32 score equals the last kept one's (docs/SDM.md#tie-rule); then merge factors left to
+// right, forming every sum of a kept partial tuple and a kept sub-key, and keep the best k after each merge. This
+// equals the brute-force top-k over all N slots except when float32 rounding makes the sums of distinct sub-key scores
+// equal (then a dropped candidate may win the index tie-break); a GPU kernel that follows this algorithm matches it in
+// every case.
 
 typedef struct {
     float score;   // float32 partial slot score over the factors merged so far
@@ -260,7 +263,8 @@ static inline void sdm_pk_topk_ref(int F, const int *dims, int k, const double *
     free(cur);
 }
 
-// Gradient routing (docs/SDM.md#product-key-addressing): dscores[sum n_f] += the gradient of each selected score at its F sub-key entries.
+// Gradient routing (docs/SDM.md#product-key-addressing): dscores[sum n_f] += the gradient of each selected score at its
+// F sub-key entries.
 static inline void sdm_pk_topk_backward_ref(int F, const int *dims, int k, const int *slot, const double *dscore,
                                             double *dscores) {
     int digit[SDM_MAX_FACTORS];

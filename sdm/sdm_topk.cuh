@@ -1,10 +1,11 @@
-// sdm/sdm_topk.cuh: the SDM layer's addressing on the GPU (docs/SDM.md#gates, docs/SDM.md#product-key-addressing, docs/SDM.md#tie-rule, docs/SDM.md#key-weighted-decay, docs/SDM.md#layer-chain-rule). Forward: for
-// every problem p = token*H + h, the product-key scores of its K = sum of factor widths columns of the fused
-// projection z [tokens, ldz] (bf16 or fp32), the k best slots by the exact radix top-k, sorted by ascending slot:
-// slot [P,k] int32, weight [P,k] = softmax(scale * score) fp32, optionally score [P,k] and the write decays
-// gamma [P,k]. Backward: the softmax backward and the routing of each score's gradient to its sub-key entries,
-// written as the K-wide block of dz, and for writes the gate gradients (key-weighted decay, a, c) into dz and the
-// fp32 per-token gate terms gate_grad [tokens, 3H]. One warp per problem; integer histograms only: deterministic.
+// sdm/sdm_topk.cuh: the SDM layer's addressing on the GPU (docs/SDM.md#gates, docs/SDM.md#product-key-addressing,
+// docs/SDM.md#tie-rule, docs/SDM.md#key-weighted-decay, docs/SDM.md#layer-chain-rule). Forward: for every problem p =
+// token*H + h, the product-key scores of its K = sum of factor widths columns of the fused projection z [tokens, ldz]
+// (bf16 or fp32), the k best slots by the exact radix top-k, sorted by ascending slot: slot [P,k] int32, weight [P,k] =
+// softmax(scale * score) fp32, optionally score [P,k] and the write decays gamma [P,k]. Backward: the softmax backward
+// and the routing of each score's gradient to its sub-key entries, written as the K-wide block of dz, and for writes
+// the gate gradients (key-weighted decay, a, c) into dz and the fp32 per-token gate terms gate_grad [tokens, 3H]. One
+// warp per problem; integer histograms only: deterministic.
 #ifndef SDM_SDM_TOPK_CUH
 #define SDM_SDM_TOPK_CUH
 
@@ -334,17 +335,19 @@ static inline void sdm_topk_forward(const SdmTopkPlan *pl, const void *z, Dtype 
                                 float *gamma, cudaStream_t s) {
     size_t smem = pl->smem_per_warp * pl->warps;
     if (smem > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(sdm_topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(*pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g,
-                                                                             kwd, slot, weight, score, gamma);
+        cudaCheck(
+            cudaFuncSetAttribute(sdm_topk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_topk_forward_kernel<<<ceil_div(P, pl->warps), 32 * pl->warps, smem, s>>>(
+        *pl, z, zt == DT_FP32, ldz, col0, H, P, scale, g, kwd, slot, weight, score, gamma);
     cudaCheckLast();
 }
 
 // =================================================================================================================
 // Addressing backward, one warp per problem: the softmax backward de = scale * w * (dw - <w, dw>), then the
-// routing of each selected score's gradient to its F sub-key entries (docs/SDM.md#product-key-addressing) in a fixed order (lane f adds
-// factor f's entries for j = 0..k-1), written as the full K-wide block of dz (zeros where nothing was selected).
-// For writes (gates != 0) it also chains key-weighted decay and the gates (docs/SDM.md#layer-chain-rule):
+// routing of each selected score's gradient to its F sub-key entries (docs/SDM.md#product-key-addressing) in a fixed
+// order (lane f adds factor f's entries for j = 0..k-1), written as the full K-wide block of dz (zeros where nothing
+// was selected). For writes (gates != 0) it also chains key-weighted decay and the gates
+// (docs/SDM.md#layer-chain-rule):
 //   dw_j = dkappa_j + (kwd ? g dgamma_j : 0),  dg = sum_j (kwd ? kappa_j dgamma_j : dgamma_j),
 //   da = dg * (-exp(A_log) sigmoid(a + dt_bias)) -> dz[col_a + h],  dc = dbeta beta (1 - beta) -> dz[col_c + h],
 //   gate_grad[token, :] = (da [H], dc [H], dg * g [H]) in fp32, so that the sums over tokens giving d ba, d bb,
@@ -359,9 +362,9 @@ typedef struct {
     float *gate_grad;                       // [tokens, 3H]
 } SdmWriteGateArgs;
 
-__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw, float scale,
-                                        int P, int H, void *dz, bool fp32, int ldz, int col0, int gates,
-                                        SdmWriteGateArgs ga) {
+__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw,
+                                            float scale, int P, int H, void *dz, bool fp32, int ldz, int col0,
+                                            int gates, SdmWriteGateArgs ga) {
     extern __shared__ float sdm_addr_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -413,9 +416,9 @@ __global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, con
     }
 }
 
-static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, const float *w, const float *dw, float scale,
-                                    int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
-                                    const SdmWriteGateArgs *ga, cudaStream_t s) {
+static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, const float *w, const float *dw,
+                                        float scale, int P, int H, void *dz, Dtype zt, int ldz, int col0, int gates,
+                                        const SdmWriteGateArgs *ga, cudaStream_t s) {
     const int warps = 4;
     size_t smem = sizeof(float) * (size_t)(pl->key_dim + pl->k) * warps;
     if (smem > 48 * 1024)
@@ -423,8 +426,8 @@ static inline void sdm_address_backward(const SdmTopkPlan *pl, const int *slot, 
                                        (int)smem));
     SdmWriteGateArgs none;
     memset(&none, 0, sizeof(none));
-    sdm_address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(*pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz,
-                                                                        col0, gates, gates ? *ga : none);
+    sdm_address_backward_kernel<<<ceil_div(P, warps), 32 * warps, smem, s>>>(
+        *pl, slot, w, dw, scale, P, H, dz, zt == DT_FP32, ldz, col0, gates, gates ? *ga : none);
     cudaCheckLast();
 }
 

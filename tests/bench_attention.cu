@@ -20,11 +20,18 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-typedef struct { const AttnDims *a; int B, T; bf16 *q, *k, *v, *out, *dout, *dq, *dk, *dv; float *lse; void *ws; } BenchBufs;
+typedef struct {
+    const AttnDims *a;
+    int B, T;
+    bf16 *q, *k, *v, *out, *dout, *dq, *dk, *dv;
+    float *lse;
+    void *ws;
+} BenchBufs;
 
 static void run_pass(const BenchBufs *b, int backward) {
     if (backward)
-        attn_backward(b->a, b->B, b->T, DT_BF16, b->q, b->k, b->v, b->out, b->lse, b->dout, b->dq, b->dk, b->dv, b->ws, 0);
+        attn_backward(b->a, b->B, b->T, DT_BF16, b->q, b->k, b->v, b->out, b->lse, b->dout, b->dq, b->dk, b->dv, b->ws,
+                      0);
     else
         attn_forward(b->a, b->B, b->T, DT_BF16, b->q, b->k, b->v, b->out, b->lse, 0);
 }
@@ -32,7 +39,8 @@ static void run_pass(const BenchBufs *b, int backward) {
 typedef void (*KernelLaunch)(const AttnArgs &, int, cudaStream_t);
 
 // Median milliseconds of `reps` timed runs after `warm` untimed ones: of a whole pass (launch NULL) or one kernel.
-static float time_pass(const BenchBufs *b, int backward, KernelLaunch launch, const AttnArgs *args, int warm, int reps) {
+static float time_pass(const BenchBufs *b, int backward, KernelLaunch launch, const AttnArgs *args, int warm,
+                       int reps) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
@@ -158,8 +166,8 @@ int main(void) {
     printf("| mask | pass | ms | TFLOP/s (inside mask) |\n|---|---|---|---|\n");
     for (int c = 0; c < 2; c++)
         for (int bwd = 0; bwd < 2; bwd++)
-            printf("| %s | %s | %.3f | %.1f |\n", windows[c] ? "SWA w=128" : "full causal", bwd ? "bwd" : "fwd", ms[c][bwd],
-                   tflops[c][bwd]);
+            printf("| %s | %s | %.3f | %.1f |\n", windows[c] ? "SWA w=128" : "full causal", bwd ? "bwd" : "fwd",
+                   ms[c][bwd], tflops[c][bwd]);
     printf("SWA w=128 speed-up over full causal: fwd %.1fx, bwd %.1fx, fwd+bwd %.1fx\n", ms[0][0] / ms[1][0],
            ms[0][1] / ms[1][1], (ms[0][0] + ms[0][1]) / (ms[1][0] + ms[1][1]));
     for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));

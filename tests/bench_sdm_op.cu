@@ -11,7 +11,8 @@
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
 // floors: forward 8.0 ms, backward 22.0 ms):
-//   v1 design, one persistent CTA per (stream, 64-column block) walking all chunks (replaced by docs/SDM.md#phases-on-the-gpu):
+//   v1 design, one persistent CTA per (stream, 64-column block) walking all chunks (replaced by
+//   docs/SDM.md#phases-on-the-gpu):
 //       forward 33.7 ms, backward 112.6 ms; the same kernels with one launch per chunk: prefill 31.4 vs 31.2 ms
 //       persistent (no gain from persistence); gathers of 128-byte row slices, latency-bound.
 //   batched loads + split gathers in that design: forward 27.3 ms, backward 60.3 ms (phase-2 column loop 23.5 ms).
@@ -132,14 +133,16 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     float fg = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fgather_kernel<__nv_bfloat16><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+            sdm_fgather_kernel<__nv_bfloat16>
+                <<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++) sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c);
     });
     float fc = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fscatter_kernel<__nv_bfloat16><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
+            sdm_fscatter_kernel<__nv_bfloat16>
+                <<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
     float tk = time_ms(reps, [&] {
         for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, bank, 0, g->dbank_init, dout, c, c, 0);
@@ -178,7 +181,8 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     cudaCheck(cudaMalloc(&saved, saved_b));
     cudaCheck(cudaMalloc(&scratch, scratch_b));
     printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
-           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4), gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
+           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4),
+           gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
     std::vector<float> tf, tb;

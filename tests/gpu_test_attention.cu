@@ -132,10 +132,13 @@ static size_t ref_forward_rows(const AttnDims *a, const CoreCase *c, const doubl
 
 static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     AttnDims a = dims_of(c);
-    size_t nq = (size_t)c->B * c->T * c->nh * c->D, nk = (size_t)c->B * c->T * c->nkv * c->D, nl = (size_t)c->B * c->nh * c->T;
+    size_t nq = (size_t)c->B * c->T * c->nh * c->D, nk = (size_t)c->B * c->T * c->nkv * c->D,
+           nl = (size_t)c->B * c->nh * c->T;
     Rng rng = rng_make(seed);
-    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk), *dout = random_vec(&rng, nq);
-    void *dq_in = upload(q, nq, dt), *dk_in = upload(k, nk, dt), *dv_in = upload(v, nk, dt), *ddout = upload(dout, nq, dt);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk),
+           *dout = random_vec(&rng, nq);
+    void *dq_in = upload(q, nq, dt), *dk_in = upload(k, nk, dt), *dv_in = upload(v, nk, dt),
+         *ddout = upload(dout, nq, dt);
     void *ws = dev_alloc(attn_backward_workspace_bytes(&a, c->B, c->T));
     CoreOutputs o1, o2;
     CoreOutputs *os[2] = {&o1, &o2};
@@ -172,7 +175,8 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
         double *gdq = download(o1.dq, nq, dt), *gdk = download(o1.dk, nk, dt), *gdv = download(o1.dv, nk, dt);
         double dv_rms = norm(rdv, nk) / sqrt((double)nk);
         int self_only = c->window == 1 || c->T == 1;
-        double floor_q = self_only ? dv_rms * sqrt((double)nq) : 0.0, floor_k = self_only ? dv_rms * sqrt((double)nk) : 0.0;
+        double floor_q = self_only ? dv_rms * sqrt((double)nq) : 0.0,
+               floor_k = self_only ? dv_rms * sqrt((double)nk) : 0.0;
         snprintf(what, sizeof what, "%s: dq", name);
         err[2] = check_err(what, gdq, rdq, nq, floor_q, tol);
         snprintf(what, sizeof what, "%s: dk", name);
@@ -247,9 +251,11 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     attn_core_forward_ref(&a, B, T, q, k, v, ref, NULL);
     double *gdec = download(dec, nq, dt), *gfull = download(full, nq, dt);
     char what[160];
-    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d (cache %d) vs reference", dt_name(dt), B, T, nh, nkv, D, window, C);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d (cache %d) vs reference", dt_name(dt), B, T, nh, nkv,
+             D, window, C);
     double e_ref = check_err(what, gdec, ref, nq, 0.0, tol_of(dt));
-    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d vs GPU forward", dt_name(dt), B, T, nh, nkv, D, window);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d vs GPU forward", dt_name(dt), B, T, nh, nkv, D,
+             window);
     double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == DT_FP32 ? 1e-6 : TOL_BF16);
     printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
            nkv, D, window, C, e_ref, e_gpu);
@@ -295,7 +301,8 @@ static void test_rope(Dtype dt) {
             double eq = check_err(what, gq, rq, nq, 0.0, tol_of(dt));
             snprintf(what, sizeof what, "rope %s dir %d pos0 %s: k", dt_name(dt), dir, with_pos ? "{0,37}" : "none");
             double ek = check_err(what, gk, rk, nk, 0.0, tol_of(dt));
-            printf("rope %s direction %+d pos0 %s: q %.1e, k %.1e\n", dt_name(dt), dir, with_pos ? "{0,37}" : "none", eq, ek);
+            printf("rope %s direction %+d pos0 %s: q %.1e, k %.1e\n", dt_name(dt), dir, with_pos ? "{0,37}" : "none",
+                   eq, ek);
             free(gq); free(gk); free(rq); free(rk);
             cudaFree(tq); cudaFree(tk);
         }

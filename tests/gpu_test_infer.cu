@@ -26,8 +26,8 @@
 #include "model/model_ref.h"
 #include "tests/test.h"
 
-// fp32: the decode applies the recurrence (docs/SDM.md#the-recurrence) token by token where the teacher-forced op uses the chunked WY form,
-// and the GEMMs run at other shapes: both round differently at the 1e-7 level.
+// fp32: the decode applies the recurrence (docs/SDM.md#the-recurrence) token by token where the teacher-forced op uses
+// the chunked WY form, and the GEMMs run at other shapes: both round differently at the 1e-7 level.
 #define TOL_FP32 1e-5
 // bf16: the decode rounds the bf16 bank after every token, the chunked forward once per chunk; activations are
 // bf16, so a GEMM of another shape can move a value by one bf16 ulp (2^-8), and the attention decode keeps the
@@ -216,8 +216,9 @@ static void check_generation_and_reset(const float *host) {
     GenStats s2 = gen_run(&I, a, 5, MAX_NEW, &sp, 7, out2);
     GenStats s3 = gen_run(&I, a, 5, MAX_NEW, &sp, 8, out3);
     printf("(c) generation, T=0.9 top-p 0.95: seed 7 gives %d tokens, again %d tokens, %s; seed 8: %d tokens, %s\n",
-           s1.n_new, s2.n_new, s1.n_new == s2.n_new && !memcmp(out1, out2, sizeof(int) * s1.n_new) ? "identical" : "DIFFERENT",
-           s3.n_new, s3.n_new == s1.n_new && !memcmp(out1, out3, sizeof(int) * s1.n_new) ? "the same" : "different");
+           s1.n_new, s2.n_new,
+           s1.n_new == s2.n_new && !memcmp(out1, out2, sizeof(int) * s1.n_new) ? "identical" : "DIFFERENT", s3.n_new,
+           s3.n_new == s1.n_new && !memcmp(out1, out3, sizeof(int) * s1.n_new) ? "the same" : "different");
     CHECK(s1.n_new == s2.n_new && s1.n_eos == s2.n_eos && !memcmp(out1, out2, sizeof(int) * s1.n_new),
           "two generations with seed 7 differ");
 
@@ -478,7 +479,8 @@ static int check_sampler_case(int V, int kind, const SamplingParams *sp) {
     float *d_logits = (float *)device_alloc(MEM_SCRATCH, sizeof(float) * rows * ld);
     Rng *d_rng = (Rng *)device_alloc(MEM_SCRATCH, sizeof(Rng) * rows);
     double *d_probs = (double *)device_alloc(MEM_SCRATCH, sizeof(double) * rows * V);
-    int *d_order = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows * V), *d_next = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows);
+    int *d_order = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows * V),
+        *d_next = (int *)device_alloc(MEM_SCRATCH, sizeof(int) * rows);
     cudaCheck(cudaMemcpy(d_logits, logits, sizeof(float) * rows * ld, cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_rng, host_rng, sizeof(Rng) * rows, cudaMemcpyHostToDevice));
     double *probs = (double *)sdm_malloc(sizeof(double) * V);

@@ -47,7 +47,10 @@ static int build_case(const Case *c, Config *cfg, const char *dtype) {
     cfg_defaults(cfg);
     if (!cfg_parse_text(cfg, c->lines, "case", err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
     snprintf(line, sizeof line, "distributed.model_dtype = %s", dtype);
-    if (!cfg_apply_line(cfg, line, "case", err) || !cfg_validate(cfg, err)) { CHECK(0, "%s: %s", c->name, err); return 0; }
+    if (!cfg_apply_line(cfg, line, "case", err) || !cfg_validate(cfg, err)) {
+        CHECK(0, "%s: %s", c->name, err);
+        return 0;
+    }
     model_build(&g_desc, cfg);
     return 1;
 }

@@ -124,7 +124,10 @@ static void upload_bank(const Case *c, int fp32, void *dst, double *rounded) {
         free(h);
     } else {
         __nv_bfloat16 *h = (__nv_bfloat16 *)sdm_malloc(n * 2);
-        for (size_t i = 0; i < n; i++) { h[i] = __float2bfloat16((float)c->bank[i]); rounded[i] = __bfloat162float(h[i]); }
+        for (size_t i = 0; i < n; i++) {
+            h[i] = __float2bfloat16((float)c->bank[i]);
+            rounded[i] = __bfloat162float(h[i]);
+        }
         cudaCheck(cudaMemcpy(dst, h, n * 2, cudaMemcpyHostToDevice));
         free(h);
     }
@@ -235,7 +238,8 @@ static Result run_ref(const Case *c, const double *bank_init) {
     memcpy(r.bank_final, bank_init, bank_elems(c) * sizeof(double));
     sdm_op_forward_ref(c->B, c->T, c->H, c->N, c->d, c->W, c->R, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot,
                        c->rho, r.bank_final, r.out);
-    r.dkappa = (double *)sdm_malloc(tok * c->W * sizeof(double)); r.dgamma = (double *)sdm_malloc(tok * c->W * sizeof(double));
+    r.dkappa = (double *)sdm_malloc(tok * c->W * sizeof(double));
+    r.dgamma = (double *)sdm_malloc(tok * c->W * sizeof(double));
     r.drho = (double *)sdm_malloc(tok * c->R * sizeof(double)); r.dbeta = (double *)sdm_malloc(tok * sizeof(double));
     r.dv = (double *)sdm_malloc(tok * c->d * sizeof(double));
     r.dbank_init = (double *)sdm_malloc(bank_elems(c) * sizeof(double));
@@ -334,7 +338,8 @@ static void test_against_oracle(void) {
             const Spec *p = &specs[i];
             if (!fp32 && i > 3) break; // bf16: the first four shapes
             Case c = make_case(1000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
-            if (p->collide) CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
+            if (p->collide)
+                CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
             double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
             Result g = run_gpu(&c, p->C, fp32, SDM_SNAP_NONE, rb);
             Result ref = run_ref(&c, rb);
@@ -450,7 +455,8 @@ static void test_decode(int fp32) {
     size_t S = (size_t)c.B * c.H;
     int *ws = (int *)sdm_malloc(S * c.W * sizeof(int)), *rs = (int *)sdm_malloc(S * c.R * sizeof(int));
     double *kap = (double *)sdm_malloc(S * c.W * 8), *gam = (double *)sdm_malloc(S * c.W * 8);
-    double *rho = (double *)sdm_malloc(S * c.R * 8), *bet = (double *)sdm_malloc(S * 8), *vv = (double *)sdm_malloc(S * c.d * 8);
+    double *rho = (double *)sdm_malloc(S * c.R * 8), *bet = (double *)sdm_malloc(S * 8),
+           *vv = (double *)sdm_malloc(S * c.d * 8);
     double *o_dec = (double *)sdm_malloc(tok * c.d * 8);
     upload_bank(&c, fp32, D.bank, rb);
     float *dout1 = dev_f(S * c.d);
@@ -477,7 +483,10 @@ static void test_decode(int fp32) {
             for (int h = 0; h < c.H; h++)
                 memcpy(o_dec + sdm_tok_off(c.T, c.H, b, t, h, c.d), o1 + ((size_t)b * c.H + h) * c.d, c.d * 8);
         free(o1);
-        cudaFree((void *)in1.wslot); cudaFree((void *)in1.rslot); cudaFree((void *)in1.kappa); cudaFree((void *)in1.gamma);
+        cudaFree((void *)in1.wslot);
+        cudaFree((void *)in1.rslot);
+        cudaFree((void *)in1.kappa);
+        cudaFree((void *)in1.gamma);
         cudaFree((void *)in1.rho); cudaFree((void *)in1.beta); cudaFree((void *)in1.v);
     }
     double *b_dec = bank_to_host(&c, fp32, D.bank);
@@ -493,7 +502,8 @@ static void test_decode(int fp32) {
     snprintf(buf, sizeof(buf), "%s decode out vs oracle", nm);
     check_close(buf, o_dec, ref.out, tok * c.d, tol);
     printf("  %s decode: out vs prefill %.2e, bank vs prefill %.2e, out vs oracle %.2e\n", nm,
-           rel_error(o_dec, o_pre, tok * c.d), rel_error(b_dec, b_pre, bank_elems(&c)), rel_error(o_dec, ref.out, tok * c.d));
+           rel_error(o_dec, o_pre, tok * c.d), rel_error(b_dec, b_pre, bank_elems(&c)),
+           rel_error(o_dec, ref.out, tok * c.d));
     free_result(&ref);
     free(ws); free(rs); free(kap); free(gam); free(rho); free(bet); free(vv); free(o_dec); free(b_dec);
     free(o_train); free(b_train); free(o_pre); free(b_pre); free(rb);

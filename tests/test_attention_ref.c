@@ -182,7 +182,8 @@ static void check_lse(int window) {
                 double sum = 0.0;
                 for (int s = 0; s < T; s++)
                     if (attn_visible(t, s, window))
-                        sum += exp(ref_dot(c.q + (((size_t)b * T + t) * 2 + j) * 4, c.k + ((size_t)b * T + s) * 4, 4) / 2.0);
+                        sum += exp(ref_dot(c.q + (((size_t)b * T + t) * 2 + j) * 4, c.k + ((size_t)b * T + s) * 4, 4) /
+                                   2.0);
                 worst = fmax(worst, fabs(log(sum) - c.lse[((size_t)b * 2 + j) * T + t]));
             }
     CHECK(worst < 1e-13, "lse, window %d: max abs error %.3e", window, worst);

@@ -118,10 +118,12 @@ static void test_errors(void) {
     expect_error(SMALL "model.attn_at = 0,1.5,2,3\n", "not an integer in [0, 256)");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\n", "key 'model.swa_window': must be > 0");
     expect_error(SMALL "model.attn_at = 0,1\nmodel.swa_at = 2,3\nmodel.swa_window = 0\n", "must be > 0");
-    expect_error(SMALL "model.sdm_at = all\nsdm.num_writes = 300\n", "key 'sdm.num_writes': 300 exceeds slots_per_head 256");
+    expect_error(SMALL "model.sdm_at = all\nsdm.num_writes = 300\n",
+                 "key 'sdm.num_writes': 300 exceeds slots_per_head 256");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_reads = 257\n", "key 'sdm.num_reads': 257 exceeds");
     expect_error("model.dim = 64\nmodel.n_layers = 2\nmodel.sdm_at = all\n", "'sdm.slots_per_head': required");
-    expect_error("model.dim = 64\nmodel.n_layers = 4\nmodel.sdm_at = all\nsdm.slots_per_head = 200\n", "not a perfect square");
+    expect_error("model.dim = 64\nmodel.n_layers = 4\nmodel.sdm_at = all\nsdm.slots_per_head = 200\n",
+                 "not a perfect square");
     expect_error(SMALL "model.sdm_at = all\nsdm.product_key_factor_dims = 4,8\n", "product 32 != slots_per_head 256");
     expect_error(SMALL "model.sdm_at = all\nsdm.num_heads = 3\n", "3 does not divide model.dim 64");
     expect_error(SMALL "model.attn_at = all\nmodel.n_kv_heads = 3\n", "3 does not divide n_heads 4");
@@ -174,9 +176,10 @@ static void test_edge_cases(void) {
     CHECK(load_with(path, "steps=9", &c, err) && c.steps == 9, "argument override: steps %d (%s)", c.steps, err);
     expect_error(SMALL "model.attn_at = 0,1,2,3,2147483648\n", "test_config_bad.cfg:5: key 'model.attn_at': layer "
                  "index '2.14748e+09' is not an integer in [0, 256)");
-    expect_error(SMALL "model.attn_at = all\noptim.eps = 0\n", "test_config_bad.cfg:6: key 'optim.eps': 0 is out of range");
+    expect_error(SMALL "model.attn_at = all\noptim.eps = 0\n",
+                 "test_config_bad.cfg:6: key 'optim.eps': 0 is out of range");
     expect_error(SMALL "model.attn_at = all\noptim.eps = 1e-13\n", "key 'optim.eps': 1e-13 is out of range");
-    expect_error(SMALL "model.attn_at = all\ndata.batch_size = 128\ndata.seq_len = 16777215\n",  // B*T fits, B*(T+1) not
+    expect_error(SMALL "model.attn_at = all\ndata.batch_size = 128\ndata.seq_len = 16777215\n", // B*T fits, B*(T+1) not
                  "B*(T+1) = 2147483648 exceeds");
     CHECK(!load_with("configs/debug_sdm.cfg", "name=a#b", &c, err) && strstr(err, "argument 'name=a#b'") &&
           strstr(err, "'#'"), "'#' in a string: %s", err);

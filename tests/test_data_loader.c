@@ -86,12 +86,14 @@ static void test_epoch_coverage(int B, int world) {
                 prev = id;
             }
         }
-    CHECK(bad_rows == 0, "B=%d world=%d: %d rows are not T+1 consecutive tokens at a multiple of T", B, world, bad_rows);
+    CHECK(bad_rows == 0, "B=%d world=%d: %d rows are not T+1 consecutive tokens at a multiple of T", B, world,
+          bad_rows);
     CHECK(repeats == 0, "B=%d world=%d: %d rows repeated within an epoch", B, world, repeats);
     CHECK(!in_file_order, "B=%d world=%d: the shuffled epoch is in file order", B, world);
     DataLoaderState st;
     dataloader_get_state(&dl[0], &st);
-    CHECK(st.epoch == 0 && st.position == batches * G, "epoch 0 ends at position %llu", (unsigned long long)st.position);
+    CHECK(st.epoch == 0 && st.position == batches * G, "epoch 0 ends at position %llu",
+          (unsigned long long)st.position);
     next(&dl[0], batch);
     dataloader_get_state(&dl[0], &st);
     CHECK(st.epoch == 1 && st.position == G, "the next batch starts epoch 1 (epoch %llu, position %llu)",
@@ -106,7 +108,8 @@ static void test_rank_slices(int B, int world, uint64_t seed, int shuffle) {
     const size_t row = T + 1, G = (size_t)B * (size_t)world;
     DataLoader whole = open_loader((int)G, 0, 1, seed, shuffle), dl[8];
     for (int r = 0; r < world; r++) dl[r] = open_loader(B, r, world, seed, shuffle);
-    int32_t *global = (int32_t *)sdm_malloc(G * row * sizeof(int32_t)), *part = (int32_t *)sdm_malloc(B * row * sizeof(int32_t));
+    int32_t *global = (int32_t *)sdm_malloc(G * row * sizeof(int32_t)),
+            *part = (int32_t *)sdm_malloc(B * row * sizeof(int32_t));
     int mismatches = 0;
     for (int k = 0; k < 100; k++) {
         next(&whole, global);
@@ -115,7 +118,8 @@ static void test_rank_slices(int B, int world, uint64_t seed, int shuffle) {
             mismatches += memcmp(part, global + (size_t)r * B * row, B * row * sizeof(int32_t)) != 0;
         }
     }
-    CHECK(mismatches == 0, "B=%d world=%d shuffle=%d: %d rank slices differ from the global batch", B, world, shuffle, mismatches);
+    CHECK(mismatches == 0, "B=%d world=%d shuffle=%d: %d rank slices differ from the global batch", B, world, shuffle,
+          mismatches);
     dataloader_close(&whole);
     for (int r = 0; r < world; r++) dataloader_close(&dl[r]);
     free(global);
@@ -128,7 +132,8 @@ static void test_save_restore(int at) {
     const int B = 6, steps = 80;
     const size_t n = (size_t)B * (T + 1);
     DataLoader a = open_loader(B, 0, 1, 7, 1);
-    int32_t *ref = (int32_t *)sdm_malloc((size_t)steps * n * sizeof(int32_t)), *got = (int32_t *)sdm_malloc(n * sizeof(int32_t));
+    int32_t *ref = (int32_t *)sdm_malloc((size_t)steps * n * sizeof(int32_t)),
+            *got = (int32_t *)sdm_malloc(n * sizeof(int32_t));
     DataLoaderState saved;
     for (int k = 0; k < at; k++) next(&a, got);
     dataloader_get_state(&a, &saved);
@@ -138,27 +143,36 @@ static void test_save_restore(int at) {
     next(&b, got);
     CHECK(dataloader_set_state(&b, &saved, err) == 0, "restore: %s", err);
     int diff = 0;
-    for (int k = 0; k < steps; k++) { next(&b, got); diff += memcmp(got, ref + (size_t)k * n, n * sizeof(int32_t)) != 0; }
+    for (int k = 0; k < steps; k++) {
+        next(&b, got);
+        diff += memcmp(got, ref + (size_t)k * n, n * sizeof(int32_t)) != 0;
+    }
     CHECK(diff == 0, "restored at %d: %d of %d batches differ", at, diff, steps);
     DataLoader r1 = open_loader(B / 3, 1, 3, 0, 1);  // rank 1 of 3: the middle third of every global batch
     CHECK(dataloader_set_state(&r1, &saved, err) == 0, "restore on 3 ranks: %s", err);
     int32_t *third = (int32_t *)sdm_malloc(n / 3 * sizeof(int32_t));
     diff = 0;
-    for (int k = 0; k < steps; k++) { next(&r1, third); diff += memcmp(third, ref + (size_t)k * n + n / 3, n / 3 * sizeof(int32_t)) != 0; }
+    for (int k = 0; k < steps; k++) {
+        next(&r1, third);
+        diff += memcmp(third, ref + (size_t)k * n + n / 3, n / 3 * sizeof(int32_t)) != 0;
+    }
     CHECK(diff == 0, "restored at %d on 3 ranks: %d of %d slices differ", at, diff, steps);
     DataLoader c = open_loader(B, 0, 1, 7, 1);
     int32_t *first = (int32_t *)sdm_malloc(n * sizeof(int32_t));
     next(&c, first);
-    CHECK(at == 0 || memcmp(first, ref, n * sizeof(int32_t)) != 0, "restored batches equal the first ones: the test would not see a wrong restore");
+    CHECK(at == 0 || memcmp(first, ref, n * sizeof(int32_t)) != 0,
+          "restored batches equal the first ones: the test would not see a wrong restore");
     DataLoaderState bad = saved;
     bad.total_rows++;
-    CHECK(dataloader_set_state(&c, &bad, err) != 0 && strstr(err, "different data"), "state for other data accepted: %s", err);
+    CHECK(dataloader_set_state(&c, &bad, err) != 0 && strstr(err, "different data"),
+          "state for other data accepted: %s", err);
     bad = saved;
     bad.magic = 0;
     CHECK(dataloader_set_state(&c, &bad, err) != 0 && strstr(err, "magic"), "state with bad magic accepted: %s", err);
     DataLoader other_T;
     if (dataloader_open(&other_T, g_pattern, B, T + 1, 0, 1, 7, 1, VOCAB, err)) sdm_die("%s", err);
-    CHECK(dataloader_set_state(&other_T, &saved, err) != 0 && strstr(err, "seq_len"), "state for another T accepted: %s", err);
+    CHECK(dataloader_set_state(&other_T, &saved, err) != 0 && strstr(err, "seq_len"),
+          "state for another T accepted: %s", err);
     dataloader_close(&other_T);
     dataloader_close(&a);
     dataloader_close(&b);
@@ -257,9 +271,11 @@ static void test_pattern_list(void) {
           dl.total_rows == (shard_tokens[0] - 1) / T + (shard_tokens[2] - 1) / T, "comma-separated list: %s", err);
     if (dl.shards) dataloader_close(&dl);
     snprintf(list, sizeof list, "%s/s0_000000.bin,%s/nothing_*.bin", g_dir, g_dir);
-    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, VOCAB, err) != 0 && strstr(err, "nothing_") && strstr(err, "no file"),
+    CHECK(dataloader_open(&dl, list, 2, T, 0, 1, 1, 1, VOCAB, err) != 0 && strstr(err, "nothing_") &&
+          strstr(err, "no file"),
           "a pattern matching nothing: %s", err);
-    CHECK(dataloader_open(&dl, g_pattern, 2, T, 2, 2, 1, 1, VOCAB, err) != 0 && strstr(err, "rank"), "rank >= world: %s", err);
+    CHECK(dataloader_open(&dl, g_pattern, 2, T, 2, 2, 1, 1, VOCAB, err) != 0 && strstr(err, "rank"),
+          "rank >= world: %s", err);
 }
 
 // Issue 9: a shard's vocab above the model's is refused (unsigned: 0x80000000 is no negative number), so tokens of a
@@ -289,7 +305,8 @@ static void test_refusals(void) {
 }
 
 int main(void) {
-    CHECK(sizeof(DataLoaderState) == 48, "DataLoaderState is %zu bytes: padding crept into the checkpoint record", sizeof(DataLoaderState));
+    CHECK(sizeof(DataLoaderState) == 48, "DataLoaderState is %zu bytes: padding crept into the checkpoint record",
+          sizeof(DataLoaderState));
     test_tmpdir(g_dir);
     write_shards();
     test_permutation();

@@ -58,8 +58,9 @@ static void check_documents(const char *prefix, const char *const *expected, con
         uint8_t *text = (uint8_t *)sdm_malloc(end - i);
         size_t len = tok_decode(tok + i + 1, end - i - 1, text);
         CHECK(len == end - i - 1, "%s: document %d holds special tokens", prefix, doc);
-        CHECK(len == lens[doc] && memcmp(text, expected[doc], len) == 0, "%s: document %d differs (%zu vs %zu bytes): %.*s",
-              prefix, doc, len, lens[doc], (int)SDM_MIN(len, (size_t)60), (const char *)text);
+        CHECK(len == lens[doc] && memcmp(text, expected[doc], len) == 0,
+              "%s: document %d differs (%zu vs %zu bytes): %.*s", prefix, doc, len, lens[doc],
+              (int)SDM_MIN(len, (size_t)60), (const char *)text);
         free(text);
         i = end + 1;
         doc++;
@@ -86,8 +87,9 @@ static int add(Preparer *pp, const char *name, PrepUnit unit, char *err) {
 
 static void test_round_trip(void) {
     const char file_text[] = "First line caf\xC3\xA9\r\n\nSecond paragraph \xF0\x9F\x98\x80\nno final newline";
-    const char jsonl[] = "{\"text\": \"json one\\n\\\"quoted\\\" \\u00e9\"}\n\n   \n{\"id\": 2, \"text\": \"json two\"}\n"
-                         "{\"text\": \"json three\", \"x\": [1, {\"text\": \"nested\"}]}";
+    const char jsonl[] =
+        "{\"text\": \"json one\\n\\\"quoted\\\" \\u00e9\"}\n\n   \n{\"id\": 2, \"text\": \"json two\"}\n"
+        "{\"text\": \"json three\", \"x\": [1, {\"text\": \"nested\"}]}";
     const char para[] = "\n\npara one\nstill one\n\n\n\npara two\r\n\r\npara three\n";
     write_input("a.txt", file_text, strlen(file_text));
     write_input("b.jsonl", jsonl, strlen(jsonl));
@@ -103,8 +105,8 @@ static void test_round_trip(void) {
     const char *all[] = {file_text, "json one\n\"quoted\" \xC3\xA9", "json two", "json three", "para one\nstill one",
                          "para two\r", "para three", "para one", "still one", "para two\r", "para three"};
     const int count = (int)(sizeof all / sizeof all[0]);
-    CHECK(docs == (uint64_t)count && val == (uint64_t)count / 3, "%llu documents, %llu validation", (unsigned long long)docs,
-          (unsigned long long)val);
+    CHECK(docs == (uint64_t)count && val == (uint64_t)count / 3, "%llu documents, %llu validation",
+          (unsigned long long)docs, (unsigned long long)val);
     const char *train[16], *vals[16];
     size_t train_len[16], val_len[16];
     int nt = 0, nv = 0;
@@ -138,14 +140,17 @@ static int run_bad(const char *name, PrepUnit unit, int skip_bad, char *msg, uin
     return rc;
 }
 
-static void expect_report(const char *name, PrepUnit unit, const char *where, const char *what, uint64_t docs_when_skipping) {
+static void expect_report(const char *name, PrepUnit unit, const char *where, const char *what,
+                          uint64_t docs_when_skipping) {
     char msg[DATA_ERR_LEN];
     uint64_t docs, skipped;
     int rc = run_bad(name, unit, 0, msg, &docs, &skipped);
-    CHECK(rc != 0 && strstr(msg, where) && strstr(msg, what), "%s refused: rc %d, message \"%s\" (want %s, %s)", name, rc, msg, where, what);
+    CHECK(rc != 0 && strstr(msg, where) && strstr(msg, what), "%s refused: rc %d, message \"%s\" (want %s, %s)", name,
+          rc, msg, where, what);
     rc = run_bad(name, unit, 1, msg, &docs, &skipped);
     CHECK(rc == 0 && skipped == 1 && docs == docs_when_skipping && strstr(msg, where) && strstr(msg, "skipped"),
-          "%s skipped: rc %d, %llu docs, %llu skipped, report \"%s\"", name, rc, (unsigned long long)docs, (unsigned long long)skipped, msg);
+          "%s skipped: rc %d, %llu docs, %llu skipped, report \"%s\"", name, rc, (unsigned long long)docs,
+          (unsigned long long)skipped, msg);
 }
 
 static void test_bad_input(void) {
@@ -170,12 +175,14 @@ static void test_bad_input(void) {
     uint64_t docs, skipped;
     write_input("empty.txt", "", 0);
     input_path(path, "empty.txt");
-    CHECK(run_bad("empty.txt", PREP_TEXT_FILE, 0, msg, &docs, &skipped) != 0 && strstr(msg, path) && strstr(msg, "empty"),
+    CHECK(run_bad("empty.txt", PREP_TEXT_FILE, 0, msg, &docs, &skipped) != 0 && strstr(msg, path) &&
+          strstr(msg, "empty"),
           "empty input: %s", msg);
     CHECK(run_bad("empty.txt", PREP_TEXT_FILE, 1, msg, &docs, &skipped) != 0 && strstr(msg, "no training documents"),
           "nothing left after skipping: %s", msg);
     input_path(path, "missing.txt");
-    CHECK(run_bad("missing.txt", PREP_TEXT_FILE, 1, msg, &docs, &skipped) != 0 && strstr(msg, path) && strstr(msg, "cannot open"),
+    CHECK(run_bad("missing.txt", PREP_TEXT_FILE, 1, msg, &docs, &skipped) != 0 && strstr(msg, path) &&
+          strstr(msg, "cannot open"),
           "unreadable input: %s", msg);
     write_input("blank.jsonl", "\n  \n", 4);
     CHECK(run_bad("blank.jsonl", PREP_JSONL, 0, msg, &docs, &skipped) != 0 && strstr(msg, "no training documents"),
@@ -251,7 +258,8 @@ static void test_manifest(void) {
     write_input("a.txt", a, strlen(a));
     write_input("b.txt", b, strlen(b));
     CHECK(prepare_into("mix", "a.txt", 0, err) == 0 && load_train("mix", err) == 0, "corpus A: %s", err);
-    CHECK(count_files_containing("mix", "train_0000") == 15, "corpus A: %d shards", count_files_containing("mix", "train_0000"));
+    CHECK(count_files_containing("mix", "train_0000") == 15, "corpus A: %d shards",
+          count_files_containing("mix", "train_0000"));
     CHECK(prepare_into("mix", "b.txt", 0, err) != 0, "corpus B's bad line accepted");
     CHECK(load_train("mix", err) != 0 && strstr(err, "no complete shard set") && strstr(err, "train.manifest"),
           "a failed run left a loadable mix: %s", err);
@@ -272,7 +280,8 @@ static void test_manifest(void) {
     if (pid == 0) _exit(prepare_into("killed", "a.txt", 1, err) == 0 ? 0 : 3);
     int status = 0;
     waitpid(pid, &status, 0);
-    CHECK(WIFSIGNALED(status) && count_files_containing("killed", "train_0000") > 0, "the child was not killed mid-run");
+    CHECK(WIFSIGNALED(status) && count_files_containing("killed", "train_0000") > 0,
+          "the child was not killed mid-run");
     CHECK(load_train("killed", err) != 0 && strstr(err, "no complete shard set"), "killed run loadable: %s", err);
 }
 

@@ -59,7 +59,8 @@ static void check_document(const RecallConfig *c, const char *doc, int *queries,
         snprintf(value, sizeof value, "%.*s", RECALL_VALUE_DIGITS, answer);
         snprintf(fact, sizeof fact, "The %s of %s is ", rel, key);
         const char *f = strstr(doc, fact);
-        if (!f || f > q || strncmp(f + strlen(fact), value, RECALL_VALUE_DIGITS) != 0 || answer[RECALL_VALUE_DIGITS] != '.') {
+        if (!f || f > q || strncmp(f + strlen(fact), value, RECALL_VALUE_DIGITS) != 0 ||
+            answer[RECALL_VALUE_DIGITS] != '.') {
             (*wrong)++;
         } else {
             const char *again = strstr(f + 1, fact);
@@ -85,7 +86,8 @@ static void test_generator_promises(void) {
         bytebuf_append(&doc, "", 1);  // NUL-terminate for strstr
         check_document(&c, (const char *)doc.data, &queries, &gap_min, &gap_max, &wrong, &overshoot);
         int facts = 0;
-        for (const char *p = (const char *)doc.data; (p = strstr(p, " is ")) != NULL; p++) facts += p[4] >= '0' && p[4] <= '9';
+        for (const char *p = (const char *)doc.data; (p = strstr(p, " is ")) != NULL; p++)
+            facts += p[4] >= '0' && p[4] <= '9';
         expected += facts * c.queries_per_fact;
         stray += queries - before != facts * c.queries_per_fact;
     }
@@ -93,7 +95,8 @@ static void test_generator_promises(void) {
     CHECK(wrong == 0, "%d queries without a matching earlier fact", wrong);
     CHECK(queries == expected && stray == 0, "%d queries for %d expected (%d documents off)", queries, expected, stray);
     CHECK(gap_min >= c.min_gap, "gap %d below min_gap %d", gap_min, c.min_gap);
-    CHECK(overshoot == 0 && gap_max > c.max_gap / 2, "gaps up to %d (%d beyond max_gap + %d)", gap_max, overshoot, RECALL_MAX_OVERSHOOT);
+    CHECK(overshoot == 0 && gap_max > c.max_gap / 2, "gaps up to %d (%d beyond max_gap + %d)", gap_max, overshoot,
+          RECALL_MAX_OVERSHOOT);
     bytebuf_free(&doc);
 }
 
@@ -107,9 +110,12 @@ static void test_filler(void) {
         bytebuf_append(&s, "", 1);
         const char *t = (const char *)s.data;
         bad += !isupper((unsigned char)t[0]) || t[s.len - 2] != '.';
-        for (size_t k = 0; k + 1 < s.len; k++) bad += isdigit((unsigned char)t[k]) || t[k] < ' ' || (unsigned char)t[k] > '~';
-        bad += strstr(t, "code") || strstr(t, "pin") || strstr(t, "number") || strstr(t, "Question") || strstr(t, "Answer");
-        bad += strstr(t, " a a") || strstr(t, " a e") || strstr(t, " a i") || strstr(t, " a o") || strstr(t, " a u") != NULL;
+        for (size_t k = 0; k + 1 < s.len; k++)
+            bad += isdigit((unsigned char)t[k]) || t[k] < ' ' || (unsigned char)t[k] > '~';
+        bad += strstr(t, "code") || strstr(t, "pin") || strstr(t, "number") || strstr(t, "Question") ||
+               strstr(t, "Answer");
+        bad += strstr(t, " a a") || strstr(t, " a e") || strstr(t, " a i") || strstr(t, " a o") ||
+               strstr(t, " a u") != NULL;
         bad += strlen(t) > RECALL_MAX_OVERSHOOT / 2;
     }
     CHECK(bad == 0, "%d problems in filler sentences", bad);
@@ -129,7 +135,10 @@ static GapScore score_stream(int mode) {
     int32_t *stream = NULL;
     while (n < 300000) {
         recall_generate_document(&r, &c, &doc);
-        if (n + doc.len + 2 > cap) { cap = 2 * (n + doc.len + 2); stream = (int32_t *)realloc(stream, cap * sizeof(int32_t)); }
+        if (n + doc.len + 2 > cap) {
+            cap = 2 * (n + doc.len + 2);
+            stream = (int32_t *)realloc(stream, cap * sizeof(int32_t));
+        }
         n += tok_encode_document(doc.data, doc.len, stream + n);
     }
     long rows = ((long)n - 1) / T;
@@ -172,9 +181,11 @@ static void test_scorer(void) {
     gap_score_print(&truth, "recall", stdout);
     int buckets = 0;
     for (int b = 0; b < RECALL_BUCKETS; b++) buckets += truth.queries[b] > 0;
-    CHECK(q > 500 && exact == q && right == digits && digits == q * RECALL_VALUE_DIGITS, "true answers: %llu/%llu exact, %llu/%llu digits",
-          (unsigned long long)exact, (unsigned long long)q, (unsigned long long)right, (unsigned long long)digits);
-    CHECK(buckets >= 4 && truth.queries[0] == 0, "queries in %d gap buckets (none expected below min_gap 256)", buckets);
+    CHECK(q > 500 && exact == q && right == digits && digits == q * RECALL_VALUE_DIGITS,
+          "true answers: %llu/%llu exact, %llu/%llu digits", (unsigned long long)exact, (unsigned long long)q,
+          (unsigned long long)right, (unsigned long long)digits);
+    CHECK(buckets >= 4 && truth.queries[0] == 0, "queries in %d gap buckets (none expected below min_gap 256)",
+          buckets);
     CHECK(truth.unanswerable > 0, "rows cut the stream, so some facts must fall in an earlier row");
     GapScore shuffled = score_stream(1);
     uint64_t q2, exact2, digits2, right2;
@@ -182,7 +193,8 @@ static void test_scorer(void) {
     double acc = (double)right2 / (double)digits2;
     printf("shuffled answers: digit accuracy %.4f, exact %.4f\n", acc, (double)exact2 / (double)q2);
     CHECK(q2 == q && acc > 0.06 && acc < 0.16 && (double)exact2 / (double)q2 < 0.02,
-          "shuffled answers: digit accuracy %.4f, exact %llu of %llu (chance: 0.1 and ~0)", acc, (unsigned long long)exact2, (unsigned long long)q2);
+          "shuffled answers: digit accuracy %.4f, exact %llu of %llu (chance: 0.1 and ~0)", acc,
+          (unsigned long long)exact2, (unsigned long long)q2);
     GapScore wrong = score_stream(2);
     uint64_t q3, exact3, digits3, right3;
     gap_score_totals(&wrong, &q3, &exact3, &digits3, &right3);
@@ -191,7 +203,8 @@ static void test_scorer(void) {
 
 // A fact in the previous document does not answer a query (same key, same value): not scored.
 static void test_scorer_document_boundary(void) {
-    const char *a = "The pin of kavo is 11111. Filler.", *b = "Some filler. Question: what is the pin of kavo? Answer: 11111. End.";
+    const char *a = "The pin of kavo is 11111. Filler.",
+               *b = "Some filler. Question: what is the pin of kavo? Answer: 11111. End.";
     int32_t row[256];
     long n = (long)tok_encode_document((const uint8_t *)a, strlen(a), row);
     n += (long)tok_encode_document((const uint8_t *)b, strlen(b), row + n);
@@ -211,7 +224,8 @@ static void test_scorer_document_boundary(void) {
 }
 
 static void test_default_dataset(void) {
-    char dir[TEST_PATH_LEN], sub[TEST_PATH_LEN + 32], err[DATA_ERR_LEN] = "", pattern[TEST_PATH_LEN + 64], path[TEST_PATH_LEN + 64];
+    char dir[TEST_PATH_LEN], sub[TEST_PATH_LEN + 32], err[DATA_ERR_LEN] = "", pattern[TEST_PATH_LEN + 64],
+         path[TEST_PATH_LEN + 64];
     test_tmpdir(dir);
     snprintf(sub, sizeof sub, "%s/gen/erated", dir);  // directories are created as needed
     CHECK(dataset_ensure_default(sub, err) == 0, "default dataset: %s", err);
@@ -223,10 +237,12 @@ static void test_default_dataset(void) {
     GapScore s;
     recall_score_init(&s);
     for (int k = 0; k < 8 && dataloader_next_batch(&val, batch, err) == 0; k++)
-        for (int b = 0; b < B; b++) recall_score_row(&s, batch + (size_t)b * (T + 1), batch + (size_t)b * (T + 1) + 1, T);
+        for (int b = 0; b < B; b++)
+            recall_score_row(&s, batch + (size_t)b * (T + 1), batch + (size_t)b * (T + 1) + 1, T);
     uint64_t q, exact, digits, right;
     gap_score_totals(&s, &q, &exact, &digits, &right);
-    CHECK(q > 50 && exact == q, "validation batches: %llu of %llu true answers exact", (unsigned long long)exact, (unsigned long long)q);
+    CHECK(q > 50 && exact == q, "validation batches: %llu of %llu true answers exact", (unsigned long long)exact,
+          (unsigned long long)q);
     dataloader_close(&val);
     // A matching stamp means no regeneration (a deleted shard stays deleted); a different one regenerates.
     snprintf(path, sizeof path, "%s/recall_val_000000.bin", sub);
@@ -236,7 +252,8 @@ static void test_default_dataset(void) {
     test_write_file(path, "old\n", 4);
     snprintf(path, sizeof path, "%s/recall_val_000000.bin", sub);
     FILE *f = NULL;
-    CHECK(dataset_ensure_default(sub, err) == 0 && (f = fopen(path, "rb")) != NULL, "not regenerated after a stamp change: %s", err);
+    CHECK(dataset_ensure_default(sub, err) == 0 && (f = fopen(path, "rb")) != NULL,
+          "not regenerated after a stamp change: %s", err);
     if (f) fclose(f);
     RecallConfig bad = recall_default_config();
     bad.max_gap = 10;

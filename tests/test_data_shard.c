@@ -12,7 +12,8 @@
 static char g_dir[TEST_PATH_LEN];
 
 // Write tokens [n] (values < vocab) as shards of at most limit tokens under prefix; returns the shard count.
-static int write_stream(const char *prefix, const int32_t *tokens, size_t n, uint32_t vocab, uint32_t tokenizer, uint64_t limit) {
+static int write_stream(const char *prefix, const int32_t *tokens, size_t n, uint32_t vocab, uint32_t tokenizer,
+                        uint64_t limit) {
     ShardWriter w;
     char err[DATA_ERR_LEN];
     int ok = shard_writer_open(&w, g_dir, prefix, vocab, tokenizer, limit, err) == 0 &&
@@ -33,7 +34,8 @@ static size_t read_stream(const char *prefix, int shards, int32_t *out, size_t c
         if (shard_open(path, &h, &f, err)) { CHECK(0, "%s", err); return 0; }
         uint8_t *scratch = (uint8_t *)sdm_malloc(h.count * 4);
         CHECK(total + h.count <= cap, "stream longer than written");
-        if (total + h.count <= cap) CHECK(shard_read_tokens(f, &h, path, 0, h.count, out + total, scratch, err) == 0, "%s", err);
+        if (total + h.count <= cap)
+            CHECK(shard_read_tokens(f, &h, path, 0, h.count, out + total, scratch, err) == 0, "%s", err);
         total += h.count;
         free(scratch);
         fclose(f);
@@ -49,7 +51,8 @@ static void test_round_trip(uint32_t vocab, uint32_t tokenizer) {
     int shards = write_stream("rt", tokens, n, vocab, tokenizer, 1000);
     CHECK(shards == 3, "vocab %u: %d shards for 2500 tokens at 1000 per shard", vocab, shards);
     size_t got = read_stream("rt", shards, back, n);
-    CHECK(got == n && memcmp(tokens, back, n * sizeof(int32_t)) == 0, "vocab %u: round trip differs (%zu tokens)", vocab, got);
+    CHECK(got == n && memcmp(tokens, back, n * sizeof(int32_t)) == 0, "vocab %u: round trip differs (%zu tokens)",
+          vocab, got);
     // A shorter second run replaces the files and removes the now stale third shard.
     CHECK(write_stream("rt", tokens, 1500, vocab, tokenizer, 1000) == 2, "rewrite");
     char stale[SHARD_PATH_LEN + 160];
@@ -60,7 +63,8 @@ static void test_round_trip(uint32_t vocab, uint32_t tokenizer) {
     size_t len;
     shard_path(stale, sizeof stale, g_dir, "rt", 0);
     uint8_t *buf = test_read_file(stale, &len);
-    CHECK(len == SHARD_HEADER_BYTES + 1000 * (size_t)shard_bytes_per_token_for(vocab), "vocab %u: shard size %zu", vocab, len);
+    CHECK(len == SHARD_HEADER_BYTES + 1000 * (size_t)shard_bytes_per_token_for(vocab), "vocab %u: shard size %zu",
+          vocab, len);
     free(buf);
     free(tokens);
     free(back);
@@ -104,7 +108,8 @@ static void test_bad_inputs(void) {
     make_shard_file("bad", 300, path, sizeof path);
     uint8_t *good = test_read_file(path, &len), *buf = (uint8_t *)sdm_malloc(len + 8);
     struct { const char *what; int field; uint32_t value; } header_cases[] = {
-        {"wrong magic", SH_MAGIC, 20240520u}, {"wrong version", SH_VERSION, 2}, {"bytes per token 4 for vocab 258", SH_BYTES_PER_TOKEN, 4},
+        {"wrong magic", SH_MAGIC, 20240520u}, {"wrong version", SH_VERSION, 2},
+        {"bytes per token 4 for vocab 258", SH_BYTES_PER_TOKEN, 4},
         {"vocab 300 for the bytes tokenizer", SH_VOCAB, 300}, {"unknown tokenizer", SH_TOKENIZER, 9},
         {"zero tokens", SH_COUNT_LO, 0}, {"more tokens than the file holds", SH_COUNT_LO, 301},
         {"count high word", SH_COUNT_HI, 1}, {"reserved field set", 100, 1},
@@ -165,13 +170,15 @@ static void corrupt(Rng *r, uint8_t *buf, size_t *len, size_t cap) {
         break;
     }
     default:  // a random token byte
-        if (*len > SHARD_HEADER_BYTES) buf[SHARD_HEADER_BYTES + rng_below(r, (uint32_t)(*len - SHARD_HEADER_BYTES))] = (uint8_t)rng_u64(r);
+        if (*len > SHARD_HEADER_BYTES)
+            buf[SHARD_HEADER_BYTES + rng_below(r, (uint32_t)(*len - SHARD_HEADER_BYTES))] = (uint8_t)rng_u64(r);
     }
 }
 
 // An accepted buffer must really be valid: checked here independently of the parser.
 static int really_valid(const uint8_t *buf, size_t len, const ShardHeader *h) {
-    if (len < SHARD_HEADER_BYTES || data_read_u32le(buf) != SHARD_MAGIC || data_read_u32le(buf + 4) != SHARD_VERSION) return 0;
+    if (len < SHARD_HEADER_BYTES || data_read_u32le(buf) != SHARD_MAGIC || data_read_u32le(buf + 4) != SHARD_VERSION)
+        return 0;
     if (len != SHARD_HEADER_BYTES + h->count * (uint64_t)h->bytes_per_token) return 0;
     for (uint64_t i = 0; i < h->count; i++) {
         const uint8_t *p = buf + SHARD_HEADER_BYTES + i * (uint64_t)h->bytes_per_token;
@@ -244,7 +251,8 @@ static void test_fuzz_files(void) {
         else { refused++; unnamed += strstr(err, path) == NULL; }
     }
     printf("fuzz (files + loader): %d accepted, %d refused\n", accepted, refused);
-    CHECK(accepted > 50 && refused > 300, "file fuzzing explored too little: %d accepted, %d refused", accepted, refused);
+    CHECK(accepted > 50 && refused > 300, "file fuzzing explored too little: %d accepted, %d refused", accepted,
+          refused);
     CHECK(out_of_vocab == 0, "%d out-of-vocab tokens delivered", out_of_vocab);
     CHECK(unnamed == 0, "%d refusals without the file name", unnamed);
     free(good);

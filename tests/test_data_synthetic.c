@@ -94,7 +94,8 @@ static void test_generator(void) {
             gap_score_totals(&s, &q, &exact, &tok, &right);
             bad += q != (c->task == SYN_MQAR ? (uint64_t)(c->pairs - drop) : 1) || exact != q || s.unanswerable;
             for (int b = 0; b < s.n; b++)
-                if (s.queries[b]) gmin = SDM_MIN(gmin, gap_bucket_low(&s, b)), gmax = SDM_MAX(gmax, gap_bucket_low(&s, b));
+                if (s.queries[b])
+                    gmin = SDM_MIN(gmin, gap_bucket_low(&s, b)), gmax = SDM_MAX(gmax, gap_bucket_low(&s, b));
             free(row);
         }
         printf("%s T=%d gaps %ld..%ld: buckets from %ld to %ld, %d facts unqueried in 300 documents\n",
@@ -107,7 +108,8 @@ static void test_generator(void) {
     SynConfig bad = config(SYN_MQAR, 64, 16, 0);
     CHECK(syn_config_check(&bad, err) != 0 && strstr(err, "seq_len"), "16 pairs in T=64 accepted: %s", err);
     bad = config(SYN_MQAR, 1024, 16, 40);
-    CHECK(syn_config_check(&bad, err) != 0 && strstr(err, "reach past"), "max_gap shorter than the facts accepted: %s", err);
+    CHECK(syn_config_check(&bad, err) != 0 && strstr(err, "reach past"), "max_gap shorter than the facts accepted: %s",
+          err);
     bad = config(SYN_MQAR, 1024, 16, 1020);
     CHECK(syn_config_check(&bad, err) != 0 && strstr(err, "max_gap"), "max_gap beyond the row accepted: %s", err);
     bad = config(SYN_COPY, 1024, 16, 0);
@@ -127,7 +129,8 @@ static void test_determinism(void) {
         uint64_t dropped;
         size_t n1, n2, n3;
         const char *name = syn_task_name(c.task);
-        CHECK(syn_dataset_write(one, &c, &dropped, err) == 0 && syn_dataset_write(two, &c, &dropped, err) == 0, "%s", err);
+        CHECK(syn_dataset_write(one, &c, &dropped, err) == 0 && syn_dataset_write(two, &c, &dropped, err) == 0, "%s",
+              err);
         snprintf(path, sizeof path, "%s/%s_train_000000.bin", one, name);
         uint8_t *x = test_read_file(path, &n1);
         snprintf(path, sizeof path, "%s/%s_train_000000.bin", two, name);
@@ -199,8 +202,9 @@ static void test_mqar_scorer(void) {
     syn_score_init(&s);
     mqar_score_row(&s, row, pred, T);
     gap_score_totals(&s, &q, &exact, &tok, &right);
-    CHECK(q == 2 && exact == 2 && tok == 2 && s.unanswerable == 1, "perfect: %llu queries, %llu exact, %llu unanswerable",
-          (unsigned long long)q, (unsigned long long)exact, (unsigned long long)s.unanswerable);
+    CHECK(q == 2 && exact == 2 && tok == 2 && s.unanswerable == 1,
+          "perfect: %llu queries, %llu exact, %llu unanswerable", (unsigned long long)q, (unsigned long long)exact,
+          (unsigned long long)s.unanswerable);
     CHECK(s.queries[0] == 1 && s.queries[1] == 1, "gaps 29 (b) and 36 (a) land in [0,32) and [32,64)? %llu %llu",
           (unsigned long long)s.queries[0], (unsigned long long)s.queries[1]);
     pred[34] = '7';  // the answer of "?b2" (value at 35) is wrong; the key's prediction does not count
@@ -299,7 +303,8 @@ static void test_eval_stats(void) {
     float losses[20];
     for (int t = 0; t < 20; t++) losses[t] = (float)(t % 10);  // row r, position t+1: loss t
     position_loss_add(&p, losses, 2);
-    CHECK(p.count[0] == 2 && p.count[1] == 4 && p.count[2] == 8 && p.count[3] == 6 && p.count[4] == 0, "position counts");
+    CHECK(p.count[0] == 2 && p.count[1] == 4 && p.count[2] == 8 && p.count[3] == 6 && p.count[4] == 0,
+          "position counts");
     CHECK(p.sum[1] == 2 * (1 + 2) && p.sum[3] == 2 * (7 + 8 + 9) && position_bucket_high(&p, 3) == 10, "position sums");
     char buf[512];
     FILE *f = fmemopen(buf, sizeof buf, "w");

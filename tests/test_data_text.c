@@ -10,7 +10,8 @@ static void test_tokenizer(void) {
     int32_t tok[302];
     for (int i = 0; i < 300; i++) text[i] = (uint8_t)(i * 7);
     size_t n = tok_encode_document(text, 300, tok);
-    CHECK(n == 302 && tok[0] == TOK_BOS && tok[301] == TOK_EOS, "document framing: %zu tokens, %d ... %d", n, tok[0], tok[301]);
+    CHECK(n == 302 && tok[0] == TOK_BOS && tok[301] == TOK_EOS, "document framing: %zu tokens, %d ... %d", n, tok[0],
+          tok[301]);
     int in_range = 1;
     for (size_t i = 0; i < n; i++) in_range &= tok[i] >= 0 && tok[i] < TOK_BYTES_VOCAB;
     CHECK(in_range, "token outside the vocab");
@@ -64,7 +65,9 @@ static void test_utf8(void) {
         size_t n = 3 + rng_below(&r, 10);
         for (size_t i = 0; i < n; i++) {
             uint32_t k = rng_below(&r, 4);
-            s[i] = (uint8_t)(k == 0 ? rng_below(&r, 128) : k == 1 ? 0x80 + rng_below(&r, 64) : 0xC0 + rng_below(&r, 64));
+            s[i] = (uint8_t)(k == 0   ? rng_below(&r, 128)
+                             : k == 1 ? 0x80 + rng_below(&r, 64)
+                                      : 0xC0 + rng_below(&r, 64));
         }
         int ref = ref_valid(s, n);
         valid_seen += ref;
@@ -80,7 +83,8 @@ static void test_utf8(void) {
     }
     CHECK(bad_encode == 0, "%d code points encode to invalid UTF-8", bad_encode);
     const uint8_t where[] = {'a', 'b', 'c', 0xE2, 0x82, 0xAC, 'd', 0xED, 0xA0, 0x80, 'e'};  // "abc€d" + surrogate
-    CHECK(utf8_valid_prefix(where, sizeof where) == 7, "first invalid offset %zu, expected 7", utf8_valid_prefix(where, sizeof where));
+    CHECK(utf8_valid_prefix(where, sizeof where) == 7, "first invalid offset %zu, expected 7",
+          utf8_valid_prefix(where, sizeof where));
 }
 
 typedef struct { const char *line, *text; } JsonCase;
@@ -133,7 +137,8 @@ static void test_jsonl_malformed(void) {
         char err[DATA_ERR_LEN] = "";
         int rc = jsonl_parse_line(&jp, (const uint8_t *)bad[c], strlen(bad[c]), "text", err);
         CHECK(rc != 0, "malformed line accepted: %s", bad[c]);
-        CHECK(rc == 0 || strstr(err, "column") || strstr(err, "field"), "message without a column: %s -> %s", bad[c], err);
+        CHECK(rc == 0 || strstr(err, "column") || strstr(err, "field"), "message without a column: %s -> %s", bad[c],
+              err);
     }
     char deep[1000];
     strcpy(deep, "{\"text\":\"x\",\"a\":");
@@ -141,7 +146,8 @@ static void test_jsonl_malformed(void) {
     while (n < 600) deep[n++] = '[';
     deep[n] = 0;
     char err[DATA_ERR_LEN] = "";
-    CHECK(jsonl_parse_line(&jp, (const uint8_t *)deep, n, "text", err) != 0 && strstr(err, "deep"), "deep nesting: %s", err);
+    CHECK(jsonl_parse_line(&jp, (const uint8_t *)deep, n, "text", err) != 0 && strstr(err, "deep"), "deep nesting: %s",
+          err);
     jsonl_parser_free(&jp);
 }
 
@@ -165,7 +171,8 @@ static void test_jsonl_empty_strings(void) {
 
 // Random mutations of a valid line: never a crash; an accepted line never decodes to more bytes than it has.
 static void test_jsonl_fuzz(void) {
-    const char base[] = "{\"id\": 12, \"text\": \"Hi \\\"you\\\"\\n caf\\u00e9 \\ud83d\\ude00 \xC3\xA9!\", \"m\": {\"k\": [1, 2.5e3, null]}}";
+    const char base[] = "{\"id\": 12, \"text\": \"Hi \\\"you\\\"\\n caf\\u00e9 \\ud83d\\ude00 \xC3\xA9!\", "
+                        "\"m\": {\"k\": [1, 2.5e3, null]}}";
     const size_t n0 = strlen(base);
     static const char alphabet[] = "{}[]\":,\\u0123456789abcdefnrtlsE.+- \x01\xC3\xA9\xF0\xED";
     JsonlParser jp;
@@ -181,7 +188,11 @@ static void test_jsonl_fuzz(void) {
             uint32_t op = rng_below(&r, 3);
             if (op == 0) line[at] = (uint8_t)alphabet[rng_below(&r, sizeof alphabet - 1)];
             else if (op == 1 && n > 1) { memmove(line + at, line + at + 1, n - at - 1); n--; }
-            else if (n < sizeof line) { memmove(line + at + 1, line + at, n - at); line[at] = (uint8_t)alphabet[rng_below(&r, sizeof alphabet - 1)]; n++; }
+            else if (n < sizeof line) {
+                memmove(line + at + 1, line + at, n - at);
+                line[at] = (uint8_t)alphabet[rng_below(&r, sizeof alphabet - 1)];
+                n++;
+            }
         }
         uint8_t *exact = (uint8_t *)sdm_malloc(n);
         memcpy(exact, line, n);

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Citations of the design documents resolve inside the repository: no source file cites the external design spec or a
-# numbered section (the section sign, U+00A7) of a document outside the repository, and every `docs/<PAGE>.md#<anchor>` (and every link between
-# the docs/ pages) names an existing page and one of its headings (GitHub slugs: lower case, punctuation dropped,
-# spaces as hyphens, repeated headings numbered -1, -2, ...).
+# numbered section (the section sign, U+00A7) of a document outside the repository, and every
+# `docs/<PAGE>.md#<anchor>` (and every link between the docs/ pages) names an existing page and one of its headings
+# (GitHub slugs: lower case, punctuation dropped, spaces as hyphens, repeated headings numbered -1, -2, ...).
 # Usage: tests/test_docs.sh [ROOT] (default: the repository root).
 pass=0; fail=0
 ok() { pass=$((pass + 1)); }
@@ -33,7 +33,9 @@ sect=$(printf '\302\247')    # the section sign in UTF-8, likewise
 for f in $files; do
     hits=$(grep -n -e "$spec" -e "$sect" "$f")
     if [ -n "$hits" ]; then
-        while IFS= read -r h; do bad "$f:$h: cites a document outside the repository (cite docs/<PAGE>.md#<anchor>)"; done <<< "$hits"
+        while IFS= read -r h; do
+            bad "$f:$h: cites a document outside the repository (cite docs/<PAGE>.md#<anchor>)"
+        done <<< "$hits"
     else
         ok
     fi
@@ -43,7 +45,9 @@ done
 # check FILE TARGET_PAGE ANCHOR
 check() {
     if [ ! -f "$2" ]; then bad "$1: cites $2, which does not exist"; return; fi
-    if [ -n "$3" ] && ! anchors "$2" | grep -qx -- "$3"; then bad "$1: cites $2#$3, which is not a heading of $2"; return; fi
+    if [ -n "$3" ] && ! anchors "$2" | grep -qx -- "$3"; then
+        bad "$1: cites $2#$3, which is not a heading of $2"; return
+    fi
     ok
 }
 for f in $files; do

@@ -13,7 +13,9 @@ refused() {
     if [ $rc -ne 0 ] && [[ "$out" == *"$want"* ]]; then pass=$((pass + 1));
     else fail=$((fail + 1)); echo "FAIL infer_sdm $*: exit $rc, output '$out' (want non-zero and '$want')"; fi
 }
-if [ ! -x ./infer_sdm ]; then echo "FAIL ./infer_sdm is not built (make infer_sdm)"; echo "0 passed, 1 failed"; exit 1; fi
+if [ ! -x ./infer_sdm ]; then
+    echo "FAIL ./infer_sdm is not built (make infer_sdm)"; echo "0 passed, 1 failed"; exit 1
+fi
 tmp=$(mktemp -d)
 head -c 300 /dev/zero > "$tmp/garbage.bin"
 refused "no CHECKPOINT"

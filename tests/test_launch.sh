@@ -3,14 +3,17 @@
 # out of the way, and a failing rank stopping the others quickly with its number and status reported.
 # (ssh is replaced by a local shell.)
 pass=0; fail=0
-check() { if [ "$1" = "$2" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL $3: got '$1', want '$2'"; fi; }
+check() {
+    if [ "$1" = "$2" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL $3: got '$1', want '$2'"; fi
+}
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 got=$(scripts/launch_local.sh 3 sh -c 'echo $RANK/$LOCAL_RANK/$WORLD_SIZE' | sort | tr '\n' ' ')
 check "$got" "0/0/3 1/1/3 2/2/3 " "launch_local ranks"
-got=$(SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 scripts/launch_local.sh 2 sh -c 'echo ${SLURM_PROCID:-unset}' | tr '\n' ' ')
+got=$(SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 scripts/launch_local.sh 2 sh -c 'echo ${SLURM_PROCID:-unset}' |
+    tr '\n' ' ')
 check "$got" "unset unset " "launch_local inside a SLURM allocation"
 got=$(scripts/launch_local.sh 3 sh -c 'echo $SDM_RUN_SECRET' | sort -u)
 check "$(printf '%s' "$got" | grep -cE '^[0-9a-f]{32}$')" "1" "launch_local: one 32-hex secret for every rank"
@@ -33,7 +36,8 @@ rm -f "$tmp"/pid.*
 
 hosts=$tmp/hosts; printf 'a\n# comment\nb\n' > "$hosts"
 fake_ssh=$tmp/ssh; printf '#!/bin/sh\nshift; exec sh -c "$1"\n' > "$fake_ssh"; chmod +x "$fake_ssh"
-got=$(SSH=$fake_ssh GPUS_PER_NODE=2 scripts/launch_ssh.sh "$hosts" sh -c 'echo $MASTER_ADDR:$RANK/$LOCAL_RANK/$WORLD_SIZE' | sort | tr '\n' ' ')
+got=$(SSH=$fake_ssh GPUS_PER_NODE=2 scripts/launch_ssh.sh "$hosts" \
+    sh -c 'echo $MASTER_ADDR:$RANK/$LOCAL_RANK/$WORLD_SIZE' | sort | tr '\n' ' ')
 check "$got" "a:0/0/4 a:1/1/4 a:2/0/4 a:3/1/4 " "launch_ssh ranks"
 got=$(SSH=$fake_ssh GPUS_PER_NODE=2 scripts/launch_ssh.sh "$hosts" sh -c 'echo $SDM_RUN_SECRET' | sort -u)
 check "$(printf '%s' "$got" | grep -cE '^[0-9a-f]{32}$')" "1" "launch_ssh: one 32-hex secret for every rank"

@@ -43,7 +43,8 @@ expect "$out" "cuBLAS workspace" $((32 << 20)) flagship
 
 # recompute off: every layer keeps its two norm outputs and its SwiGLU product, every SDM layer its readout [n, D]
 off=$(./train_sdm -c configs/sdm_flagship.cfg --memory distributed.selective_act_ckpt=false)
-expect "$off" "activations saved for backward" $((model + attn + sdm + (L - 1) * n * (2 * D + F) * es + 6 * n * D * es)) \
+expect "$off" "activations saved for backward" \
+    $((model + attn + sdm + (L - 1) * n * (2 * D + F) * es + 6 * n * D * es)) \
     "flagship, off"
 
 # --- debug_hybrid, B=8, T=2048, recompute off (its config) ---------------------------------------------------------
@@ -63,8 +64,10 @@ expect "$out" "SDM banks + saved state" $(( 4 * (8 * 4096 * 1024 * 2 + saved) ))
 expect "$out" "per-sequence bank gradients" $(( 8 * 4096 * 1024 * 4 )) debug_hybrid
 
 # --- one place: no program or module source allocates device memory except through device_alloc ------------------
-direct=$(grep -n 'cudaMalloc(\|cudaFree(' core/*.* sdm/*.* attention/*.* model/*.* data/*.* ./*.cu | grep -v '^core/cuda_common.cuh:')
-if [ -z "$direct" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$direct"; fi
+direct=$(grep -n 'cudaMalloc(\|cudaFree(' core/*.* sdm/*.* attention/*.* model/*.* data/*.* ./*.cu |
+    grep -v '^core/cuda_common.cuh:')
+if [ -z "$direct" ]; then pass=$((pass + 1))
+else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$direct"; fi
 
 # --- world size: the breakdown is per GPU and names the ranks --------------------------------------------------------
 out=$(./train_sdm -c configs/debug_hybrid.cfg --memory=8)

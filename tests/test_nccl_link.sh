@@ -4,7 +4,9 @@
 # say it builds single-GPU, and NCCL=1 must refuse where NCCL is absent. Needs the built ./train_sdm (make test builds
 # it first). TRAIN_SDM overrides the binary checked.
 pass=0; fail=0
-check() { if [ "$1" = "$2" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL $3: got '$1', want '$2'"; fi; }
+check() {
+    if [ "$1" = "$2" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL $3: got '$1', want '$2'"; fi
+}
 cd "$(dirname "$0")/.."
 cuda=${CUDA_HOME:-/usr/local/cuda}; nccl=${NCCL_HOME:-$cuda}
 bin=${TRAIN_SDM:-./train_sdm}

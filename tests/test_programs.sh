@@ -19,7 +19,8 @@ expect_fail "argument 'optim.lr=fast'" ./train_sdm -c configs/debug_sdm.cfg opti
 expect_fail "argument '--bogus'" ./train_sdm --bogus
 expect_fail "configs/missing.cfg: cannot open" ./train_sdm -c configs/missing.cfg
 expect_fail "layer 7 is assigned no type" ./train_sdm -c configs/debug_sdm.cfg model.sdm_at=1,3,5
-expect_fail "key 'sdm.num_reads': 2000 exceeds slots_per_head 1024" ./train_sdm -c configs/debug_sdm.cfg sdm.slots_per_head=1024 sdm.num_reads=2000
+expect_fail "key 'sdm.num_reads': 2000 exceeds slots_per_head 1024" \
+    ./train_sdm -c configs/debug_sdm.cfg sdm.slots_per_head=1024 sdm.num_reads=2000
 rm -f "$bad"
 tmp=$(mktemp -d)
 run="$tmp/runs/a"
@@ -33,6 +34,7 @@ touch "$tmp/file"
 expect_fail "run folder $tmp/file: exists and is not a folder" ./train_sdm -c configs/debug_sdm.cfg run_dir="$tmp/file"
 expect_fail "cannot create $tmp/file/x" ./train_sdm -c configs/debug_sdm.cfg run_dir="$tmp/file/x/y"
 rm -rf "$tmp"
-if ./train_sdm --help | grep -q "sdm.slots_per_head"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: --help lists no keys"; fi
+if ./train_sdm --help | grep -q "sdm.slots_per_head"; then pass=$((pass + 1))
+else fail=$((fail + 1)); echo "FAIL: --help lists no keys"; fi
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -39,8 +39,9 @@ int main(void) {
     for (int i = 1; i < 3; i++)
         differ += c[i]->dim != sdm.dim || c[i]->n_layers != sdm.n_layers || c[i]->steps != sdm.steps ||
                   c[i]->batch_size != sdm.batch_size || c[i]->seq_len != sdm.seq_len || c[i]->lr != sdm.lr ||
-                  c[i]->warmup != sdm.warmup || c[i]->eval_every != sdm.eval_every || c[i]->eval_steps != sdm.eval_steps ||
-                  c[i]->seed != sdm.seed || strcmp(c[i]->train_data, sdm.train_data) || strcmp(c[i]->val_data, sdm.val_data) ||
+                  c[i]->warmup != sdm.warmup || c[i]->eval_every != sdm.eval_every ||
+                  c[i]->eval_steps != sdm.eval_steps || c[i]->seed != sdm.seed ||
+                  strcmp(c[i]->train_data, sdm.train_data) || strcmp(c[i]->val_data, sdm.val_data) ||
                   strcmp(c[i]->eval_task, sdm.eval_task);
     CHECK(differ == 0, "the demo configs differ beyond their mixers");
     CHECK(sdm.steps % sdm.eval_every == 0, "steps %d is not a multiple of eval_every %d: no evaluation at the end",

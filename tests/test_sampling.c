@@ -105,7 +105,8 @@ static void check_frequencies(const char *what, const float *logits, const Sampl
     double chi2 = 0.0;
     int stray = 0;
     for (int v = 0; v < V; v++) {
-        if (expect[v] > 0) chi2 += (counts[v] - DRAWS * expect[v]) * (counts[v] - DRAWS * expect[v]) / (DRAWS * expect[v]);
+        if (expect[v] > 0)
+            chi2 += (counts[v] - DRAWS * expect[v]) * (counts[v] - DRAWS * expect[v]) / (DRAWS * expect[v]);
         else stray += counts[v] != 0;
     }
     printf("%s: chi-square %.2f over %d kept tokens (max %.0f)\n", what, chi2, count_kept(expect), CHI2_MAX);

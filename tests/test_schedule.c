@@ -1,5 +1,6 @@
-// tests/test_schedule.c: the host side of the optimiser (core/optim.h): the learning-rate schedules of docs/MODEL.md#optimizer
-// checked by their defining properties, the clip scale, the AdamW coefficients and the AdamW oracle's first step.
+// tests/test_schedule.c: the host side of the optimiser (core/optim.h): the learning-rate schedules of
+// docs/MODEL.md#optimizer checked by their defining properties, the clip scale, the AdamW coefficients and the AdamW
+// oracle's first step.
 #include "core/optim.h"
 #include "tests/test.h"
 

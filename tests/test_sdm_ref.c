@@ -131,8 +131,8 @@ static void test_op_facts(void) {
 // ---------------------------------------------------------------------------------------------------------------
 // product-key top-k
 
-// The tie rule of docs/SDM.md#tie-rule written independently of sdm_pk_before: larger float32 score first, then the larger sum of
-// sub-key indices, then the larger first-factor index, then the larger second-factor index, and so on.
+// The tie rule of docs/SDM.md#tie-rule written independently of sdm_pk_before: larger float32 score first, then the
+// larger sum of sub-key indices, then the larger first-factor index, then the larger second-factor index, and so on.
 typedef struct { float score; int sum; int digit[SDM_MAX_FACTORS]; int slot; } BruteSlot; // unused digits 0
 static int brute_cmp(const void *pa, const void *pb) {
     const BruteSlot *a = (const BruteSlot *)pa, *b = (const BruteSlot *)pb;

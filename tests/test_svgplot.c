@@ -71,15 +71,18 @@ static void test_chart(int logx) {
           count(svg, "<polyline"), count(svg, "<circle"));
     CHECK(strstr(svg, ">sdm</text>") && strstr(svg, ">swa &amp; &lt;co&gt;</text>") && strstr(svg, ">full</text>"),
           "legend lacks a series name");
-    CHECK(strstr(svg, "MQAR &quot;exact&quot; by gap") && strstr(svg, ">gap (tokens)</text>"), "title or label missing");
+    CHECK(strstr(svg, "MQAR &quot;exact&quot; by gap") && strstr(svg, ">gap (tokens)</text>"),
+          "title or label missing");
     // the sdm line: points sorted by x, x increasing left to right, inside the plotting area
     const char *pts = strstr(svg, "points=\"");
     double x[3], y[3];
     int got = pts ? sscanf(pts, "points=\"%lf,%lf %lf,%lf %lf,%lf\"", &x[0], &y[0], &x[1], &y[1], &x[2], &y[2]) : 0;
     CHECK(got == 6 && x[0] < x[1] && x[1] < x[2] && x[0] >= PLOT_LEFT && x[2] <= PLOT_W - PLOT_RIGHT && y[2] < y[1] &&
-          y[1] < y[0] && y[0] <= PLOT_H - PLOT_BOTTOM && y[2] >= PLOT_TOP, "logx %d: sdm points %d: %.80s", logx, got, pts);
+          y[1] < y[0] && y[0] <= PLOT_H - PLOT_BOTTOM && y[2] >= PLOT_TOP,
+          "logx %d: sdm points %d: %.80s", logx, got, pts);
     if (logx)  // 32 is halfway between 1 and 1024 on a log axis
-        CHECK(got == 6 && fabs(x[1] - (x[0] + x[2]) / 2) < 0.2, "log x: 32 at %.1f, not midway of %.1f..%.1f", x[1], x[0], x[2]);
+        CHECK(got == 6 && fabs(x[1] - (x[0] + x[2]) / 2) < 0.2, "log x: 32 at %.1f, not midway of %.1f..%.1f", x[1],
+              x[0], x[2]);
     free(svg);
 }
 
@@ -102,7 +105,8 @@ static void test_refusals(void) {
         free(svg);
     }
     char many[2048] = "";
-    for (int k = 0; k <= PLOT_MAX_SERIES; k++) snprintf(many + strlen(many), sizeof many - strlen(many), "s%d\t1\t1\n", k);
+    for (int k = 0; k <= PLOT_MAX_SERIES; k++)
+        snprintf(many + strlen(many), sizeof many - strlen(many), "s%d\t1\t1\n", k);
     char *svg = plot(many, &o, err);
     CHECK(svg == NULL && strstr(err, "test.tsv:17: too many series"), "17 series: %s", svg ? "accepted" : err);
     free(svg);

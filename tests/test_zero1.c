@@ -143,7 +143,8 @@ static void test_shards(void) {
                 if (hi > lo && (lo != next || hi > n)) bad++;
                 if (hi > lo) next = hi;
             }
-            if (next != n || s % SHARD_ALIGN || shard_padded(n, world) < n || s - (n + world - 1) / world >= SHARD_ALIGN)
+            if (next != n || s % SHARD_ALIGN || shard_padded(n, world) < n ||
+                s - (n + world - 1) / world >= SHARD_ALIGN)
                 bad++;
         }
     CHECK(bad == 0, "shard arithmetic: %d bad layouts", bad);

@@ -21,7 +21,8 @@
 #define PLOT_TOP 48
 #define PLOT_BOTTOM 56
 
-static const char *PLOT_COLORS[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
+static const char *PLOT_COLORS[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
+                                    "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 
 typedef struct {
     char name[64];
@@ -58,7 +59,8 @@ static int plot_read(FILE *f, const char *where, const PlotOpts *o, Series *s, i
         if (!t2 || strchr(t2 + 1, '\t')) return plot_fail(err, "expected series<TAB>x<TAB>y", where, lineno);
         *t1 = *t2 = 0;
         double x, y;
-        if (!plot_number(t1 + 1, &x) || !plot_number(t2 + 1, &y)) return plot_fail(err, "x and y must be finite numbers", where, lineno);
+        if (!plot_number(t1 + 1, &x) || !plot_number(t2 + 1, &y))
+            return plot_fail(err, "x and y must be finite numbers", where, lineno);
         if (o->logx && x <= 0) return plot_fail(err, "x must be > 0 with --logx", where, lineno);
         int k = 0;
         while (k < *ns && strncmp(s[k].name, line, sizeof s[k].name - 1)) k++;
@@ -166,22 +168,27 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
     for (double v = ceil(ay.lo / step - 1e-9) * step; v <= ay.hi + 1e-9 * step; v += step) {
         double py = plot_map(&ay, v, y0, y1);
         fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", x0, py, x1, py);
-        fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n", x0 - 6, py + 4, fabs(v) < 1e-12 * step ? 0.0 : v);
+        fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n", x0 - 6, py + 4,
+                fabs(v) < 1e-12 * step ? 0.0 : v);
     }
     // x ticks: powers of 2 (or 10 over wide ranges) in log mode, 1-2-5 steps otherwise
     if (ax.log) {
         double span = ax.hi - ax.lo, every = span > 24 ? log2(10) : fmax(1, ceil(span / 10));
         for (double u = ceil(ax.lo / every - 1e-9) * every; u <= ax.hi + 1e-9; u += every) {
             double px = x0 + (x1 - x0) * (u - ax.lo) / (ax.hi - ax.lo);
-            fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px, y1);
-            fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n", px, y0 + 18, round(exp2(u) * 1e6) / 1e6);
+            fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px,
+                    y1);
+            fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n", px, y0 + 18,
+                    round(exp2(u) * 1e6) / 1e6);
         }
     } else {
         double xs = plot_nice_step(ax.lo, ax.hi, 8);
         for (double v = ceil(ax.lo / xs - 1e-9) * xs; v <= ax.hi + 1e-9 * xs; v += xs) {
             double px = plot_map(&ax, v, x0, x1);
-            fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px, y1);
-            fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n", px, y0 + 18, fabs(v) < 1e-12 * xs ? 0.0 : v);
+            fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px,
+                    y1);
+            fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n", px, y0 + 18,
+                    fabs(v) < 1e-12 * xs ? 0.0 : v);
         }
     }
     fprintf(out, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#333\"/>\n", x0, y1,
@@ -192,8 +199,8 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
         fputs("</text>\n", out);
     }
     if (o->ylabel) {
-        fprintf(out, "<text x=\"18\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 18 %.1f)\">", (y0 + y1) / 2,
-                (y0 + y1) / 2);
+        fprintf(out, "<text x=\"18\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 18 %.1f)\">",
+                (y0 + y1) / 2, (y0 + y1) / 2);
         plot_text(out, o->ylabel);
         fputs("</text>\n", out);
     }
@@ -202,18 +209,21 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
             y1, x1 - x0, y0 - y1);
     for (int k = 0; k < ns; k++) {
         const char *color = PLOT_COLORS[k % (int)(sizeof PLOT_COLORS / sizeof PLOT_COLORS[0])];
-        fprintf(out, "<g clip-path=\"url(#area)\" stroke=\"%s\" fill=\"%s\">\n<polyline fill=\"none\" stroke-width=\"2\" points=\"",
+        fprintf(out,
+                "<g clip-path=\"url(#area)\" stroke=\"%s\" fill=\"%s\">\n"
+                "<polyline fill=\"none\" stroke-width=\"2\" points=\"",
                 color, color);
         for (int i = 0; i < s[k].n; i++)
-            fprintf(out, "%s%.1f,%.1f", i ? " " : "", plot_map(&ax, s[k].x[i], x0, x1), plot_map(&ay, s[k].y[i], y0, y1));
+            fprintf(out, "%s%.1f,%.1f", i ? " " : "", plot_map(&ax, s[k].x[i], x0, x1),
+                    plot_map(&ay, s[k].y[i], y0, y1));
         fputs("\"/>\n", out);
         for (int i = 0; i < s[k].n; i++)
             fprintf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\"/>\n", plot_map(&ax, s[k].x[i], x0, x1),
                     plot_map(&ay, s[k].y[i], y0, y1));
         fputs("</g>\n", out);
         double ly = y1 + 12 + 20 * k;
-        fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"/>\n", x1 + 14,
-                ly, x1 + 38, ly, color);
+        fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"/>\n",
+                x1 + 14, ly, x1 + 38, ly, color);
         fprintf(out, "<text x=\"%.1f\" y=\"%.1f\">", x1 + 44, ly + 4);
         plot_text(out, s[k].name);
         fputs("</text>\n", out);
@@ -245,7 +255,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ylabel")) o.ylabel = argv[++i];
         else if (!strcmp(a, "--ymin") || !strcmp(a, "--ymax")) {
             int is_min = !strcmp(a, "--ymin");
-            if (!plot_number(argv[++i], is_min ? &o.ymin : &o.ymax)) { fprintf(stderr, "svgplot: %s: not a number\n", a); return 1; }
+            if (!plot_number(argv[++i], is_min ? &o.ymin : &o.ymax)) {
+                fprintf(stderr, "svgplot: %s: not a number\n", a);
+                return 1;
+            }
             if (is_min) o.has_ymin = 1; else o.has_ymax = 1;
         } else usage();
     }
