@@ -57,6 +57,15 @@ static void build_model(Config *cfg, ModelDesc *m, const char *dtype) {
     model_build(m, cfg);
 }
 
+// The fp32 test model on the GPU for inference (B = T = 1) with parameters host; returns its malloc'ed description.
+static ModelDesc *fp32_decode_model(GpuModel *g, Config *cfg, const float *host) {
+    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    build_model(cfg, m, "fp32");
+    gpu_model_create(g, m, 1, 1, DT_FP32, 1, 0);
+    gpu_model_set_params(g, host);
+    return m;
+}
+
 // Random parameters away from their symmetric init (biases, norms), as fp32.
 static float *random_params(const ModelDesc *m) {
     Rng r = rng_make(2024);
@@ -196,11 +205,8 @@ static void check_dtype(const char *dtype, const float *host) {
 // (c) and (d) in the all-fp32 mode.
 static void check_generation_and_reset(const float *host) {
     Config cfg;
-    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
-    build_model(&cfg, m, "fp32");
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
-    gpu_model_set_params(&g, host);
+    ModelDesc *m = fp32_decode_model(&g, &cfg, host);
     GpuInferState I, J;
     gpu_infer_create(&I, &g, 1, T_SEQ);
     gpu_infer_create(&J, &g, 1, T_SEQ);
@@ -552,11 +558,8 @@ static int same_requests(const GenRequest *a, const GenRequest *b) {
 // token only at a near tie of two logits or of the uniform and a cumulative boundary (~1e-6 per token here).
 static void check_graphs_and_batches(const float *host) {
     Config cfg;
-    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
-    build_model(&cfg, m, "fp32");
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
-    gpu_model_set_params(&g, host);
+    ModelDesc *m = fp32_decode_model(&g, &cfg, host);
     GpuInferState one, two;
     gpu_infer_create(&one, &g, 1, T_SEQ);
     gpu_infer_create(&two, &g, 2, T_SEQ);
@@ -603,11 +606,8 @@ static double *device_doubles(const void *p, size_t n) {
 // keys and values of GEMMs at other shapes, equal to rounding.
 static void check_prefill_state(const float *host) {
     Config cfg;
-    ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
-    build_model(&cfg, m, "fp32");
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
-    gpu_model_set_params(&g, host);
+    ModelDesc *m = fp32_decode_model(&g, &cfg, host);
     GpuInferState A, B;
     gpu_infer_create(&A, &g, 1, T_SEQ);
     gpu_infer_create(&B, &g, 1, T_SEQ);
