@@ -11,7 +11,7 @@ old=$(cd "${1:?usage: scripts/same_bits.sh OLD_TREE}" && pwd)
 new=$(cd "$(dirname "$0")/.." && pwd)
 jobs=$(nproc 2>/dev/null || echo 4)
 run() {  # run TREE LOG: the trainings and the generation in TREE, their output without timings in LOG
-    (cd "$1" && rm -rf runs/same_bits runs/same_bits_fp32
+    (cd "$1" && rm -rf runs/same_bits runs/same_bits_fp32 && mkdir -p runs # (older trees do not make parents)
      ./train_sdm -c configs/debug_hybrid.cfg steps=20 optim.warmup=5 logging.freq=1 probe_freq=0 \
          checkpoint.eval_every=10 eval.steps=2 checkpoint.dump_every=20 sdm.backprop_on_memory=true \
          sdm.normalize_readings=true run_dir=runs/same_bits
