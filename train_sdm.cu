@@ -376,17 +376,17 @@ int main(int argc, char **argv) {
     double t0 = now_s(), t_log = t0;
     long long first_step = r.step;
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
-    size_t peak_used = 0; // device bytes in use after a step, the highest so far (allocation is static after step 1)
+    size_t peak_used = 0; // device bytes in use at a logged step: allocation is static after step 1, so the peak
     while (r.step < c->steps) {
         float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step)), norm;
         cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
-        peak_used = SDM_MAX(peak_used, device_used_bytes());
         if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
                     isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, c->run_dir);
         if (r.step % c->log_freq == 0 || r.step == c->steps) {
             double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
+            peak_used = SDM_MAX(peak_used, device_used_bytes()); // measured at log steps only: off the hot path
             double tokens_per_s = tokens_per_step / per_step;
             say(&r, "step %6lld/%d | loss %.4f | lr %.3e | grad norm %.3f | %.1f ms/step | %.0f tok/s | MFU %.1f%% | "
                 "peak %.2f GiB\n", r.step, c->steps, loss, r.lr, norm, 1e3 * per_step, tokens_per_s,
