@@ -28,23 +28,40 @@ static inline AttnRope attn_rope_create(int head_dim, double theta) {
 
 static inline void attn_rope_destroy(AttnRope *r) { device_free(r->inv_freq); r->inv_freq = NULL; }
 
-// One thread per (row b*T+t, head of q or k, pair m). Position = pos0[b] + t (pos0 NULL: t).
+#define ATTN_ROPE_HEADS 8
+
+// One thread per (row b*T+t, pair m): the angle's sincos once, then pair m of every head of q and k (a warp's
+// threads touch consecutive pairs of one head at a time). Position = pos0[b] + t (pos0 NULL: t).
 template <typename T>
 __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, const float *inv_freq,
-                                 const int *pos0, float direction, size_t n_pairs) {
+                                 const int *pos0, float direction, size_t n_rows) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_pairs) return;
-    int m = (int)(i % half), h = (int)(i / half % (nh + nkv));
-    size_t row = i / half / (nh + nkv);
+    if (i >= n_rows * half) return;
+    int m = (int)(i % half);
+    size_t row = i / half;
     int t = (int)(row % T_), b = (int)(row / T_);
     float ang = (float)((pos0 ? pos0[b] : 0) + t) * inv_freq[m];
     float sn, cs;
     sincosf(ang, &sn, &cs);
     sn *= direction;
-    T *x = h < nh ? q + (row * nh + h) * 2 * half + 2 * m : k + (row * nkv + (h - nh)) * 2 * half + 2 * m;
-    float x0 = dtype_to_float(x[0]), x1 = dtype_to_float(x[1]);
-    x[0] = dtype_from_float<T>(x0 * cs - x1 * sn);
-    x[1] = dtype_from_float<T>(x0 * sn + x1 * cs);
+    for (int h0 = 0; h0 < nh + nkv; h0 += ATTN_ROPE_HEADS) { // the group's loads all issued before its stores
+        T *x[ATTN_ROPE_HEADS];
+        float x0[ATTN_ROPE_HEADS], x1[ATTN_ROPE_HEADS];
+#pragma unroll
+        for (int j = 0; j < ATTN_ROPE_HEADS; j++) {
+            int h = h0 + j;
+            x[j] = h >= nh + nkv ? NULL
+                   : h < nh     ? q + (row * nh + h) * 2 * half + 2 * m
+                                : k + (row * nkv + (h - nh)) * 2 * half + 2 * m;
+            if (x[j]) { x0[j] = dtype_to_float(x[j][0]); x1[j] = dtype_to_float(x[j][1]); }
+        }
+#pragma unroll
+        for (int j = 0; j < ATTN_ROPE_HEADS; j++)
+            if (x[j]) {
+                x[j][0] = dtype_from_float<T>(x0[j] * cs - x1[j] * sn);
+                x[j][1] = dtype_from_float<T>(x0[j] * sn + x1[j] * cs);
+            }
+    }
 }
 
 // In place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h]; direction 1 = forward, -1 = backward (the transpose).
@@ -53,15 +70,15 @@ static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T,
     if (r->head_dim != a->head_dim)
         sdm_die("attention: RoPE table for head_dim %d used with %d", r->head_dim, a->head_dim);
     int half = a->head_dim / 2;
-    size_t n = (size_t)B * T * (a->n_heads + a->n_kv_heads) * half;
+    size_t rows = (size_t)B * T, n = rows * half;
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
         attn_rope_kernel<bf16><<<grid, 256, 0, st>>>((bf16 *)q, (bf16 *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                     r->inv_freq, pos0, (float)direction, n);
+                                                     r->inv_freq, pos0, (float)direction, rows);
     else
         attn_rope_kernel<float><<<grid, 256, 0, st>>>((float *)q, (float *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                      r->inv_freq, pos0, (float)direction, n);
+                                                      r->inv_freq, pos0, (float)direction, rows);
     cudaCheckLast();
 }
 

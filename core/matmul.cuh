@@ -1,5 +1,5 @@
 // core/matmul.cuh: the cuBLASLt matmul every layer uses, for row-major activations and row-major (out, in) weights.
-//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])
+//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (M <= 8, decode: a GEMV kernel of our own)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
@@ -91,9 +91,107 @@ static inline void matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int ld
 
 static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n; }
 
+// ------------------------------------------------------------------------------------------------------------------
+// Small-M forward (decode steps): Y[M,N] = X[M,K] · W[N,K]ᵀ (+ bias) for M <= MATMUL_GEMV_MAX_M is bound by reading
+// W once, and cuBLASLt spreads such products over too few CTAs (on the H200 a decode step's 2048 x 11264 product
+// ran at 3.1 TB/s and its 5632-deep ones, split-K, at 2.3). Here a block of MATMUL_GEMV_THREADS threads owns
+// MATMUL_GEMV_ROWS rows of W and strides over K in 16-byte vectors, all rows' loads in flight at once; X is read
+// through L1. Each output's sum has one fixed order (thread partials, warp butterfly, warps in order), the same for
+// every M: a stream's logits do not depend on how many streams decode with it.
+
+#define MATMUL_GEMV_MAX_M 8
+#define MATMUL_GEMV_ROWS 4
+#define MATMUL_GEMV_THREADS 256
+
+// v[0..VEC) = the 16 bytes at p as floats (VEC = 8 bf16 or 4 fp32).
+__device__ __forceinline__ void matmul_gemv_load(const __nv_bfloat16 *p, float *v) {
+    uint4 u = __ldg((const uint4 *)p);
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+    for (int i = 0; i < 4; i++) {
+        float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void matmul_gemv_load(const float *p, float *v) {
+    float4 f = __ldg((const float4 *)p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+}
+
+template <typename T, typename TY, int M>
+__global__ void __launch_bounds__(MATMUL_GEMV_THREADS)
+matmul_gemv_kernel(TY *y, int ldy, const T *x, const T *w, const TY *bias, int N, int K) {
+    constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
+    __shared__ float part[WARPS][R * M];
+    const int n0 = blockIdx.x * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[R][M] = {};
+    for (int k = threadIdx.x * VEC; k < K; k += MATMUL_GEMV_THREADS * VEC) {
+        float wv[R][VEC], xv[VEC];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (n0 + r < N) matmul_gemv_load(w + (size_t)(n0 + r) * K + k, wv[r]);
+            else for (int i = 0; i < VEC; i++) wv[r][i] = 0.f;
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            matmul_gemv_load(x + (size_t)m * K + k, xv);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int i = 0; i < VEC; i++) acc[r][m] = fmaf(wv[r][i], xv[i], acc[r][m]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = core_warp_sum(acc[r][m]);
+            if (lane == 0) part[warp][r * M + m] = v;
+        }
+    __syncthreads();
+    int r = threadIdx.x / M, m = threadIdx.x % M;
+    if (threadIdx.x >= R * M || n0 + r >= N) return;
+    float s = 0.f;
+    for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
+    if (bias) s += dtype_to_float(bias[n0 + r]);
+    y[(size_t)m * ldy + n0 + r] = dtype_from_float<TY>(s);
+}
+
+template <typename T, typename TY>
+static inline void matmul_gemv_run(TY *y, int ldy, const T *x, const T *w, const TY *bias, int M, int N, int K,
+                                   cudaStream_t s) {
+    unsigned grid = (unsigned)ceil_div(N, MATMUL_GEMV_ROWS);
+#define MATMUL_GEMV_CASE(m) \
+    case m: matmul_gemv_kernel<T, TY, m><<<grid, MATMUL_GEMV_THREADS, 0, s>>>(y, ldy, x, w, bias, N, K); break;
+    switch (M) {
+        MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
+        MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
+    }
+#undef MATMUL_GEMV_CASE
+    cudaCheckLast();
+}
+
+// The small-M product when it applies (M <= MATMUL_GEMV_MAX_M, rows of X and W in whole 16-byte vectors); returns
+// 0 to leave the product to cuBLASLt.
+static inline int matmul_gemv(void *y, Dtype y_type, int ldy, const void *x, const void *w, const void *bias,
+                              Dtype in_type, int M, int N, int K, cudaStream_t s) {
+    typedef __nv_bfloat16 bf;
+    size_t row_bytes = (size_t)K * dtype_size(in_type);
+    if (M < 1 || M > MATMUL_GEMV_MAX_M || row_bytes % 16 || ((uintptr_t)x | (uintptr_t)w) % 16) return 0;
+    if (in_type == DT_FP32 && y_type != DT_FP32) sdm_die("matmul: fp32 inputs need an fp32 output");
+    if (in_type == DT_FP32)
+        matmul_gemv_run((float *)y, ldy, (const float *)x, (const float *)w, (const float *)bias, M, N, K, s);
+    else if (y_type == DT_FP32)
+        matmul_gemv_run((float *)y, ldy, (const bf *)x, (const bf *)w, (const float *)bias, M, N, K, s);
+    else
+        matmul_gemv_run((bf *)y, ldy, (const bf *)x, (const bf *)w, (const bf *)bias, M, N, K, s);
+    return 1;
+}
+
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
 static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                   const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
+    if (matmul_gemv(y, y_type, ldy, x, w, bias, in_type, M, N, K, s)) return;
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);

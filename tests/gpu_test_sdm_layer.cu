@@ -1,6 +1,7 @@
 // tests/gpu_test_sdm_layer.cu: the GPU SDM layer (sdm/sdm_layer.cuh) and the matmul wrapper (core/matmul.cuh)
 // against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
-//   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum.
+//   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum;
+//          the small-M forward (decode's GEMV): accuracy, rerun bits, a row's bits independent of M.
 //   top-k: slots bit for bit equal to sdm_pk_topk_ref on the same float32 scores (normal, bf16-rounded, small
 //          integers with many exact ties, all equal), F = 1, 2, 3; weights (softmax) and gamma.
 //   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
@@ -122,6 +123,63 @@ static void test_matmul(Rng *rng, int fp32) {
     for (int i = 0; i < 8; i++) cudaCheck(cudaFree(bufs[i]));
     double *hb[] = {x, w, b, dy, dw0, db0, y, yr, yg, gx, gxr, gw, gwr, gb, gbr};
     for (int i = 0; i < 15; i++) free(hb[i]);
+}
+
+// Small-M forward (M <= MATMUL_GEMV_MAX_M: the GEMV kernel when rows are whole 16-byte vectors, else cuBLASLt):
+// against the double reference, rerun bitwise, and row m of the M-row product bitwise equal to the product of that
+// row alone (the GEMV's sum order does not depend on M: a stream's logits do not depend on the batch). Tolerance:
+// fp32 sums of K <= 4104 products of O(1) terms err ~sqrt(K) 2^-24 relative, far below 1e-5; a bf16 output adds its
+// rounding (2^-9), under TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to TOL_FP32.
+static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, int K, int ldy, int with_bias) {
+    Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = out_fp32 ? DT_FP32 : t;
+    double *x = hzeros((size_t)M * K), *w = hzeros((size_t)N * K), *b = hzeros(N);
+    fill_normal(rng, x, (size_t)M * K, 1.0); fill_normal(rng, w, (size_t)N * K, 0.2); fill_normal(rng, b, N, 1.0);
+    round_to_dtype(x, (size_t)M * K, fp32); round_to_dtype(w, (size_t)N * K, fp32); round_to_dtype(b, N, out_fp32);
+    void *dx_ = dev_upload(x, (size_t)M * K, fp32), *dw_ = dev_upload(w, (size_t)N * K, fp32);
+    void *db_ = with_bias ? dev_upload(b, N, out_fp32) : NULL;
+    size_t ybytes = (size_t)M * ldy * dtype_size(ty);
+    void *dy1 = NULL, *dy2 = NULL, *drow = NULL;
+    cudaCheck(cudaMalloc(&dy1, ybytes)); cudaCheck(cudaMalloc(&dy2, ybytes)); cudaCheck(cudaMalloc(&drow, ybytes));
+    cudaCheck(cudaMemset(dy1, 0xFF, ybytes)); // NaN in both dtypes: every entry must be written
+    matmul_forward(dy1, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
+    matmul_forward(dy2, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
+    for (int m = 0; m < M; m++) // row m alone
+        matmul_forward((char *)drow + (size_t)m * ldy * dtype_size(ty), ty, ldy,
+                       (const char *)dx_ + (size_t)m * K * dtype_size(t), dw_, db_, t, 1, N, K, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    unsigned char *h1 = (unsigned char *)sdm_malloc(ybytes), *h2 = (unsigned char *)sdm_malloc(ybytes);
+    unsigned char *hr = (unsigned char *)sdm_malloc(ybytes);
+    cudaCheck(cudaMemcpy(h1, dy1, ybytes, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(h2, dy2, ybytes, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(hr, drow, ybytes, cudaMemcpyDeviceToHost));
+    double *y = hzeros((size_t)M * ldy), *yr = hzeros((size_t)M * N), *yg = hzeros((size_t)M * N);
+    dev_download(y, dy1, (size_t)M * ldy, out_fp32);
+    int same = 1, row_same = 1;
+    size_t es = dtype_size(ty);
+    for (int i = 0; i < M; i++) {
+        same &= memcmp(h1 + (size_t)i * ldy * es, h2 + (size_t)i * ldy * es, (size_t)N * es) == 0;
+        row_same &= memcmp(h1 + (size_t)i * ldy * es, hr + (size_t)i * ldy * es, (size_t)N * es) == 0;
+        for (int j = 0; j < N; j++) {
+            yg[(size_t)i * N + j] = y[(size_t)i * ldy + j];
+            double s = with_bias ? b[j] : 0.0;
+            for (int kk = 0; kk < K; kk++) s += x[(size_t)i * K + kk] * w[(size_t)j * K + kk];
+            yr[(size_t)i * N + j] = s;
+        }
+    }
+    char what[128];
+    snprintf(what, sizeof what, "matmul small M=%d N=%d K=%d %s->%s%s", M, N, K, fp32 ? "fp32" : "bf16",
+             out_fp32 ? "fp32" : dtype_name(t), with_bias ? " bias" : "");
+    double err = rel_error(yg, yr, (size_t)M * N);
+    printf("%s: fwd %.2e, rerun %s, rows alone %s\n", what, err, same ? "same bits" : "DIFFERS",
+           row_same ? "same bits" : "DIFFER");
+    check_close(what, yg, yr, (size_t)M * N, out_fp32 ? TOL_FP32 : tol_for(fp32));
+    CHECK(same, "%s: a rerun gave other bits", what);
+    CHECK(row_same || K * dtype_size(t) % 16, "%s: a row's result depends on M", what); // cuBLASLt: no promise
+    void *bufs[] = {dx_, dw_, db_, dy1, dy2, drow};
+    for (int i = 0; i < 6; i++) cudaCheck(cudaFree(bufs[i]));
+    double *hb[] = {x, w, b, y, yr, yg};
+    for (int i = 0; i < 6; i++) free(hb[i]);
+    free(h1); free(h2); free(hr);
 }
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
@@ -531,6 +589,13 @@ int main(int argc, char **argv) {
     Rng rng = rng_make(seed);
     test_matmul(&rng, 1);
     test_matmul(&rng, 0);
+    for (int fp32 = 0; fp32 <= 1; fp32++) {
+        test_matmul_small_m(&rng, fp32, fp32, 1, 45, 96, 48, 1);     // fewer rows than blocks of rows, K < a stride
+        test_matmul_small_m(&rng, fp32, fp32, 3, 2051, 4104, 2056, 0); // K not a whole number of strides
+        test_matmul_small_m(&rng, fp32, 1, 8, 258, 2048, 264, 0);    // the LM head's shape: fp32 logits
+        test_matmul_small_m(&rng, fp32, fp32, 8, 1030, 2048, 1030, 1);
+        test_matmul_small_m(&rng, fp32, fp32, 2, 45, 44, 45, 1);      // bf16 rows of 88 bytes: the cuBLASLt path
+    }
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
