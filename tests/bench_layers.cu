@@ -3,8 +3,8 @@
 // alone: median of CUDA-event timings after warm-up, with L2 flushed before each run (a 256 MiB memset outside the
 // events), so every byte comes from HBM. Bytes are those of the [n, D] and [n, F] tensors each call must read and
 // write once, as the profile's floors count them (docs/MODEL.md#step-profile); the weights, rstd and the backward's
-// dw partials (3% of its bytes) are left out. Only the launchers are used, so this file also builds against an older
-// core/layers.cuh: the same benchmark measures a tree before and after a change.
+// dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this file also builds against an
+// older core/layers.cuh: the same benchmark measures a tree before and after a change.
 #include "core/layers.cuh"
 #include "tests/test.h"
 

@@ -186,7 +186,10 @@ static void test_rmsnorm(const Mode *mo, int n, int D, ResMode res, DxMode dxm, 
     static const char *res_names[] = {"none", "h_out", "h_out over h_in"}, *dx_names[] = {"=", "+=", "= over dy"};
     const double eps = 1e-5;
     int residual = res != RES_NONE, accumulate = dxm == DX_ADD;
-    printf("rmsnorm %s n=%d D=%d residual %s, dx %s\n", mo->name, n, D, res_names[res], dx_names[dxm]);
+    RmsVecLayout lay = rmsnorm_vec_layout(mo->dtype, D);
+    printf("rmsnorm %s n=%d D=%d residual %s, dx %s, ", mo->name, n, D, res_names[res], dx_names[dxm]);
+    if (lay.vpt) printf("vector path (%d threads x %d)\n", lay.threads, lay.vpt);
+    else printf("scalar path\n");
     size_t nd = (size_t)n * D, es = dtype_size(mo->dtype);
     Dtype dt = mo->dtype;
     double *h_in = host_doubles(nd), *branch = host_doubles(nd), *h = host_doubles(nd), *w = host_doubles(D);
@@ -300,9 +303,10 @@ static void selector_weights(double *w1, double *w3, double *w2, int F) {
 }
 
 static void test_swiglu(const Mode *mo, int n, int F, Rng *r) {
-    printf("swiglu %s n=%d F=%d (fused a|b rows of width 2F, backward in place)\n", mo->name, n, F);
     Dtype dt = mo->dtype;
     int D = 2 * F;
+    printf("swiglu %s n=%d F=%d (fused a|b rows of width 2F, backward in place), %s path\n", mo->name, n, F,
+           F % (16 / (int)dtype_size(dt)) == 0 ? "vector" : "scalar");
     size_t nD = (size_t)n * D, nF = (size_t)n * F, es = dtype_size(dt);
     double *ab = host_doubles(nD), *dh = host_doubles(nF), *w1 = host_doubles((size_t)F * D);
     double *w3 = host_doubles((size_t)F * D), *w2 = host_doubles((size_t)D * F), *y = host_doubles(nD);
@@ -607,6 +611,17 @@ int main(void) {
         test_adamw(mo, 0, 0, 0, &r);
         test_adamw(mo, 517, 1, 1, &r);      // starts inside tok_emb, ends inside the last A_log
         test_adamw(mo, 37002, 1000, 1, &r); // starts inside a no-decay run, ends inside ffn.w1
+    }
+    // The RMSNorm cases above reach every path: scalar (a width not a multiple of the vector, and too wide a row in
+    // fp32; bf16 rows of up to 8192 take the vector path), one and two vectors per thread.
+    for (int m = 0; m < 2; m++) {
+        Dtype dt = MODES[m].dtype;
+        int fp32 = dt == DT_FP32, two = fp32 ? 4096 : 4104;
+        char what[160];
+        snprintf(what, sizeof what, "rmsnorm %s cases reach the scalar path and 1 and 2 vectors per thread",
+                 MODES[m].name);
+        report_true(what, rmsnorm_vec_layout(dt, 1002).vpt == 0 && rmsnorm_vec_layout(dt, 2048).vpt == 1 &&
+                              rmsnorm_vec_layout(dt, two).vpt == 2 && (!fp32 || rmsnorm_vec_layout(dt, 4104).vpt == 0));
     }
     test_grad_norm(5, &r);
     test_grad_norm(1000003, &r);
