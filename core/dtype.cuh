@@ -4,7 +4,8 @@
 //   host     dtype_size (bytes), dtype_cuda (cuBLAS's cudaDataType_t), dtype_name, dtype_elem_ptr (element i)
 //   device   dtype_to_float / dtype_from_float<T> on the storage types T = float or __nv_bfloat16 (kernels templated
 //            on T, instantiated by DTYPE_DISPATCH); dtype_load / dtype_store for kernels that switch at run time
-//            (they take `bool fp32` = dt == DT_FP32)
+//            (they take `bool fp32` = dt == DT_FP32); DtypePack<T, W>: W elements moved in one access (16 bytes:
+//            DtypeVec<T>, the vector of the bandwidth-bound kernels)
 #ifndef SDM_CORE_DTYPE_CUH
 #define SDM_CORE_DTYPE_CUH
 
@@ -47,6 +48,23 @@ template <typename T> __device__ __forceinline__ T dtype_from_float(float x);
 template <> __device__ __forceinline__ float dtype_from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 dtype_from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16(x);
+}
+
+// W consecutive elements of T loaded or stored in one access of W * sizeof(T) bytes (ld/st.global.v4 for 16); the
+// address must be aligned to that size. Kernels that stream rows use DtypeVec<T> = 16 bytes = 4 fp32 or 8 bf16.
+template <typename T, int W> struct alignas(W * sizeof(T)) DtypePack {
+    static constexpr int N = W;
+    T e[W];
+    __device__ __forceinline__ float get(int i) const { return dtype_to_float(e[i]); }
+    __device__ __forceinline__ void set(int i, float v) { e[i] = dtype_from_float<T>(v); }
+};
+template <typename T> using DtypeVec = DtypePack<T, 16 / sizeof(T)>;
+
+template <typename P, typename T> __device__ __forceinline__ P dtype_pack_load(const T *p) {
+    return *(const P *)p;
+}
+template <typename P, typename T> __device__ __forceinline__ void dtype_pack_store(T *p, const P &v) {
+    *(P *)p = v;
 }
 
 // Run `...` (a statement using the type name T) with T = float for DT_FP32 or __nv_bfloat16 for DT_BF16.

@@ -4,7 +4,8 @@
 //   RMSNorm (+resid)   h = h_in + branch (optional);  y = h * rstd * w,  rstd[n] saved (fp32)
 //                      backward: dx (=, or +=) d/dh;  dw[D] += two-pass column reduction (fixed order)
 //   SwiGLU pointwise   h[n, F] = silu(a) * b        backward: da, db from dh (a, b are the W1, W3 GEMM outputs)
-// Shapes are row-major. Weights are the working copy (dtype T); weight gradients are fp32.
+// Shapes are row-major. Weights are the working copy (dtype T); weight gradients are fp32. RMSNorm and SwiGLU are
+// bandwidth-bound: they move 16-byte vectors where the widths allow (see "Vector access").
 #ifndef SDM_CORE_LAYERS_CUH
 #define SDM_CORE_LAYERS_CUH
 
@@ -174,12 +175,63 @@ static inline void embedding_backward(float *dE, const void *dout, Dtype dtype,
 }
 
 // ------------------------------------------------------------------------------------------------------------------
+// Vector access
+//
+// The bandwidth-bound kernels below move 16-byte vectors (DtypeVec<T>: 8 bf16 or 4 fp32) when every row width and
+// row stride is a multiple of the vector, and single elements otherwise. The choice depends on the widths alone, so
+// a result's bits never depend on where a buffer lies; the vector path then requires 16-byte aligned pointers, which
+// every caller passes (cudaMalloc'ed buffers at whole-row offsets).
+
+// Stop unless p (NULL allowed) is 16-byte aligned.
+static inline void layers_require_aligned16(const char *what, const void *p) {
+    if ((uintptr_t)p % 16)
+        sdm_die("%s: %p is not 16-byte aligned, as rows of a multiple of 16 bytes require", what, p);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
 // RMSNorm, with the residual add of the block fused in front (docs/MODEL.md#blocks)
+//   vector path (D a multiple of the vector, at most RMS_THREADS * RMS_MAX_VPT vectors: bf16 D <= 8192, fp32
+//     D <= 4096): a block of threads takes a row, whose vectors are dealt to its threads round-robin and stay in
+//     registers, so every element is read once and written once (forward: h_in, branch read, h_out, y written;
+//     backward: x, dy, dx when accumulating read, dx written);
+//   scalar path (any other D): one warp per row with 2-byte accesses, h (forward) and x, dy (backward) read twice.
+// Sums over a row run per thread, then by the warp butterfly, then over the warps in order: fixed for a given D.
 
-#define RMS_WARPS 8 // rows per block in the forward (one warp per row) and per tile in the backward
+#define RMS_WARPS 8     // scalar path: rows per block in the forward (one warp per row) and per tile in the backward
+#define RMS_THREADS 512 // vector path: most threads per row
+#define RMS_MAX_VPT 2   // vector path: most vectors per thread and row (more would spill registers)
 
-// One warp per row: h = h_in (+ branch), rounded to T and stored when branch is given (the norm and its backward
-// both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w.
+// Vector path layout for rows of D elements: thread t of `threads` (a multiple of 32) holds vectors t + threads * i,
+// i < vpt (1 or 2), of each row. vpt = 0: the scalar path.
+typedef struct {
+    int threads, vpt;
+} RmsVecLayout;
+
+static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
+    RmsVecLayout lay = {0, 0};
+    int per_vec = 16 / (int)dtype_size(dtype), V = D / per_vec, vpt = 1;
+    if (D % per_vec) return lay;
+    while (vpt < RMS_MAX_VPT && vpt * RMS_THREADS < V) vpt *= 2;
+    if (vpt * RMS_THREADS < V) return lay;
+    lay.vpt = vpt;
+    lay.threads = 32 * ceil_div(ceil_div(V, vpt), 32);
+    return lay;
+}
+
+// Run `...` (a statement using the constant VPT) with VPT = vpt, 1 or 2.
+#define RMS_VPT_DISPATCH(vpt, ...)                                                      \
+    do {                                                                                \
+        if ((vpt) == 1) {                                                               \
+            constexpr int VPT = 1;                                                      \
+            __VA_ARGS__;                                                                \
+        } else {                                                                        \
+            constexpr int VPT = 2;                                                      \
+            __VA_ARGS__;                                                                \
+        }                                                                               \
+    } while (0)
+
+// Scalar path, one warp per row: h = h_in (+ branch), rounded to T and stored when branch is given (the norm and its
+// backward both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w.
 template <typename T>
 __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int n,
                                        int D, float eps) {
@@ -203,31 +255,97 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
     if (lane == 0) rstd[row] = r;
 }
 
+// Vector path, the same: block b normalizes row b. All loads are issued before the first store (h_out may alias
+// h_in, so the compiler could not hoist them over it).
+template <typename T, int VPT>
+__global__ void __launch_bounds__(RMS_THREADS)
+    rmsnorm_forward_vec_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int D,
+                               float eps) {
+    typedef DtypeVec<T> Vec;
+    __shared__ float warp_ss[RMS_THREADS / 32];
+    int V = D / Vec::N, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    size_t base = (size_t)blockIdx.x * D;
+    Vec wv[VPT], h[VPT], bv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = threadIdx.x + i * blockDim.x;
+        if (j >= V) continue;
+        wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
+        h[i] = dtype_pack_load<Vec>(h_in + base + (size_t)j * Vec::N);
+        if (branch) bv[i] = dtype_pack_load<Vec>(branch + base + (size_t)j * Vec::N);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = threadIdx.x + i * blockDim.x;
+        if (j >= V) continue;
+        if (branch) {
+#pragma unroll
+            for (int e = 0; e < Vec::N; e++) h[i].set(e, h[i].get(e) + bv[i].get(e));
+            dtype_pack_store(h_out + base + (size_t)j * Vec::N, h[i]);
+        }
+#pragma unroll
+        for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
+    }
+    ss = core_warp_sum(ss);
+    if (lane == 0) warp_ss[warp] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int k = 0; k < (int)(blockDim.x >> 5); k++) ss += warp_ss[k];
+    float rs = rsqrtf(ss / (float)D + eps);
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = threadIdx.x + i * blockDim.x;
+        if (j >= V) continue;
+        Vec out;
+#pragma unroll
+        for (int e = 0; e < Vec::N; e++) out.set(e, h[i].get(e) * rs * wv[i].get(e));
+        dtype_pack_store(y + base + (size_t)j * Vec::N, out);
+    }
+    if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+}
+
+// Both forwards: h_out = h_in + branch when branch is given.
+static inline void rmsnorm_forward_launch(const char *what, void *y, float *rstd, void *h_out, const void *h_in,
+                                          const void *branch, const void *w, Dtype dtype, int n, int D, float eps,
+                                          cudaStream_t s) {
+    RmsVecLayout lay = rmsnorm_vec_layout(dtype, D);
+    if (!lay.vpt) {
+        DTYPE_DISPATCH(dtype, what,
+                       rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
+                           (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch, (const T *)w, n, D, eps));
+    } else {
+        const void *ptrs[] = {y, h_out, h_in, branch, w};
+        for (const void *p : ptrs) layers_require_aligned16(what, p);
+        DTYPE_DISPATCH(dtype, what,
+                       RMS_VPT_DISPATCH(lay.vpt,
+                                        rmsnorm_forward_vec_kernel<T, VPT><<<n, lay.threads, 0, s>>>(
+                                            (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch,
+                                            (const T *)w, D, eps)));
+    }
+    cudaCheckLast();
+}
+
 // y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward.
 static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const void *w, Dtype dtype, int n,
                                    int D, float eps, cudaStream_t s) {
-    DTYPE_DISPATCH(dtype, "rmsnorm_forward",
-                 rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
-                     (T *)y, rstd, (T *)NULL, (const T *)x, (const T *)NULL, (const T *)w, n, D, eps));
-    cudaCheckLast();
+    rmsnorm_forward_launch("rmsnorm_forward", y, rstd, NULL, x, NULL, w, dtype, n, D, eps, s);
 }
 
 // h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved.
 static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, const void *h_in, const void *branch,
                                             const void *w, Dtype dtype, int n, int D, float eps,
                                             cudaStream_t s) {
-    DTYPE_DISPATCH(dtype, "residual_rmsnorm_forward",
-                 rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
-                     (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch, (const T *)w, n, D, eps));
-    cudaCheckLast();
+    rmsnorm_forward_launch("residual_rmsnorm_forward", y, rstd, h_out, h_in, branch, w, dtype, n, D, eps, s);
 }
 
-// RMSNorm backward. Block b owns rows [b * rows_per_block, ...) and walks them in tiles of RMS_WARPS rows:
-//   1. warp j computes dot_j = Σ_k dy·w·x of row j of the tile;
-//   2. thread t, for its columns k, writes dx[r, k] = rstd·w·dy − rstd³·x·dot/D for the tile's rows in order and
-//      adds dy·x·rstd to its column's running dw sum in shared memory.
-// The block's dw sums go to partial[b, :]; a second kernel adds the blocks' partials in block order. The split
-// depends only on (n, D): the result is bitwise reproducible.
+// RMSNorm backward: dx = rstd·w·dy − rstd³·x·dot/D with dot = Σ_k dy·w·x of the row, and dw += Σ_rows dy·x·rstd.
+// Block b owns rows [b * rows_per_block, ...) and writes its dw sums to partial[b, :]; a second kernel adds the
+// blocks' partials in a fixed order. The split depends only on (n, D): the result is bitwise reproducible.
+// Scalar path: the block walks its rows in tiles of RMS_WARPS rows:
+//   1. warp j computes dot_j of row j of the tile;
+//   2. thread t, for its columns k, writes dx[r, k] for the tile's rows in order and adds dy·x·rstd to its column's
+//      running dw sum in shared memory.
 template <typename T>
 __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, const T *x, const T *w, const float *rstd,
                                         int n, int D, int rows_per_block, int accumulate) {
@@ -263,18 +381,102 @@ __global__ void rmsnorm_backward_kernel(T *dx, float *partial, const T *dy, cons
     for (int k = threadIdx.x; k < D; k += blockDim.x) partial[(size_t)blockIdx.x * D + k] = rmsnorm_dw_acc[k];
 }
 
-// dw[k] += Σ_b partial[b, k], blocks in order.
-__global__ void rmsnorm_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
-    int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= D) return;
-    float acc = 0.0f;
-    for (int b = 0; b < blocks; b++) acc += partial[(size_t)b * D + k];
-    dw[k] += acc;
+// Vector path: the block walks its rows in order with the row layout of the forward; each thread keeps the dw sums
+// of its own columns in registers, so partial[b, :] needs no shared memory. The per-warp dot slots are
+// double-buffered: one barrier per row.
+template <typename T, int VPT>
+__global__ void __launch_bounds__(RMS_THREADS, VPT == 1 ? 2 : 1)
+    rmsnorm_backward_vec_kernel(T *dx, float *partial, const T *dy, const T *x, const T *w, const float *rstd, int n,
+                                int D, int rows_per_block, int accumulate) {
+    typedef DtypeVec<T> Vec;
+    typedef DtypePack<float, 4> Float4;
+    __shared__ float warp_dot[2][RMS_THREADS / 32];
+    int V = D / Vec::N, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int r0 = blockIdx.x * rows_per_block, r1 = min(n, r0 + rows_per_block);
+    Vec wv[VPT];
+    float dw[VPT][Vec::N];
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = threadIdx.x + i * blockDim.x;
+        if (j < V) wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
+#pragma unroll
+        for (int e = 0; e < Vec::N; e++) dw[i][e] = 0.0f;
+    }
+    for (int row = r0, buf = 0; row < r1; row++, buf ^= 1) {
+        size_t base = (size_t)row * D;
+        float rs = rstd[row], dot = 0.0f;
+        Vec xv[VPT], gv[VPT], dv[VPT];
+#pragma unroll
+        for (int i = 0; i < VPT; i++) {
+            int j = threadIdx.x + i * blockDim.x;
+            if (j >= V) continue;
+            xv[i] = dtype_pack_load<Vec>(x + base + (size_t)j * Vec::N);
+            gv[i] = dtype_pack_load<Vec>(dy + base + (size_t)j * Vec::N);
+            if (accumulate) dv[i] = dtype_pack_load<Vec>(dx + base + (size_t)j * Vec::N);
+        }
+#pragma unroll
+        for (int i = 0; i < VPT; i++) {
+            if (threadIdx.x + i * blockDim.x >= V) continue;
+#pragma unroll
+            for (int e = 0; e < Vec::N; e++) dot += gv[i].get(e) * wv[i].get(e) * xv[i].get(e);
+        }
+        dot = core_warp_sum(dot);
+        if (lane == 0) warp_dot[buf][warp] = dot;
+        __syncthreads(); // warp_dot[buf] is rewritten two rows on, after the next row's barrier
+        dot = 0.0f;
+        for (int k = 0; k < (int)(blockDim.x >> 5); k++) dot += warp_dot[buf][k];
+        float c = rs * rs * rs * dot / (float)D;
+#pragma unroll
+        for (int i = 0; i < VPT; i++) {
+            int j = threadIdx.x + i * blockDim.x;
+            if (j >= V) continue;
+            Vec out;
+#pragma unroll
+            for (int e = 0; e < Vec::N; e++) {
+                float g = gv[i].get(e), xe = xv[i].get(e), d = rs * wv[i].get(e) * g - c * xe;
+                out.set(e, accumulate ? dv[i].get(e) + d : d);
+                dw[i][e] += g * xe * rs;
+            }
+            dtype_pack_store(dx + base + (size_t)j * Vec::N, out);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = threadIdx.x + i * blockDim.x;
+        if (j >= V) continue;
+#pragma unroll
+        for (int q = 0; q < Vec::N; q += 4) {
+            Float4 p;
+#pragma unroll
+            for (int e = 0; e < 4; e++) p.e[e] = dw[i][q + e];
+            dtype_pack_store(partial + (size_t)blockIdx.x * D + (size_t)j * Vec::N + q, p);
+        }
+    }
 }
 
-#define RMS_BWD_MAX_BLOCKS 264 // enough blocks to fill an H200 (132 SMs); fixed so the sum order never depends on it
+#define RMS_FINISH_SLICES 32 // threads per column in the partials' sum
 
-// Blocks of the backward for n rows: a whole number of tiles each, at most RMS_BWD_MAX_BLOCKS.
+// dw[k] += Σ_b partial[b, k] in a fixed order: thread (c, s) of a 32 x RMS_FINISH_SLICES block sums the blocks
+// b = s, s + RMS_FINISH_SLICES, ... of column 32 * blockIdx.x + c in increasing b, then thread (c, 0) adds the
+// slices' sums in order. Many threads per column keep loads in flight; one thread per column waited on each load.
+__global__ void rmsnorm_partials_finish_kernel(float *dw, const float *partial, int blocks, int D) {
+    __shared__ float slice_sum[RMS_FINISH_SLICES][32];
+    int c = threadIdx.x, s = threadIdx.y, k = blockIdx.x * 32 + c;
+    float acc = 0.0f;
+    if (k < D)
+        for (int b = s; b < blocks; b += RMS_FINISH_SLICES) acc += partial[(size_t)b * D + k];
+    slice_sum[s][c] = acc;
+    __syncthreads();
+    if (s > 0 || k >= D) return;
+    float total = 0.0f;
+    for (int j = 0; j < RMS_FINISH_SLICES; j++) total += slice_sum[j][c];
+    dw[k] += total;
+}
+
+#define RMS_BWD_MAX_BLOCKS 528 // 4 per SM of an H200 (132 SMs); fixed so the sum order never depends on the GPU
+
+// Rows per block of the backward for n rows: a whole number of RMS_WARPS-row tiles, at most RMS_BWD_MAX_BLOCKS
+// blocks.
 static inline int rmsnorm_backward_rows_per_block(int n) {
     int tiles = ceil_div(n, RMS_WARPS);
     return RMS_WARPS * ceil_div(tiles, RMS_BWD_MAX_BLOCKS);
@@ -293,62 +495,109 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
                                     const float *rstd, Dtype dtype, int n, int D, int accumulate,
                                     cudaStream_t s) {
     int rows_per_block = rmsnorm_backward_rows_per_block(n), blocks = ceil_div(n, rows_per_block);
-    size_t smem = (size_t)D * sizeof(float);
-    if (smem > 48 * 1024) sdm_die("rmsnorm_backward: D = %d exceeds the shared-memory column buffer", D);
-    DTYPE_DISPATCH(dtype, "rmsnorm_backward",
-                 rmsnorm_backward_kernel<T><<<blocks, 32 * RMS_WARPS, smem, s>>>(
-                     (T *)dx, scratch, (const T *)dy, (const T *)x, (const T *)w, rstd, n, D, rows_per_block,
-                     accumulate));
+    RmsVecLayout lay = rmsnorm_vec_layout(dtype, D);
+    if (!lay.vpt) {
+        size_t smem = (size_t)D * sizeof(float);
+        if (smem > 48 * 1024) sdm_die("rmsnorm_backward: D = %d exceeds the shared-memory column buffer", D);
+        DTYPE_DISPATCH(dtype, "rmsnorm_backward",
+                       rmsnorm_backward_kernel<T><<<blocks, 32 * RMS_WARPS, smem, s>>>(
+                           (T *)dx, scratch, (const T *)dy, (const T *)x, (const T *)w, rstd, n, D, rows_per_block,
+                           accumulate));
+    } else {
+        const void *ptrs[] = {dx, scratch, dy, x, w};
+        for (const void *p : ptrs) layers_require_aligned16("rmsnorm_backward", p);
+        DTYPE_DISPATCH(dtype, "rmsnorm_backward",
+                       RMS_VPT_DISPATCH(lay.vpt,
+                                        rmsnorm_backward_vec_kernel<T, VPT><<<blocks, lay.threads, 0, s>>>(
+                                            (T *)dx, scratch, (const T *)dy, (const T *)x, (const T *)w, rstd, n, D,
+                                            rows_per_block, accumulate)));
+    }
     cudaCheckLast();
-    rmsnorm_partials_finish_kernel<<<ceil_div(D, 256), 256, 0, s>>>(dw, scratch, blocks, D);
+    rmsnorm_partials_finish_kernel<<<ceil_div(D, 32), dim3(32, RMS_FINISH_SLICES), 0, s>>>(dw, scratch, blocks, D);
     cudaCheckLast();
 }
 
 // ------------------------------------------------------------------------------------------------------------------
 // SwiGLU pointwise part (docs/MODEL.md#swiglu-ffn): the W1/W3 GEMM gives a and b (one fused GEMM puts them side by side
-// in a row of width 2F, hence the row stride ld), the W2 GEMM consumes h.
+// in a row of width 2F, hence the row stride ld), the W2 GEMM consumes h. Row r is blockIdx.x (n may exceed grid.y's
+// 65535) and the columns are spread over blockIdx.y, so no thread divides by F; each thread owns W consecutive
+// columns: a 16-byte vector (W = DtypeVec<T>::N) when F and the row strides are multiples of it, else one element.
 
 __device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // h[r, c] = silu(a[r, c]) * b[r, c]; a, b have row stride ld, h has row stride F.
-template <typename T>
-__global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int n, int F) {
-    size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)n * F) return;
-    size_t r = idx / F, c = idx % F, i = r * ld + c;
-    float av = dtype_to_float(a[i]);
-    h[idx] = dtype_from_float<T>(av * core_sigmoidf(av) * dtype_to_float(b[i]));
+template <typename T, int W>
+__global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int F) {
+    typedef DtypePack<T, W> P;
+    int c = (blockIdx.y * blockDim.x + threadIdx.x) * W;
+    if (c >= F) return;
+    size_t i = (size_t)blockIdx.x * ld + c;
+    P av = dtype_pack_load<P>(a + i), bv = dtype_pack_load<P>(b + i), hv;
+#pragma unroll
+    for (int e = 0; e < W; e++) hv.set(e, av.get(e) * core_sigmoidf(av.get(e)) * bv.get(e));
+    dtype_pack_store(h + (size_t)blockIdx.x * F + c, hv);
 }
 
 // da = dh · b · silu'(a), db = dh · silu(a), with silu'(a) = s (1 + a (1 − s)), s = sigmoid(a). Each thread reads
 // its a, b before writing, so da, db may overwrite a, b in place (same ld).
-template <typename T>
-__global__ void swiglu_backward_kernel(T *da, T *db, int ld_out, const T *dh, const T *a, const T *b, int ld, int n,
-                                       int F) {
-    size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)n * F) return;
-    size_t r = idx / F, c = idx % F, i = r * ld + c, o = r * ld_out + c;
-    float av = dtype_to_float(a[i]), bv = dtype_to_float(b[i]), g = dtype_to_float(dh[idx]), sg = core_sigmoidf(av);
-    da[o] = dtype_from_float<T>(g * bv * sg * (1.0f + av * (1.0f - sg)));
-    db[o] = dtype_from_float<T>(g * av * sg);
+template <typename T, int W>
+__global__ void swiglu_backward_kernel(T *da, T *db, int ld_out, const T *dh, const T *a, const T *b, int ld, int F) {
+    typedef DtypePack<T, W> P;
+    int c = (blockIdx.y * blockDim.x + threadIdx.x) * W;
+    if (c >= F) return;
+    size_t r = blockIdx.x, i = r * ld + c, o = r * ld_out + c;
+    P av = dtype_pack_load<P>(a + i), bv = dtype_pack_load<P>(b + i), g = dtype_pack_load<P>(dh + r * F + c);
+    P dav, dbv;
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+        float x = av.get(e), sg = core_sigmoidf(x);
+        dav.set(e, g.get(e) * bv.get(e) * sg * (1.0f + x * (1.0f - sg)));
+        dbv.set(e, g.get(e) * x * sg);
+    }
+    dtype_pack_store(da + o, dav);
+    dtype_pack_store(db + o, dbv);
+}
+
+// Launch shape for n rows of `groups` column groups: grid (n, ...) of blocks of up to 256 threads.
+static inline void swiglu_shape(int n, int groups, dim3 *grid, int *threads) {
+    *threads = SDM_MIN(256, 32 * ceil_div(groups, 32));
+    *grid = dim3((unsigned)n, (unsigned)ceil_div(groups, *threads));
 }
 
 // h[n, F] = silu(a) * b, a and b [n, F] with row stride ld (ld = 2F and b = a + F for the fused W1|W3 output).
 static inline void swiglu_forward(void *h, const void *a, const void *b, int ld, Dtype dtype, int n, int F,
                                   cudaStream_t s) {
-    int blocks = ceil_div((long long)n * F, 256);
+    int per_vec = 16 / (int)dtype_size(dtype), vec = F % per_vec == 0 && ld % per_vec == 0, threads;
+    dim3 grid;
+    swiglu_shape(n, vec ? F / per_vec : F, &grid, &threads);
+    if (vec) {
+        const void *ptrs[] = {h, a, b};
+        for (const void *p : ptrs) layers_require_aligned16("swiglu_forward", p);
+    }
     DTYPE_DISPATCH(dtype, "swiglu_forward",
-                 swiglu_forward_kernel<T><<<blocks, 256, 0, s>>>((T *)h, (const T *)a, (const T *)b, ld, n, F));
+                   if (vec) swiglu_forward_kernel<T, DtypeVec<T>::N><<<grid, threads, 0, s>>>(
+                       (T *)h, (const T *)a, (const T *)b, ld, F);
+                   else swiglu_forward_kernel<T, 1><<<grid, threads, 0, s>>>((T *)h, (const T *)a, (const T *)b, ld,
+                                                                              F));
     cudaCheckLast();
 }
 
 // da, db [n, F] (row stride ld_out, overwritten) from dh [n, F] and the forward's a, b (row stride ld).
 static inline void swiglu_backward(void *da, void *db, int ld_out, const void *dh, const void *a, const void *b,
                                    int ld, Dtype dtype, int n, int F, cudaStream_t s) {
-    int blocks = ceil_div((long long)n * F, 256);
+    int per_vec = 16 / (int)dtype_size(dtype), threads;
+    int vec = F % per_vec == 0 && ld % per_vec == 0 && ld_out % per_vec == 0;
+    dim3 grid;
+    swiglu_shape(n, vec ? F / per_vec : F, &grid, &threads);
+    if (vec) {
+        const void *ptrs[] = {da, db, dh, a, b};
+        for (const void *p : ptrs) layers_require_aligned16("swiglu_backward", p);
+    }
     DTYPE_DISPATCH(dtype, "swiglu_backward",
-                 swiglu_backward_kernel<T><<<blocks, 256, 0, s>>>((T *)da, (T *)db, ld_out, (const T *)dh,
-                                                                  (const T *)a, (const T *)b, ld, n, F));
+                   if (vec) swiglu_backward_kernel<T, DtypeVec<T>::N><<<grid, threads, 0, s>>>(
+                       (T *)da, (T *)db, ld_out, (const T *)dh, (const T *)a, (const T *)b, ld, F);
+                   else swiglu_backward_kernel<T, 1><<<grid, threads, 0, s>>>(
+                       (T *)da, (T *)db, ld_out, (const T *)dh, (const T *)a, (const T *)b, ld, F));
     cudaCheckLast();
 }
 

@@ -178,9 +178,18 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
 // ------------------------------------------------------------------------------------------------------------------
 // RMSNorm (+ residual)
 
-static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumulate, Rng *r) {
+// Where the forward puts h = h_in + branch, and where the backward puts dx.
+typedef enum { RES_NONE, RES_OUT, RES_IN_PLACE } ResMode;  // no residual add; into h_out; over h_in
+typedef enum { DX_SET, DX_ADD, DX_OVER_DY } DxMode;          // dx = (poisoned first); dx += (random dx); dx over dy
+
+static void test_rmsnorm(const Mode *mo, int n, int D, ResMode res, DxMode dxm, Rng *r) {
+    static const char *res_names[] = {"none", "h_out", "h_out over h_in"}, *dx_names[] = {"=", "+=", "= over dy"};
     const double eps = 1e-5;
-    printf("rmsnorm %s n=%d D=%d residual=%d accumulate=%d\n", mo->name, n, D, residual, accumulate);
+    int residual = res != RES_NONE, accumulate = dxm == DX_ADD;
+    RmsVecLayout lay = rmsnorm_vec_layout(mo->dtype, D);
+    printf("rmsnorm %s n=%d D=%d residual %s, dx %s, ", mo->name, n, D, res_names[res], dx_names[dxm]);
+    if (lay.vpt) printf("vector path (%d threads x %d)\n", lay.threads, lay.vpt);
+    else printf("scalar path\n");
     size_t nd = (size_t)n * D, es = dtype_size(mo->dtype);
     Dtype dt = mo->dtype;
     double *h_in = host_doubles(nd), *branch = host_doubles(nd), *h = host_doubles(nd), *w = host_doubles(D);
@@ -201,25 +210,28 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
     // the norm's input: h_in (+ branch, rounded to the storage type as the kernel stores it)
     for (size_t i = 0; i < nd; i++) h[i] = h_in[i] + (residual ? branch[i] : 0.0);
     round_to(h, nd, dt);
-    void *d_hin = dev_from(h_in, nd, dt), *d_branch = dev_from(branch, nd, dt), *d_w = dev_from(w, D, dt);
-    void *d_dy = dev_from(dy, nd, dt), *d_hout = dev_alloc(nd * es), *d_y = dev_alloc(nd * es);
-    void *d_dx = dev_alloc(nd * es);
+    void *d_hin = dev_alloc(nd * es), *d_branch = dev_from(branch, nd, dt), *d_w = dev_from(w, D, dt);
+    void *d_dy = dev_alloc(nd * es), *d_y = dev_alloc(nd * es), *d_dx = dev_alloc(nd * es);
+    void *d_hout = res == RES_IN_PLACE ? d_hin : dev_alloc(nd * es);
     float *d_rstd = (float *)dev_alloc(sizeof(float) * n), *d_dw = (float *)dev_alloc(sizeof(float) * D);
     float *d_scratch = (float *)dev_alloc(sizeof(float) * rmsnorm_backward_scratch_floats(n, D));
-    const void *d_x = residual ? d_hout : d_hin; // the norm's input as the backward reads it
+    const void *d_x = residual ? d_hout : d_hin;    // the norm's input as the backward reads it
+    const void *d_g = dxm == DX_OVER_DY ? d_dx : d_dy; // the backward's dy
 
     void *y1 = NULL, *r1 = NULL, *h1 = NULL, *dx1 = NULL, *dw1 = NULL; // the first run's outputs
     for (int run = 0; run < 2; run++) {
+        upload(d_hin, h_in, nd, dt); // the in-place forward overwrote it
+        upload(d_dy, dy, nd, dt);
         poison(d_y, nd * es);
         poison(d_rstd, sizeof(float) * n);
-        poison(d_hout, nd * es);
+        if (res == RES_OUT) poison(d_hout, nd * es);
         if (residual) residual_rmsnorm_forward(d_hout, d_y, d_rstd, d_hin, d_branch, d_w, dt, n, D, (float)eps, 0);
         else rmsnorm_forward(d_y, d_rstd, d_hin, d_w, dt, n, D, (float)eps, 0);
-        if (accumulate) upload(d_dx, dx0, nd, dt);
-        else poison(d_dx, nd * es);
+        if (dxm == DX_SET) poison(d_dx, nd * es);
+        else upload(d_dx, dxm == DX_ADD ? dx0 : dy, nd, dt);
         upload(d_dw, dw0, D, DT_FP32);
         poison(d_scratch, sizeof(float) * rmsnorm_backward_scratch_floats(n, D));
-        rmsnorm_backward(d_dx, d_dw, d_scratch, d_dy, d_x, d_w, d_rstd, dt, n, D, accumulate, 0);
+        rmsnorm_backward(d_dx, d_dw, d_scratch, d_g, d_x, d_w, d_rstd, dt, n, D, accumulate, 0);
         if (run == 0) {
             y1 = snapshot(d_y, nd * es);
             r1 = snapshot(d_rstd, sizeof(float) * n);
@@ -265,8 +277,9 @@ static void test_rmsnorm(const Mode *mo, int n, int D, int residual, int accumul
     download(dw_got, d_dw, D, DT_FP32);
     report("backward dw (+= onto random dw)", dw_got, dw_want, D, mo->tol);
 
-    void *bufs[] = {d_hin, d_branch, d_w, d_dy, d_hout, d_y, d_dx, d_rstd, d_dw, d_scratch};
+    void *bufs[] = {d_hin, d_branch, d_w, d_dy, d_y, d_dx, d_rstd, d_dw, d_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    if (res != RES_IN_PLACE) cudaCheck(cudaFree(d_hout));
     double *hbufs[] = {h_in, branch, h, w, dy, dx0, dw0, got, want, rstd, dw_want, dw_got};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) free(hbufs[i]);
 }
@@ -290,9 +303,10 @@ static void selector_weights(double *w1, double *w3, double *w2, int F) {
 }
 
 static void test_swiglu(const Mode *mo, int n, int F, Rng *r) {
-    printf("swiglu %s n=%d F=%d (fused a|b rows of width 2F, backward in place)\n", mo->name, n, F);
     Dtype dt = mo->dtype;
     int D = 2 * F;
+    printf("swiglu %s n=%d F=%d (fused a|b rows of width 2F, backward in place), %s path\n", mo->name, n, F,
+           F % (16 / (int)dtype_size(dt)) == 0 ? "vector" : "scalar");
     size_t nD = (size_t)n * D, nF = (size_t)n * F, es = dtype_size(dt);
     double *ab = host_doubles(nD), *dh = host_doubles(nF), *w1 = host_doubles((size_t)F * D);
     double *w3 = host_doubles((size_t)F * D), *w2 = host_doubles((size_t)D * F), *y = host_doubles(nD);
@@ -569,16 +583,45 @@ int main(void) {
         const Mode *mo = &MODES[m];
         test_embedding(mo, 1031, 258, 1000, &r);
         test_embedding(mo, 1031, 50000, 96, &r);
-        test_rmsnorm(mo, 1031, 1000, 1, 1, &r);
-        test_rmsnorm(mo, 4099, 1000, 0, 0, &r);
-        test_rmsnorm(mo, 5, 64, 1, 0, &r);
+        // RMSNorm paths (core/layers.cuh): the vector path with one vector per thread at D = 64, 1000 and 2048
+        // (the flagship's width), and at D = 4096 in bf16 (512 threads); with two per thread at D = 4096 in fp32
+        // and D = 4104 in bf16; the scalar path at D = 1002 (not a multiple of 4 or 8) and at D = 4104 in fp32 (1026
+        // vectors, over RMS_THREADS * RMS_MAX_VPT). n = 5003 gives backward blocks of 16 rows, the last one short;
+        // no n is a multiple of the 8-row tiles. The tolerances of MODES hold on both paths: all arithmetic is fp32
+        // with sums of at most ~5000 terms split over threads, warps and blocks (relative error ~1e-6 at worst,
+        // against 1e-5), and bf16 outputs are rounded once (2^-9 relative at most, ~1e-3 norm-wise, against 1e-2).
+        test_rmsnorm(mo, 1031, 1000, RES_OUT, DX_ADD, &r);
+        test_rmsnorm(mo, 4099, 1000, RES_NONE, DX_SET, &r);
+        test_rmsnorm(mo, 5, 64, RES_OUT, DX_SET, &r);
+        test_rmsnorm(mo, 5003, 2048, RES_OUT, DX_ADD, &r);
+        test_rmsnorm(mo, 77, 4096, RES_IN_PLACE, DX_OVER_DY, &r);
+        test_rmsnorm(mo, 300, 4104, RES_NONE, DX_ADD, &r);
+        test_rmsnorm(mo, 263, 1002, RES_OUT, DX_ADD, &r);
+        test_rmsnorm(mo, 263, 1002, RES_IN_PLACE, DX_OVER_DY, &r);
+        test_rmsnorm(mo, 130, 1002, RES_NONE, DX_SET, &r);
+        // SwiGLU: one element per thread at F = 333, and F = 204 in bf16; one 16-byte vector at F = 200, 2056
+        // (bf16: 257 vectors, two column blocks of a row) and F = 204 in fp32. Elementwise: one fp32 evaluation and
+        // one rounding per element, on either path.
         test_swiglu(mo, 77, 333, &r);
         test_swiglu(mo, 300, 200, &r);
+        test_swiglu(mo, 41, 204, &r);
+        test_swiglu(mo, 37, 2056, &r);
         test_cross_entropy(mo, 1031, 258, 264, &r);
         test_cross_entropy(mo, 257, 50000, 50000, &r);
         test_adamw(mo, 0, 0, 0, &r);
         test_adamw(mo, 517, 1, 1, &r);      // starts inside tok_emb, ends inside the last A_log
         test_adamw(mo, 37002, 1000, 1, &r); // starts inside a no-decay run, ends inside ffn.w1
+    }
+    // The RMSNorm cases above reach every path: scalar (a width not a multiple of the vector, and too wide a row in
+    // fp32; bf16 rows of up to 8192 take the vector path), one and two vectors per thread.
+    for (int m = 0; m < 2; m++) {
+        Dtype dt = MODES[m].dtype;
+        int fp32 = dt == DT_FP32, two = fp32 ? 4096 : 4104;
+        char what[160];
+        snprintf(what, sizeof what, "rmsnorm %s cases reach the scalar path and 1 and 2 vectors per thread",
+                 MODES[m].name);
+        report_true(what, rmsnorm_vec_layout(dt, 1002).vpt == 0 && rmsnorm_vec_layout(dt, 2048).vpt == 1 &&
+                              rmsnorm_vec_layout(dt, two).vpt == 2 && (!fp32 || rmsnorm_vec_layout(dt, 4104).vpt == 0));
     }
     test_grad_norm(5, &r);
     test_grad_norm(1000003, &r);
