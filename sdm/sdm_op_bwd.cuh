@@ -1,10 +1,17 @@
 // sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks
-// in reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and the
-// per-entry dot products against the bank gradient G and the restored bank), bsolve (dDelta, dX, dR0, dv) and
-// bscatter (the dense fp32 bank gradient G at the touched rows; bank rows restored from the snapshots), then one
-// bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). In: what
-// sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] or NULL; out: dkappa, dgamma
-// [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] fp32, and the initial bank restored.
+// in reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and omega from
+// the bank gradient G before the chunk's update), bsolve (dDelta, dX, dR0, dv) and bscatter (G at the touched rows,
+// the bank rows restored from the snapshots, and the dots against the chunk-start rows: psi, phi, eta), then one
+// bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). G, dense
+// [B,H,N,d], is fp32 in dbank_init, or bf16 in the scratch (grad_bank_bf16; converted into dbank_init at the end).
+// In: what sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] or NULL; out: dkappa,
+// dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] fp32, and the initial bank
+// restored.
+//
+// Bytes per chunk and stream (docs/SDM.md#bytes-of-the-backward): every G row at a write entry is read twice (token,
+// then bscatter's update, which needs dR0 from the solve in between) and written once, every G row at a read-only
+// slot read and written once, every snapshot row read once, every restored row written once, every read-only row
+// read once.
 #ifndef SDM_SDM_OP_BWD_CUH
 #define SDM_SDM_OP_BWD_CUH
 
@@ -13,81 +20,24 @@
 // ------------------------------------------------------------------------------------------------------------------
 // Backward, in the reverse chunk loop.
 
-#define SDM_TOK_THREADS 256
-
-// Per (stream, token) of chunk cg: the write-path gradient of delta, wsum_t = sum_i pi kappa G[i], and the dots
-// omega = <delta_t, G[i]>, eta = e^Lambda <G[i], M0[i]> (G before this chunk's update). Per token of chunk cd
-// (whose bank rows are restored): phi = <dO_t, M0[j]>, psi = -beta_t <dX_t, M0[i]>. cg or cd may be -1.
-// One warp per entry (entries k = warp, warp + 8, ...), whole rows; each warp keeps its partial wsum in smem and
-// the partials are summed in warp order. Grid (C, S), SDM_TOK_THREADS threads, dynamic smem (2 + warps) d floats.
-__global__ void __launch_bounds__(SDM_TOK_THREADS) sdm_token_kernel(SdmOpArgs a, const void *bank, int bank_fp32,
-                                                                    const float *G, const float *dout, int cg, int cd) {
-    extern __shared__ float sdm_tok_smem[];
-    const int t = blockIdx.x, s = blockIdx.y, W = a.W, R = a.R, d = a.d, warps = SDM_TOK_THREADS / 32;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float *rowA = sdm_tok_smem, *rowB = rowA + d, *wpart = rowB + d; // wpart: [warps][d]
-    const size_t rowN = (size_t)s * a.N;
-    if (cg >= 0) {
-        size_t tok = (size_t)s * a.Tp + (size_t)cg * a.C + t, ew = tok * W;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) rowA[i] = a.delta[tok * d + i];
-        for (int i = threadIdx.x; i < warps * d; i += blockDim.x) wpart[i] = 0.f;
-        __syncthreads();
-        float *wp = wpart + warp * d;
-        for (int k = warp; k < W; k += warps) {
-            int slot = a.w_slot[ew + k];
-            if (slot < 0) {
-                if (lane == 0) a.omega[ew + k] = a.eta[ew + k] = 0.f;
-                continue;
-            }
-            float w = a.w_scat[ew + k], p0 = 0.f, p1 = 0.f;
-            const float *gr = G + (rowN + slot) * d;
-            for (int col = lane * 4; col < d; col += 128) {
-                float4 g = *(const float4 *)(gr + col), m = sdm_snap_load4(a.snap, ew + k, col);
-                float4 dl = *(const float4 *)(rowA + col);
-                *(float4 *)(wp + col) = sdm_axpy4(w, g, *(const float4 *)(wp + col));
-                p0 += sdm_dot4(dl, g);
-                p1 += sdm_dot4(g, m);
-            }
-            p0 = core_warp_sum(p0);
-            p1 = core_warp_sum(p1);
-            if (lane == 0) { a.omega[ew + k] = p0; a.eta[ew + k] = a.w_elam_tot[ew + k] * p1; }
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            float x = 0.f;
-            for (int w = 0; w < warps; w++) x += wpart[w * d + i];
-            a.wsum[((size_t)s * a.C + t) * d + i] = x;
-        }
-        __syncthreads();
-    }
-    if (cd >= 0) {
-        int tp = cd * a.C + t;
-        size_t tok = (size_t)s * a.Tp + tp, ew = tok * W, er = tok * R;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            rowA[i] = a.dx[tok * d + i];
-            rowB[i] = tp < a.T ? dout[sdm_tok_off(a, s, tp, d) + i] : 0.f;
-        }
-        __syncthreads();
-        float bt = a.beta[tok];
-        for (int k = warp; k < (W > R ? W : R); k += warps) {
-            int ws = k < W ? a.w_slot[ew + k] : -1, rs = k < R ? a.r_slot[er + k] : -1;
-            float p0 = 0.f, p1 = 0.f;
-            const void *brow = rs >= 0 ? (const char *)bank + (rowN + rs) * d * (bank_fp32 ? 4 : 2) : NULL;
-            for (int col = lane * 4; col < d; col += 128) {
-                if (ws >= 0) p0 += sdm_dot4(*(const float4 *)(rowA + col), sdm_snap_load4(a.snap, ew + k, col));
-                if (rs >= 0) p1 += sdm_dot4(*(const float4 *)(rowB + col), sdm_load4_any(brow, col, bank_fp32));
-            }
-            p0 = core_warp_sum(p0);
-            p1 = core_warp_sum(p1);
-            if (lane == 0) {
-                if (k < W) a.psi[ew + k] = -bt * p0;
-                if (k < R) a.phi[er + k] = p1;
-            }
-        }
-    }
+// Per (stream, token) of chunk c, from G before the chunk's update (Tg: float or bf16): the write-path gradient of
+// delta, wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per
+// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
+template <typename Tg>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
+    extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
+    const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
+    const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
+    float *drow = sdm_tok_smem, *part = drow + d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
+    __syncthreads();
+    sdm_gather_whole_rows<Tg>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d, false,
+                              drow, a.omega);
+    sdm_sum_partials(part, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
 
-static inline size_t sdm_token_smem(int d) { return (size_t)(2 + SDM_TOK_THREADS / 32) * d * sizeof(float); }
+static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) * d * sizeof(float); }
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
 // dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem: dO, dDelta tiles [C][DB].
@@ -128,57 +78,126 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
     }
 }
 
-// acc += sum over the read entries of one slot (walking back from r) of rho e^lam' dO_t, 4 columns at col
-__device__ __forceinline__ float4 sdm_read_chain_sum(const SdmOpArgs &a, const float *dout, int s, int c, size_t er,
-                                                     int r, int col, float4 acc) {
-    for (int q = r; q >= 0; q = a.r_prevr[er + q]) // read entries exist only for tokens inside the sequence
-        acc =
-            sdm_axpy4(a.r_gath[er + q], *(const float4 *)(dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col), acc);
-    return acc;
+// acc[0..8) += the sum over the entries of one slot in chunk c, walking back from entry e, of 8 columns at col:
+// write entries kappa e^lam dR0_t (the per-chunk buffer cx), read entries rho e^lam' dO_t (reads exist only for
+// tokens inside the sequence)
+__device__ __forceinline__ void sdm_write_chain_sum(const SdmOpArgs &a, int s, size_t ew, int e, int col, float *acc) {
+    for (int q = e; q >= 0; q = a.w_prev[ew + q])
+        sdm_axpy8(a.w_gath[ew + q], a.cx + ((size_t)s * a.C + q / a.W) * a.d + col, acc);
+}
+__device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const float *dout, int s, int c, size_t er,
+                                                   int e, int col, float *acc) {
+    for (int q = e; q >= 0; q = a.r_prevr[er + q])
+        sdm_axpy8(a.r_gath[er + q], dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col, acc);
 }
 
-// The bank gradient at the chunk's touched rows and the bank restore, one warp per entry, whole rows:
-//   write entry e, last of its slot:  G[i] = e^Lambda G[i] + sum_writes kappa e^lam dR0_t + sum_reads rho e^lam' dO_t
-//   read entry r, last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
-//   write entry e, first of its slot: M[i] = snapshot (the chunk-start row)
-// Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads.
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, float *G,
+#define SDM_SQ 1 // 8-column groups per lane loaded before use in bscatter (2: more loads in flight, 114 registers)
+
+// One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
+//   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
+//     first entry of i:      M[i] = M0[i] (the restore);
+//     last entry of i:       eta = e^Lambda <G[i], M0[i]> for every entry of i (G before the update), then
+//                            G[i] = e^Lambda G[i] + sum_writes kappa e^lam dR0_t + sum_reads rho e^lam' dO_t
+//   read entry r (slot j):   phi = <dO_t, M0[j]> (M0 = the snapshot of a write entry of j in the chunk, rounded to the
+//                            bank dtype as the restore stores it, else the bank row, which this launch does not touch);
+//     last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
+// Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
+// none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
+// threads.
+template <typename Tg>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G,
                                                                        const float *dout, int c) {
-    const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
-    const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W, er = ((size_t)s * a.Tp + (size_t)c * a.C) * a.R;
-    const size_t rowN = (size_t)s * a.N;
+    const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R, row0 = (size_t)s * a.N;
+    const size_t row_bytes = (size_t)d * (bank_fp32 ? 4 : 2);
     if (i < CW) {
         int slot = a.w_slot[ew + i];
-        if (slot < 0) return;
-        if (a.w_prev[ew + i] < 0) { // restore
-            void *row = (char *)bank + (rowN + slot) * a.d * (bank_fp32 ? 4 : 2);
-            for (int col = lane * 4; col < a.d; col += 128)
-                sdm_store4_any(row, col, sdm_snap_load4(a.snap, ew + i, col), bank_fp32);
+        if (slot < 0) { // padding
+            if (lane == 0) a.psi[ew + i] = a.eta[ew + i] = 0.f;
+            return;
         }
-        if (a.w_next[ew + i] >= 0) return;
-        float *g = G + (rowN + slot) * a.d;
-        float el = a.w_elam_tot[ew + i];
-        int lr = a.w_lastread[ew + i];
-        for (int col = lane * 4; col < a.d; col += 128) {
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f), racc = acc;
-            for (int q = i; q >= 0; q = a.w_prev[ew + q])
-                acc =
-                    sdm_axpy4(a.w_gath[ew + q], *(const float4 *)(a.cx + ((size_t)s * a.C + q / a.W) * a.d + col), acc);
-            if (lr >= 0) racc = sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-            float4 x = sdm_axpy4(el, *(const float4 *)(g + col), acc);
-            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        const bool first = a.w_prev[ew + i] < 0, last = a.w_next[ew + i] < 0;
+        const float *dr0 = a.cx + ((size_t)s * a.C + i / a.W) * d;
+        const float el = a.w_elam_tot[ew + i];
+        const int lr = a.w_lastread[ew + i];
+        void *brow = (char *)bank + (row0 + slot) * row_bytes;
+        Tg *grow = G + (row0 + slot) * d;
+        float psi = 0.f, eta = 0.f;
+        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
+            float m[SDM_SQ][8], g[SDM_SQ][8];
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                int col = c0 + u * 256;
+                if (col >= d) continue;
+                sdm_snap_load8(a.snap, ew + i, col, m[u]);
+                if (last) sdm_load8(grow + col, g[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                int col = c0 + u * 256;
+                if (col >= d) continue;
+                float x[8];
+                sdm_load8(dr0 + col, x);
+                psi = sdm_dot8(x, m[u], psi);
+                if (first) sdm_store8_any(brow, col, m[u], bank_fp32);
+                if (!last) continue;
+                eta = sdm_dot8(g[u], m[u], eta);
+                float acc[8] = {}, racc[8] = {};
+                sdm_write_chain_sum(a, s, ew, i, col, acc);
+                if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
+                for (int k = 0; k < 8; k++) x[k] = fmaf(el, g[u][k], acc[k]) + racc[k];
+                sdm_store8(grow + col, x);
+            }
+        }
+        psi = core_warp_sum(psi);
+        eta = core_warp_sum(eta);
+        if (lane == 0) {
+            a.psi[ew + i] = psi;
+            if (last)
+                for (int q = i; q >= 0; q = a.w_prev[ew + q]) a.eta[ew + q] = el * eta;
         }
     } else {
         int r = i - CW, slot = a.r_slot[er + r];
-        if (slot < 0 || a.r_nextr[er + r] >= 0 || a.r_lastw[er + r] >= 0) return;
-        float *g = G + (rowN + slot) * a.d;
-        for (int col = lane * 4; col < a.d; col += 128) {
-            float4 racc = sdm_read_chain_sum(a, dout, s, c, er, r, col, make_float4(0.f, 0.f, 0.f, 0.f));
-            float4 x = *(const float4 *)(g + col);
-            *(float4 *)(g + col) = make_float4(x.x + racc.x, x.y + racc.y, x.z + racc.z, x.w + racc.w);
+        if (slot < 0) { // padding
+            if (lane == 0) a.phi[er + r] = 0.f;
+            return;
         }
+        const int lw = a.r_lastw[er + r];                  // a write entry of the slot in this chunk, or -1
+        const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
+        const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
+        const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
+        Tg *grow = G + (row0 + slot) * d;
+        float phi = 0.f;
+        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
+            float m[SDM_SQ][8], g[SDM_SQ][8];
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                int col = c0 + u * 256;
+                if (col >= d) continue;
+                if (lw >= 0) sdm_snap_load8(a.snap, ew + lw, col, m[u]);
+                else sdm_load8_any(brow, col, bank_fp32, m[u]);
+                if (upd) sdm_load8(grow + col, g[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                int col = c0 + u * 256;
+                if (col >= d) continue;
+                if (lw >= 0 && !bank_fp32)
+                    for (int k = 0; k < 8; k++) m[u][k] = __bfloat162float(__float2bfloat16_rn(m[u][k]));
+                float x[8];
+                sdm_load8(dO + col, x);
+                phi = sdm_dot8(x, m[u], phi);
+                if (!upd) continue;
+                float racc[8] = {};
+                sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
+                for (int k = 0; k < 8; k++) x[k] = g[u][k] + racc[k];
+                sdm_store8(grow + col, x);
+            }
+        }
+        phi = core_warp_sum(phi);
+        if (lane == 0) a.phi[er + r] = phi;
     }
 }
 
@@ -312,11 +331,11 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).
-static inline void sdm_op_launch_token(const SdmOpArgs &a, const void *bank, int bank_fp32, const float *G,
-                                       const float *dout, int cg, int cd, cudaStream_t stream) {
+template <typename Tg>
+static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
-    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_token_kernel<<<dim3(a.C, a.S), SDM_TOK_THREADS, smem, stream>>>(a, bank, bank_fp32, G, dout, cg, cd);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
@@ -325,15 +344,49 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c);
     cudaCheckLast();
 }
-static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
+template <typename Tg>
+static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
-                                                                                                  dout, c);
+    sdm_bscatter_kernel<Tg><<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32,
+                                                                                                      G, dout, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
     sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
     cudaCheckLast();
+}
+
+// dst[0..n) = src[0..n) converted (n a multiple of 8, both 16-byte aligned)
+template <typename To, typename Ti> __global__ void sdm_convert_kernel(To *dst, const Ti *src, size_t n8) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float x[8];
+        sdm_load8(src + 8 * i, x);
+        sdm_store8(dst + 8 * i, x);
+    }
+}
+template <typename To, typename Ti> static void sdm_op_convert(To *dst, const Ti *src, size_t n, cudaStream_t stream) {
+    if ((const void *)dst == (const void *)src) return;
+    if (sizeof(To) == sizeof(Ti)) { // same dtype (fp32 or bf16)
+        cudaCheck(cudaMemcpyAsync(dst, src, n * sizeof(To), cudaMemcpyDeviceToDevice, stream));
+        return;
+    }
+    sdm_convert_kernel<To, Ti><<<2112, 256, 0, stream>>>(dst, src, n / 8);
+    cudaCheckLast();
+}
+
+// The reverse chunk loop with the bank gradient G in Tg: G starts as dbank_final (or zero) and ends as dbank_init.
+template <typename Tg>
+static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank, const float *dout,
+                                   const float *dbank_final, const SdmOpGrads *g, Tg *G, cudaStream_t stream) {
+    size_t n = (size_t)a.S * a.N * a.d;
+    if (dbank_final) sdm_op_convert(G, dbank_final, n, stream);
+    else cudaCheck(cudaMemsetAsync(G, 0, n * sizeof(Tg), stream));
+    for (int c = a.nc - 1; c >= 0; c--) {
+        sdm_op_launch_token(a, (const Tg *)G, c, stream);
+        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
+        sdm_op_launch_bscatter(a, bank, bank_fp32, G, dout, c, stream);
+    }
+    sdm_op_convert(g->dbank_init, (const Tg *)G, n, stream);
 }
 
 static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
@@ -343,17 +396,8 @@ static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *ba
     (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    size_t bank_elems = (size_t)a.S * a.N * a.d;
-    if (dbank_final)
-        cudaCheck(cudaMemcpyAsync(g->dbank_init, dbank_final, bank_elems * 4, cudaMemcpyDeviceToDevice, stream));
-    else cudaCheck(cudaMemsetAsync(g->dbank_init, 0, bank_elems * 4, stream));
-    for (int c = a.nc - 1; c >= -1; c--) {
-        // dots of chunk c against G (before its update) and of chunk c + 1 against its restored bank
-        sdm_op_launch_token(a, bank, s->bank_fp32, g->dbank_init, dout, c, c + 1 < a.nc ? c + 1 : -1, stream);
-        if (c < 0) break;
-        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
-        sdm_op_launch_bscatter(a, bank, s->bank_fp32, g->dbank_init, dout, c, stream);
-    }
+    if (s->grad_bank_bf16) sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g, a.gbank, stream);
+    else sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g, g->dbank_init, stream);
     sdm_op_launch_bwy(a, dout, g, stream);
 }
 

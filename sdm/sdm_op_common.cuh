@@ -54,13 +54,31 @@ template <> struct SdmBankVec<__nv_bfloat16> {
     }
 };
 
-// 4 consecutive elements of a bf16 or fp32 row
-__device__ __forceinline__ float4 sdm_load4_any(const void *row, int col, bool fp32) {
-    if (fp32) return *(const float4 *)((const float *)row + col);
-    uint2 a = *(const uint2 *)((const __nv_bfloat16 *)row + col);
-    float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&a.x),
-           hi = __bfloat1622float2(*(const __nv_bfloat162 *)&a.y);
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
+// 8 consecutive elements of a row of T (16 or 32 bytes; p 16-byte aligned)
+template <typename T> __device__ __forceinline__ void sdm_load8(const T *p, float *x) {
+    for (int i = 0; i < 8; i += SdmBankVec<T>::V) SdmBankVec<T>::load(p + i, x + i);
+}
+template <typename T> __device__ __forceinline__ void sdm_store8(T *p, const float *x) {
+    for (int i = 0; i < 8; i += SdmBankVec<T>::V) SdmBankVec<T>::store(p + i, x + i);
+}
+// the same for a bf16 or fp32 row chosen at run time, columns [col, col+8)
+__device__ __forceinline__ void sdm_load8_any(const void *row, int col, bool fp32, float *x) {
+    if (fp32) sdm_load8((const float *)row + col, x);
+    else sdm_load8((const __nv_bfloat16 *)row + col, x);
+}
+__device__ __forceinline__ void sdm_store8_any(void *row, int col, const float *x, bool fp32) {
+    if (fp32) sdm_store8((float *)row + col, x);
+    else sdm_store8((__nv_bfloat16 *)row + col, x);
+}
+__device__ __forceinline__ float sdm_dot8(const float *a, const float *b, float acc) {
+    for (int i = 0; i < 8; i++) acc = fmaf(a[i], b[i], acc);
+    return acc;
+}
+// y += a x over 8 fp32 values at p (32 bytes, 16-byte aligned)
+__device__ __forceinline__ void sdm_axpy8(float a, const float *p, float *y) {
+    float x[8];
+    sdm_load8(p, x);
+    for (int i = 0; i < 8; i++) y[i] = fmaf(a, x[i], y[i]);
 }
 __device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32) {
     if (fp32) { *(float4 *)((float *)row + col) = x; return; }
@@ -70,7 +88,6 @@ __device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, boo
     a.y = *(uint32_t *)&hi;
     *(uint2 *)((__nv_bfloat16 *)row + col) = a;
 }
-__device__ __forceinline__ float sdm_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 __device__ __forceinline__ float4 sdm_axpy4(float a, float4 x, float4 y) {
     return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
 }
@@ -120,26 +137,27 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
     }
 }
 
-// 4 values of snapshot row e at columns [col, col+4), dequantised
-__device__ __forceinline__ float4 sdm_snap_load4(const SdmSnapView &sv, size_t e, int col) {
+// 8 values of snapshot row e at columns [col, col+8), dequantised (col a multiple of 8: one scale block; 16-, 8- or
+// 4-byte loads)
+__device__ __forceinline__ void sdm_snap_load8(const SdmSnapView &sv, size_t e, int col, float *x) {
     const char *row = sv.data + e * sv.row_bytes;
-    if (sv.mode == SDM_SNAP_NONE) return sdm_load4_any(row, col, sv.bank_fp32);
-    if (sv.mode == SDM_SNAP_BF16) return sdm_load4_any(row, col, false);
+    if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
+        sdm_load8_any(row, col, sv.mode == SDM_SNAP_NONE && sv.bank_fp32, x);
+        return;
+    }
     float s = sv.scale[e * sv.n_scales + col / SDM_SNAP_SCALE_COLS];
-    float v[4];
     if (sv.mode == SDM_SNAP_FP8) {
-        for (int i = 0; i < 4; i++) {
-            __half_raw h = __nv_cvt_fp8_to_halfraw(((const __nv_fp8_storage_t *)row)[col + i], __NV_E4M3);
-            v[i] = __half2float(__half(h)) * s;
-        }
+        uint2 raw = *(const uint2 *)(row + col);
+        const __nv_fp8_storage_t *q = (const __nv_fp8_storage_t *)&raw;
+        for (int i = 0; i < 8; i++) x[i] = __half2float(__half(__nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3))) * s;
     } else {
-        for (int i = 0; i < 4; i += 2) {
-            uint8_t b = ((const uint8_t *)row)[(col + i) / 2];
-            v[i] = (float)((int)((uint32_t)b << 24) >> 28) * s;     // high nibble, sign-extended
-            v[i + 1] = (float)((int)((uint32_t)b << 28) >> 28) * s; // low nibble
+        uint32_t raw = *(const uint32_t *)(row + col / 2); // byte i (bits 8i..8i+7): columns col + 2i, col + 2i + 1
+        for (int i = 0; i < 4; i++) {
+            uint32_t b = (raw >> (8 * i)) & 255u;
+            x[2 * i] = (float)((int)(b << 24) >> 28) * s;     // high nibble, sign-extended
+            x[2 * i + 1] = (float)((int)(b << 28) >> 28) * s; // low nibble
         }
     }
-    return make_float4(v[0], v[1], v[2], v[3]);
 }
 
 // Everything the kernels need about the layout, by value.
@@ -153,6 +171,7 @@ struct SdmOpArgs {
     SdmSnapView snap;
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
+    __nv_bfloat16 *gbank; // NULL unless grad_bank_bf16
 };
 
 static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
@@ -186,6 +205,7 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
         SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);
         SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dS, float); SDM_OP_PTR(dL, float);
         SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
+        if (s->grad_bank_bf16) SDM_OP_PTR(gbank, __nv_bfloat16);
     }
 #undef SDM_OP_PTR
     return a;
@@ -197,9 +217,88 @@ __device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, 
     return (((size_t)b * a.T + t) * a.H + h) * (size_t)width;
 }
 
-// Threads of the whole-row kernels (one warp per token row or per entry): fgather, fscatter, bscatter.
+// Threads of the whole-row kernels (one warp per token row or per entry): fgather, fscatter, token, bscatter.
 #define SDM_ROW_THREADS 256
 #define SDM_ROW_WARPS (SDM_ROW_THREADS / 32)
+
+// ------------------------------------------------------------------------------------------------------------------
+// Whole-row gathers (forward over the bank, backward over the bank gradient)
+
+#define SDM_GQ 4 // 16-byte row vectors per lane accumulated in registers per pass (one pass covers 32 * 4 * V columns)
+
+// part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
+// the calling warp's partial row); `snap` stores each row's snapshot; with dot_row (d floats, any memory) also
+// dots[e0 + k] = <dot_row, row(slot[k])> (0 for padding). The sums live in registers for SDM_GQ vectors per lane
+// (wider rows take several passes over the entries, each over other columns; a dot adds its passes in order), two
+// entries' loads in flight. Used by the forward over the bank and by the backward over the bank gradient.
+template <typename Tb>
+__device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots,
+                                                      const float *gath, size_t e0, int n, float *part, bool snap,
+                                                      const float *dot_row = NULL, float *dots = NULL) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
+    for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
+        float acc[SDM_GQ][V];
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++)
+            for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+        for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
+            int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
+            float g[2], pd[2] = {0.f, 0.f};
+            uint4 raw[2][SDM_GQ];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
+                g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] >= 0 && q0 + u < nq && col < a.d)
+                        raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
+                    int col = ((q0 + u) * 32 + lane) * V;
+                    if (sl[j] < 0 || q0 + u >= nq) continue; // warp-uniform
+                    bool on = col < a.d;
+                    float x[V];
+                    if (on) {
+                        SdmBankVec<Tb>::unpack(raw[j][u], x);
+                        for (int i = 0; i < V; i++) acc[u][i] = fmaf(g[j], x[i], acc[u][i]);
+                        if (dot_row)
+                            for (int i = 0; i < V; i++) pd[j] = fmaf(dot_row[col + i], x[i], pd[j]);
+                    }
+                    if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, SDM_SNAP_SCALE_COLS / V);
+                }
+            if (dot_row)
+                for (int j = 0; j < 2; j++) {
+                    if (k[j] >= n) continue; // warp-uniform
+                    float p = core_warp_sum(pd[j]);
+                    if (lane == 0) dots[e0 + k[j]] = (q0 > 0 ? dots[e0 + k[j]] : 0.f) + p;
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (q0 + u < nq && col < a.d)
+                for (int i = 0; i < V; i++) part[col + i] = acc[u][i];
+        }
+    }
+}
+
+// Sums the warps' partial rows in warp order into part[0..d) (the block's total).
+__device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float x = part[i];
+        for (int w = 1; w < SDM_ROW_WARPS; w++) x += part[w * d + i];
+        part[i] = x;
+    }
+    __syncthreads();
+}
 
 // ------------------------------------------------------------------------------------------------------------------
 // Host helpers of the entry points
