@@ -2,8 +2,8 @@
 // against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
 //   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
-//          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, all equal), F = 1..4,
-//          k = 1 .. N, odd widths; weights (softmax) and gamma; and the two kernels' outputs bit for bit equal.
+//          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
+//          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
 //   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
 //          output gate) against the CPU pieces.
 //   whole layer forward/backward: y, dx and every parameter gradient; H = 1, 2, 4; 2 and 3 factors; learned bank
@@ -127,9 +127,11 @@ static void test_matmul(Rng *rng, int fp32) {
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
 
-enum { SC_NORMAL, SC_BF16, SC_QUARTERS, SC_INTS, SC_EQUAL };
+// SC_SPARSE: a few nonzero sub-keys per factor, so that tau falls on a large exact tie (the whole-grid search) while
+// the selected scores differ (the softmax sum then depends on the order of the selection).
+enum { SC_NORMAL, SC_BF16, SC_QUARTERS, SC_INTS, SC_SPARSE, SC_EQUAL };
 static const char *SC_NAMES[] = {"normal fp32", "normal bf16", "quarter steps (ties)", "small ints (many ties)",
-                                 "all equal"};
+                                 "sparse (tie at tau)", "all equal"};
 
 static SdmDims dims_factors(int F, const int *n) {
     SdmDims s;
@@ -180,6 +182,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     for (size_t i = 0; i < (size_t)T * ldz; i++) {
         if (kind == SC_QUARTERS) z[i] = round(8.0 * rng_normal(rng)) / 4.0;
         else if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
+        else if (kind == SC_SPARSE) z[i] = rng_below(rng, 32) ? 0.0 : 2.0 * rng_normal(rng);
         else if (kind == SC_EQUAL) z[i] = 0.5;
         else z[i] = 2.0 * rng_normal(rng);
     }
@@ -592,6 +595,7 @@ int main(int argc, char **argv) {
     test_topk(&rng, 2, f1000x3, 100, 1, 20, SC_NORMAL);
     test_topk(&rng, 2, f1000x3, 100, 1, 20, SC_QUARTERS);
     test_topk(&rng, 2, f256, 64, 2, 64, SC_QUARTERS);
+    test_topk(&rng, 2, f256, 64, 2, 64, SC_SPARSE);
     test_topk(&rng, 2, f256, 1, 2, 64, SC_NORMAL);
     test_topk(&rng, 2, f256, 255, 1, 8, SC_QUARTERS);
 
