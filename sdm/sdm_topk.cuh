@@ -37,9 +37,10 @@
 #define SDM_TOPK_WARPS_MAX 4
 #define SDM_TOPK_THREADS 256        // threads of the block kernel: one per radix histogram bin
 #define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its per-factor ranking costs n^2 / 256)
-// Largest P for the block kernel: P blocks of 8 warps are one wave on 132 SMs at 8 blocks per SM (1056), and while
-// they fit the block kernel's time stays a few times its single-problem latency (~5 us); the warp kernel's first
-// wave (~2000 problems) takes ~38 us whatever P. Training (P = 32768) stays on the warp kernel.
+// Largest P for the block kernel. Counted on the flagship shape (H200, 132 SMs): a block costs ~2 us of one SM's
+// issue (mostly the per-factor ranking), so P problems take ~max(5 us, P * 2 us / 132), while the warp kernel's first
+// wave (~2000 problems) takes ~38 us whatever P: the two cross near P ~ 2500; 1024 leaves a factor 2 for error
+// (bench_sdm_layer 3 prints both kernels over P). Training (P = 32768) stays on the warp kernel.
 #define SDM_TOPK_BLOCK_MAX_P 1024
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
