@@ -456,9 +456,9 @@ __global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32
 // scores per sub-key, no barriers), the candidates' ranks one thread each (n_c <= cap <= 256 = threads).
 __global__ void __launch_bounds__(SDM_TOPK_THREADS)
     sdm_topk_block_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P, SdmTopkOut out) {
-    extern __shared__ unsigned char sdm_topk_smem[];
+    extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, p = blockIdx.x, k = pl.k, nw = SDM_TOPK_THREADS / 32;
-    unsigned long long *sorted = (unsigned long long *)sdm_topk_smem, *cand = sorted + pl.sort_total;
+    unsigned long long *sorted = (unsigned long long *)sdm_topk_bsmem, *cand = sorted + pl.sort_total;
     unsigned long long *sel = cand + pl.cap;
     uint32_t *ords = (uint32_t *)(sorted + ((pl.sort_total + pl.cap + k + 1) & ~1)); // 16-byte aligned
     int *rnk = (int *)ords + pl.key_dim4;
