@@ -5,7 +5,7 @@
 // forward/backward split, the per-stage times (the layer's marks in a step profile, core/profile.cuh), the device
 // memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200). Then the
 // flagship layer's decode step (sdm/sdm_infer.cuh: projections, top-k, memory op, readout) at batch 1 and 32
-// (targets <= 25 and <= 60 us).
+// (targets <= 25 and <= 60 us; its top-k runs the block kernel), and the top-k alone by both kernels over P.
 #include "sdm/sdm_infer.cuh"
 #include "tests/test.h"
 
@@ -300,6 +300,59 @@ static void bench_decode(int B, double target_us) {
     sdm_infer_destroy(&I);
 }
 
+// The top-k alone on the flagship layer's shape (N = 256 x 256, k = 64, 2 heads, bf16 scores) at P problems, by each
+// kernel (the launcher takes the block one for P <= SDM_TOPK_BLOCK_MAX_P): where the two cross. Each time is the mean
+// of TOPK_REPS launches in a CUDA graph (no launch gaps).
+#define TOPK_REPS 20
+static void bench_topk_paths(void) {
+    SdmDims s = layer_dims(2048, 2, 256, 64, 64);
+    SdmTopkPlan pl = sdm_topk_plan_make(&s, s.reads);
+    const int Ps[] = {2, 64, 256, 1024, 2048, 4096}, n_P = sizeof(Ps) / sizeof(Ps[0]), H = s.heads;
+    int P_max = Ps[n_P - 1], ldz = H * s.key_dim, k = pl.k;
+    void *z = rand_buf((size_t)P_max / H * ldz, 30, 2.0f, 0.0f);
+    int *slot;
+    float *w;
+    cudaCheck(cudaMalloc(&slot, sizeof(int) * P_max * k));
+    cudaCheck(cudaMalloc(&w, sizeof(float) * P_max * k));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    for (int i = 0; i < n_P; i++) {
+        float us[2];
+        for (int v = 0; v < 2; v++) {
+            pl.path = v ? SDM_TOPK_BLOCK : SDM_TOPK_WARP;
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+            for (int r = 0; r < TOPK_REPS; r++)
+                sdm_topk_forward(&pl, z, DT_BF16, ldz, 0, H, Ps[i], 1.0f, NULL, 0, slot, w, NULL, NULL, st);
+            cudaCheck(cudaStreamEndCapture(st, &graph));
+            cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+            cudaCheck(cudaGraphLaunch(exec, st)); // warm-up
+            cudaCheck(cudaEventRecord(e0, st));
+            cudaCheck(cudaGraphLaunch(exec, st));
+            cudaCheck(cudaEventRecord(e1, st));
+            cudaCheck(cudaEventSynchronize(e1));
+            cudaCheck(cudaEventElapsedTime(&us[v], e0, e1));
+            us[v] *= 1e3f / TOPK_REPS;
+            cudaCheck(cudaGraphExecDestroy(exec));
+            cudaCheck(cudaGraphDestroy(graph));
+        }
+        printf("   top-k alone (N=%d, k=%d), P=%4d: warp kernel %7.1f us, block kernel %7.1f us%s\n", s.slots, k,
+               Ps[i], us[0], us[1], Ps[i] <= SDM_TOPK_BLOCK_MAX_P ? " (block taken)" : "");
+        CHECK(us[0] > 0.0f && us[1] > 0.0f, "top-k P=%d: no time measured", Ps[i]);
+    }
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+    cudaCheck(cudaStreamDestroy(st));
+    cudaCheck(cudaFree(slot));
+    cudaCheck(cudaFree(w));
+    cudaCheck(cudaFree(z));
+    sdm_topk_plan_free(&pl);
+}
+
 int main(int argc, char **argv) {
     int which = argc > 1 ? atoi(argv[1]) : 0; // 0: all, 1: flagship only, 2: D=768 only, 3: decode only
     if (which == 0 || which == 1) bench("flagship layer", 2048, 2, 256, 64, 64, 8, 4096, 21.0);
@@ -307,6 +360,7 @@ int main(int argc, char **argv) {
     if (which == 0 || which == 3) {
         bench_decode(1, 25.0);
         bench_decode(32, 60.0);
+        bench_topk_paths();
     }
     matmul_destroy();
     return test_summary();

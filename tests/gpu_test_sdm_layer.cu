@@ -2,8 +2,9 @@
 // against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
 //   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum;
 //          the small-M forward (decode's GEMV): accuracy, rerun bits, a row's bits independent of M.
-//   top-k: slots bit for bit equal to sdm_pk_topk_ref on the same float32 scores (normal, bf16-rounded, small
-//          integers with many exact ties, all equal), F = 1, 2, 3; weights (softmax) and gamma.
+//   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
+//          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
+//          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
 //   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
 //          output gate) against the CPU pieces.
 //   whole layer forward/backward: y, dx and every parameter gradient; H = 1, 2, 4; 2 and 3 factors; learned bank
@@ -184,8 +185,11 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
 
-enum { SC_NORMAL, SC_BF16, SC_INTS, SC_EQUAL };
-static const char *SC_NAMES[] = {"normal fp32", "normal bf16", "small ints (ties)", "all equal"};
+// SC_SPARSE: a few nonzero sub-keys per factor, so that tau falls on a large exact tie (the whole-grid search) while
+// the selected scores differ (the softmax sum then depends on the order of the selection).
+enum { SC_NORMAL, SC_BF16, SC_QUARTERS, SC_INTS, SC_SPARSE, SC_EQUAL };
+static const char *SC_NAMES[] = {"normal fp32", "normal bf16", "quarter steps (ties)", "small ints (many ties)",
+                                 "sparse (tie at tau)", "all equal"};
 
 static SdmDims dims_factors(int F, const int *n) {
     SdmDims s;
@@ -196,13 +200,47 @@ static SdmDims dims_factors(int F, const int *n) {
     return s;
 }
 
+typedef struct {
+    int *slot;
+    float *w, *sc, *gam; // [P,k] each
+} TopkOut;
+
+// The top-k forward by kernel `path` (SDM_TOPK_WARP / SDM_TOPK_BLOCK) on device scores, outputs downloaded.
+static TopkOut topk_run(SdmTopkPlan *pl, int path, const void *dz, int fp32, int ldz, int col0, int H, int P,
+                        float scale, const float *dg) {
+    size_t n = (size_t)P * pl->k;
+    int *dslot;
+    float *dw, *dsc, *dgam;
+    cudaCheck(cudaMalloc(&dslot, sizeof(int) * n));
+    cudaCheck(cudaMalloc(&dw, sizeof(float) * n));
+    cudaCheck(cudaMalloc(&dsc, sizeof(float) * n));
+    cudaCheck(cudaMalloc(&dgam, sizeof(float) * n));
+    cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * n)); // poison
+    pl->path = path;
+    sdm_topk_forward(pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    TopkOut o = {(int *)sdm_malloc(sizeof(int) * n), (float *)sdm_malloc(sizeof(float) * n),
+                 (float *)sdm_malloc(sizeof(float) * n), (float *)sdm_malloc(sizeof(float) * n)};
+    cudaCheck(cudaMemcpy(o.slot, dslot, sizeof(int) * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(o.w, dw, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(o.sc, dsc, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(o.gam, dgam, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(dslot)); cudaCheck(cudaFree(dw)); cudaCheck(cudaFree(dsc)); cudaCheck(cudaFree(dgam));
+    return o;
+}
+
+// Both top-k kernels on the same scores: each against sdm_pk_topk_ref (slots and float32 scores exact, weights and
+// gamma to TOL_FP32), and the two bit for bit equal in all four outputs (same selection, same softmax order).
 static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int kind) {
     SdmDims s = dims_factors(F, n);
     SdmTopkPlan pl = sdm_topk_plan_make(&s, k);
     int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H, fp32 = kind != SC_BF16;
+    size_t nk = (size_t)P * k;
     double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
     for (size_t i = 0; i < (size_t)T * ldz; i++) {
-        if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
+        if (kind == SC_QUARTERS) z[i] = round(8.0 * rng_normal(rng)) / 4.0;
+        else if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
+        else if (kind == SC_SPARSE) z[i] = rng_below(rng, 32) ? 0.0 : 2.0 * rng_normal(rng);
         else if (kind == SC_EQUAL) z[i] = 0.5;
         else z[i] = 2.0 * rng_normal(rng);
     }
@@ -210,58 +248,56 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     for (int p = 0; p < P; p++) g[p] = -rng_uniform(rng);
     void *dz = dev_upload(z, (size_t)T * ldz, fp32);
     float *dg = (float *)dev_upload(g, P, 1);
-    int *dslot;
-    float *dw, *dsc, *dgam;
-    cudaCheck(cudaMalloc(&dslot, sizeof(int) * P * k));
-    cudaCheck(cudaMalloc(&dw, sizeof(float) * P * k));
-    cudaCheck(cudaMalloc(&dsc, sizeof(float) * P * k));
-    cudaCheck(cudaMalloc(&dgam, sizeof(float) * P * k));
-    cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * P * k)); // poison
     const float scale = 0.7f;
-    sdm_topk_forward(&pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
-    cudaCheck(cudaDeviceSynchronize());
-    int *slot = (int *)sdm_malloc(sizeof(int) * P * k), *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
-    float *w = (float *)sdm_malloc(sizeof(float) * P * k), *sc = (float *)sdm_malloc(sizeof(float) * P * k);
-    float *gam = (float *)sdm_malloc(sizeof(float) * P * k);
-    cudaCheck(cudaMemcpy(slot, dslot, sizeof(int) * P * k, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(w, dw, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(sc, dsc, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(gam, dgam, sizeof(float) * P * k, cudaMemcpyDeviceToHost));
-    double *score_ref = hzeros(k), *w_ref = hzeros((size_t)P * k), *w_gpu = hzeros((size_t)P * k);
-    double *gam_ref = hzeros((size_t)P * k), *gam_gpu = hzeros((size_t)P * k);
-    int bad = 0, bad_score = 0;
+    const char *names[2] = {"warp", "block"};
+    TopkOut out[2];
+    for (int v = 0; v < 2; v++)
+        out[v] = topk_run(&pl, v ? SDM_TOPK_BLOCK : SDM_TOPK_WARP, dz, fp32, ldz, col0, H, P, scale, dg);
+    int *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
+    double *score_ref = hzeros(k), *w_ref = hzeros(nk), *gam_ref = hzeros(nk);
+    double *w_gpu[2] = {hzeros(nk), hzeros(nk)}, *gam_gpu[2] = {hzeros(nk), hzeros(nk)};
+    int bad[2] = {0, 0}, bad_score[2] = {0, 0};
     for (int p = 0; p < P; p++) {
         const double *zp = z + (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * K;
         sdm_pk_topk_ref(F, n, k, zp, slot_ref, score_ref);
         sdm_act_forward_ref(SDM_ACT_SOFTMAX, scale, k, score_ref, w_ref + (size_t)p * k);
         for (int j = 0; j < k; j++) {
             size_t o = (size_t)p * k + j;
-            if (slot[o] != slot_ref[j]) bad++;
             // the GPU score is the float32 left-to-right sum; the reference's is the double sum of the same floats
             int dig[SDM_MAX_FACTORS];
             sdm_pk_digits(F, n, slot_ref[j], dig);
             float f32 = 0.0f;
             for (int f = 0, off = 0; f < F; off += n[f], f++)
                 f32 = f == 0 ? (float)zp[off + dig[f]] : f32 + (float)zp[off + dig[f]];
-            if (sc[o] != f32) bad_score++;
-            w_gpu[o] = w[o];
-            gam_gpu[o] = gam[o];
             gam_ref[o] = g[p] * w_ref[o];
+            for (int v = 0; v < 2; v++) {
+                bad[v] += out[v].slot[o] != slot_ref[j];
+                bad_score[v] += out[v].sc[o] != f32;
+                w_gpu[v][o] = out[v].w[o];
+                gam_gpu[v][o] = out[v].gam[o];
+            }
         }
     }
+    int same = !memcmp(out[0].slot, out[1].slot, sizeof(int) * nk) && !memcmp(out[0].w, out[1].w, 4 * nk) &&
+               !memcmp(out[0].sc, out[1].sc, 4 * nk) && !memcmp(out[0].gam, out[1].gam, 4 * nk);
     printf("top-k F=%d (%d", F, n[0]);
     for (int f = 1; f < F; f++) printf("x%d", n[f]);
-    printf(") k=%d H=%d problems=%d %s: slot mismatches %d, score mismatches %d, weight err %.2e\n", k, H, P,
-           SC_NAMES[kind], bad, bad_score, rel_error(w_gpu, w_ref, (size_t)P * k));
-    CHECK(bad == 0, "top-k slots differ from the CPU in %d entries (%s)", bad, SC_NAMES[kind]);
-    CHECK(bad_score == 0, "top-k float32 scores differ in %d entries", bad_score);
-    check_close("top-k softmax weights", w_gpu, w_ref, (size_t)P * k, TOL_FP32);
-    check_close("top-k gamma (key-weighted)", gam_gpu, gam_ref, (size_t)P * k, TOL_FP32);
+    printf(") k=%d H=%d problems=%d %s: slot mismatches %d/%d, score mismatches %d/%d, weight err %.2e/%.2e "
+           "(warp/block), bitwise equal: %s\n", k, H, P, SC_NAMES[kind], bad[0], bad[1], bad_score[0], bad_score[1],
+           rel_error(w_gpu[0], w_ref, nk), rel_error(w_gpu[1], w_ref, nk), same ? "yes" : "NO");
+    for (int v = 0; v < 2; v++) {
+        CHECK(bad[v] == 0, "top-k %s: slots differ from the CPU in %d entries (%s)", names[v], bad[v], SC_NAMES[kind]);
+        CHECK(bad_score[v] == 0, "top-k %s: float32 scores differ in %d entries", names[v], bad_score[v]);
+        check_close("top-k softmax weights", w_gpu[v], w_ref, nk, TOL_FP32);
+        check_close("top-k gamma (key-weighted)", gam_gpu[v], gam_ref, nk, TOL_FP32);
+    }
+    CHECK(same, "top-k: the warp and block kernels differ (F=%d k=%d %s)", F, k, SC_NAMES[kind]);
     sdm_topk_plan_free(&pl);
-    cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg)); cudaCheck(cudaFree(dslot)); cudaCheck(cudaFree(dw));
-    cudaCheck(cudaFree(dsc)); cudaCheck(cudaFree(dgam));
-    free(z); free(g); free(slot); free(slot_ref); free(w); free(sc); free(gam); free(score_ref); free(w_ref);
-    free(w_gpu); free(gam_ref); free(gam_gpu);
+    cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg));
+    for (int v = 0; v < 2; v++) {
+        free(out[v].slot); free(out[v].w); free(out[v].sc); free(out[v].gam); free(w_gpu[v]); free(gam_gpu[v]);
+    }
+    free(z); free(g); free(slot_ref); free(score_ref); free(w_ref); free(gam_ref);
 }
 
 // ---- the whole layer ---------------------------------------------------------------------------------------------
@@ -610,6 +646,24 @@ int main(int argc, char **argv) {
     test_topk(&rng, 2, f256, 64, 1, 4, SC_EQUAL);
     test_topk(&rng, 3, f3b, 32, 2, 100, SC_NORMAL);
     test_topk(&rng, 3, f3b, 32, 2, 100, SC_INTS);
+    // the block kernel's edges: widths not multiples of 4 or 32, k = N, k = 1, F = 4, more than 256 sub-keys per
+    // factor (several rows of warps), the widest factor it takes, the flagship with k = 1 and the largest k
+    const int f2x3[] = {2, 3}, f37x45[] = {37, 45}, f300[] = {300}, f4[] = {3, 2, 4, 2}, f3c[] = {2, 2, 3};
+    const int f1000x3[] = {1000, 3};
+    for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
+        test_topk(&rng, 2, f2x3, 6, 1, 20, kind);
+        test_topk(&rng, 2, f2x3, 1, 2, 20, kind);
+        test_topk(&rng, 3, f3c, 12, 1, 20, kind);
+        test_topk(&rng, 4, f4, 7, 1, 40, kind);
+        test_topk(&rng, 2, f37x45, 20, 2, 50, kind);
+        test_topk(&rng, 1, f300, 50, 1, 40, kind);
+    }
+    test_topk(&rng, 2, f1000x3, 100, 1, 20, SC_NORMAL);
+    test_topk(&rng, 2, f1000x3, 100, 1, 20, SC_QUARTERS);
+    test_topk(&rng, 2, f256, 64, 2, 64, SC_QUARTERS);
+    test_topk(&rng, 2, f256, 64, 2, 64, SC_SPARSE);
+    test_topk(&rng, 2, f256, 1, 2, 64, SC_NORMAL);
+    test_topk(&rng, 2, f256, 255, 1, 8, SC_QUARTERS);
 
     //  name  fp32 D   H F  n          W   R   C   B  T   bank gate ln kwd wscale rscale bf16-G
     const LayerCase cases[] = {
