@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
             if (lane == 0) a.phi[er + r] = 0.f;
             return;
         }
-        const int lw = a.r_lastw[er + r];                  // a write entry of the slot in this chunk, or -1
+        const int lw = a.r_nearw[er + r];                  // a write entry of the slot in this chunk, or -1
         const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
         const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
