@@ -140,7 +140,7 @@ typedef struct {
     // saved: per write entry [S][Tp][W]
     size_t w_slot, w_prev, w_next, w_lastread, w_kappa, w_lam, w_gath, w_scat, w_pi, w_elam_tot;
     // saved: per read entry [S][Tp][R]
-    size_t r_slot, r_prevw, r_prevr, r_nextr, r_lastw, r_rho, r_lam, r_gath;
+    size_t r_slot, r_prevw, r_prevr, r_nextr, r_nearw, r_rho, r_lam, r_gath;
     size_t beta;                  // [S][Tp]
     size_t A, Sm, Linv;           // [S][nc][C][C]
     size_t cx, ce, cdelta;        // [S][C][d] fp32 per-chunk buffers: X (forward) / dR0 (backward), E, Delta (prefill)
@@ -175,7 +175,7 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     SDM_OP_TAKE(w_gath, ew * 4); SDM_OP_TAKE(w_scat, ew * 4); SDM_OP_TAKE(w_pi, ew * 4);
     SDM_OP_TAKE(w_elam_tot, ew * 4);
     SDM_OP_TAKE(r_slot, er * 4); SDM_OP_TAKE(r_prevw, er * 4); SDM_OP_TAKE(r_prevr, er * 4);
-    SDM_OP_TAKE(r_nextr, er * 4); SDM_OP_TAKE(r_lastw, er * 4); SDM_OP_TAKE(r_rho, er * 4); SDM_OP_TAKE(r_lam, er * 4);
+    SDM_OP_TAKE(r_nextr, er * 4); SDM_OP_TAKE(r_nearw, er * 4); SDM_OP_TAKE(r_rho, er * 4); SDM_OP_TAKE(r_lam, er * 4);
     SDM_OP_TAKE(r_gath, er * 4);
     SDM_OP_TAKE(beta, tok * 4);
     SDM_OP_TAKE(A, cc * 4); SDM_OP_TAKE(Sm, cc * 4); SDM_OP_TAKE(Linv, cc * 4);

@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
             if (lane == 0) a.phi[er + r] = 0.f;
             return;
         }
-        const int lw = a.r_lastw[er + r];                  // a write entry of the slot in this chunk, or -1
+        const int lw = a.r_nearw[er + r];                  // a write entry of the slot in this chunk, or -1
         const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
         const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
@@ -261,64 +261,72 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
         x = core_warp_sum(x);
         if (lane == 0) dbeta[sdm_tok_off(a, s, c * C + t, 1)] = x;
     }
-    // per-entry direct terms (in place: omega -> dkappa, eta stays (dgamma direct), psi -> dlam; phi -> drho)
-    for (int e = threadIdx.x; e < C * W; e += blockDim.x) {
-        size_t g = ew + e;
-        float kap = a.w_kappa[g], pi = a.w_pi[g], el = expf(a.w_lam[g]), om = a.omega[g], ps = a.psi[g];
-        a.omega[g] = pi * om + el * ps;
-        a.psi[g] = kap * el * ps;
-        a.dmu[g] = kap * pi * om;
-    }
-    for (int e = threadIdx.x; e < C * R; e += blockDim.x) {
-        size_t g = er + e;
-        float el = expf(a.r_lam[g]), ph = a.phi[g];
-        a.phi[g] = el * ph;
-        a.dlamr[g] = a.r_rho[g] * el * ph;
-    }
-    __syncthreads();
-    // one thread per written slot (its last entry): Gram backward over the slot's entries, then the dgamma scans
+    // Per-entry terms, in gather form: one thread per write or read entry sums everything its entry receives, the
+    // direct terms, then the Gram backward over the other entries of its slot (walking the chunk's links, in chain
+    // order), so a slot hit by many tokens spreads over as many threads and every sum has one owner and a fixed order
+    // (no atomics). Padding has no links: only the (zero) direct terms.
+    //   write entry q:  dkappa = pi omega + e^lam psi, dlam = kappa e^lam psi, dmu = kappa pi omega, then per A pair
+    //                   with an earlier write b (q is the row), a later write b (q is the column), and per S pair
+    //                   with a read at or after q; omega, psi become dkappa, dlam in place
+    //   read entry r:   drho = e^lam' phi, dlam' = rho e^lam' phi, then per S pair with a write at or before r;
+    //                   phi becomes drho in place
+    // An S pair whose write entry is prevw[r] has lam' = lam: its two log-decay terms cancel and are skipped.
     float *dk = a.omega + ew, *dg = a.eta + ew, *dlam = a.psi + ew, *dmu = a.dmu + ew, *dr = a.phi + er,
           *dlr = a.dlamr + er;
     const float *kap = a.w_kappa + ew, *lam = a.w_lam + ew, *rho = a.r_rho + er, *rlam = a.r_lam + er;
     const float *bt = a.beta + tok0;
-    const int *prev = a.w_prev + ew, *prevr = a.r_prevr + er, *prevw = a.r_prevw + er;
-    for (int h = threadIdx.x; h < C * W; h += blockDim.x) {
-        if (a.w_slot[ew + h] < 0 || a.w_next[ew + h] >= 0) continue;
-        for (int b = h; b >= 0; b = prev[b]) // write pairs (b later, q earlier)
-            for (int q = prev[b]; q >= 0; q = prev[q]) {
-                int tb = b / W, tq = q / W;
-                float gA = bt[tb] * dL[tb * C + tq], E = expf(lam[b] - lam[q]), x = gA * kap[b] * kap[q] * E;
-                dk[b] += gA * kap[q] * E;
-                dk[q] += gA * kap[b] * E;
-                dlam[b] += x;
-                dlam[q] -= x;
+    const int *prev = a.w_prev + ew, *next = a.w_next + ew, *lastread = a.w_lastread + ew, *prevr = a.r_prevr + er,
+              *prevw = a.r_prevw + er;
+    for (int e = threadIdx.x; e < C * (W + R); e += blockDim.x) {
+        if (e < C * W) {
+            const int q = e, tq = q / W;
+            const float kq = kap[q], lq = lam[q], pi = a.w_pi[ew + q], el = expf(lq), om = dk[q], ps = dlam[q];
+            float k = pi * om + el * ps, l = kq * el * ps;
+            dmu[q] = kq * pi * om;
+            for (int b = prev[q]; b >= 0; b = prev[b]) { // A[tq, tb]
+                float gA = bt[tq] * dL[tq * C + b / W], E = expf(lq - lam[b]);
+                k += gA * kap[b] * E;
+                l += gA * kq * kap[b] * E;
             }
-        // read-write pairs with the write at or before the read
-        for (int r = a.w_lastread[ew + h]; r >= 0; r = prevr[r])
-            for (int q = h; q >= 0; q = prev[q]) {
-                int tr = r / R, tq = q / W;
-                if (tq > tr) continue;
-                float gS = dS[tr * C + tq], E = expf(rlam[r] - lam[q]), x = gS * rho[r] * kap[q] * E;
-                dr[r] += gS * kap[q] * E;
-                dk[q] += gS * rho[r] * E;
-                if (q != prevw[r]) { // E = e^{lam_prevw[r] - lam_q} depends on the gammas in (q, prevw[r]] only
-                    dlr[r] += x;
-                    dlam[q] -= x;
-                }
+            for (int b = next[q]; b >= 0; b = next[b]) { // A[tb, tq]
+                int tb = b / W;
+                float gA = bt[tb] * dL[tb * C + tq], E = expf(lam[b] - lq);
+                k += gA * kap[b] * E;
+                l -= gA * kap[b] * kq * E;
             }
-        // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{reads at or after q} dlam'_r
-        //          + sum_{writes b before q} dmu_b
-        // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since
-        // pi_q = e^{mu_q - gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation
-        // when gamma << 0)
-        for (int q = h; q >= 0; q = prev[q]) {
-            int tq = q / W;
-            float x = dg[q];
-            for (int b = h; b >= 0; b = prev[b]) x += b / W >= tq ? dlam[b] : dmu[b];
-            for (int r = a.w_lastread[ew + h]; r >= 0; r = prevr[r])
-                if (r / R >= tq) x += dlr[r];
-            dg[q] = x;
+            for (int r = lastread[q]; r >= 0 && r / R >= tq; r = prevr[r]) { // S[tr, tq]
+                float gS = dS[(r / R) * C + tq], E = expf(rlam[r] - lq);
+                k += gS * rho[r] * E;
+                if (q != prevw[r]) l -= gS * rho[r] * kq * E;
+            }
+            dk[q] = k;
+            dlam[q] = l;
+        } else {
+            const int r = e - C * W, tr = r / R, pw = prevw[r];
+            const float rr = rho[r], lr = rlam[r], el = expf(lr), ph = dr[r];
+            float k = el * ph, l = rr * el * ph;
+            for (int q = pw; q >= 0; q = prev[q]) { // S[tr, tq]
+                float gS = dS[tr * C + q / W], E = expf(lr - lam[q]);
+                k += gS * kap[q] * E;
+                if (q != pw) l += gS * rr * kap[q] * E;
+            }
+            dr[r] = k;
+            dlr[r] = l;
         }
+    }
+    __syncthreads();
+    // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{writes b before q} dmu_b
+    //          + sum_{reads at or after q} dlam'_r, one thread per write entry
+    // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since
+    // pi_q = e^{mu_q - gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when
+    // gamma << 0)
+    for (int q = threadIdx.x; q < C * W; q += blockDim.x) {
+        const int tq = q / W;
+        float x = dg[q];
+        for (int b = q; b >= 0; b = next[b]) x += dlam[b];
+        for (int b = prev[q]; b >= 0; b = prev[b]) x += dmu[b];
+        for (int r = lastread[q]; r >= 0 && r / R >= tq; r = prevr[r]) x += dlr[r];
+        dg[q] = x;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < nvalid * W; e += blockDim.x) {

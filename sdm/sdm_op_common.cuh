@@ -166,7 +166,7 @@ struct SdmOpArgs {
     // phase-1 arrays (saved)
     int *w_slot, *w_prev, *w_next, *w_lastread;
     float *w_kappa, *w_lam, *w_gath, *w_scat, *w_pi, *w_elam_tot;
-    int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_lastw;
+    int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_nearw;
     float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *cx, *ce, *cdelta, *delta, *u;
     SdmSnapView snap;
     // backward scratch
@@ -189,7 +189,7 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
     SDM_OP_PTR(r_prevw, int);
     SDM_OP_PTR(r_prevr, int);
     SDM_OP_PTR(r_nextr, int);
-    SDM_OP_PTR(r_lastw, int);
+    SDM_OP_PTR(r_nearw, int);
     SDM_OP_PTR(r_rho, float); SDM_OP_PTR(r_lam, float); SDM_OP_PTR(r_gath, float); SDM_OP_PTR(beta, float);
     SDM_OP_PTR(A, float); SDM_OP_PTR(Sm, float); SDM_OP_PTR(Linv, float);
     SDM_OP_PTR(cx, float); SDM_OP_PTR(ce, float); SDM_OP_PTR(cdelta, float);

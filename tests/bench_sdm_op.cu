@@ -1,8 +1,10 @@
 // tests/bench_sdm_op.cu: op-only timings of the GPU SDM memory op (sdm/sdm_op.cuh): training forward, backward,
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
-// int4 snapshots, and with the bf16 bank gradient. Median of repeated runs (CUDA events) after a warm-up. For each:
-// time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured HBM
-// bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
+// int4 snapshots, with the bf16 bank gradient, and with concentrated slots (every token draws its slots from a hot
+// set of 256 or of W slots: each slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as
+// the second argument runs only these and the uniform case). Median of repeated runs (CUDA events) after a warm-up.
+// For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
+// HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
 //   prefill:            read W + R rows, write W rows                                          -> (2W + R) d 2 bytes
 //   backward: G rows (g = 4 bytes, 2 with the bf16 bank gradient) read + written at W + R rows, W snapshot rows
@@ -56,20 +58,25 @@ static float *dev_weights(Rng *rng, size_t groups, int k) {
     return d;
 }
 
-static int *dev_slots(Rng *rng, size_t groups, int k, int n) {
+// k ascending slots of [0, n) per group; hot > 0: drawn from the hot set {0, n/hot, 2 n/hot, ...} of hot slots
+static int *dev_slots(Rng *rng, size_t groups, int k, int n, int hot) {
     std::vector<int> h(groups * k);
-    for (size_t g = 0; g < groups; g++) rand_slots(rng, n, k, h.data() + g * k);
+    for (size_t g = 0; g < groups; g++) {
+        rand_slots(rng, hot ? hot : n, k, h.data() + g * k);
+        if (hot)
+            for (int i = 0; i < k; i++) h[g * k + i] *= n / hot;
+    }
     int *d;
     cudaCheck(cudaMalloc(&d, h.size() * 4));
     cudaCheck(cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     return d;
 }
 
-static SdmOpInputs make_inputs(Rng *rng, const SdmOpShape *s) {
+static SdmOpInputs make_inputs(Rng *rng, const SdmOpShape *s, int hot) {
     size_t tok = (size_t)s->B * s->T * s->H;
     SdmOpInputs in;
-    in.wslot = dev_slots(rng, tok, s->W, s->N);
-    in.rslot = dev_slots(rng, tok, s->R, s->N);
+    in.wslot = dev_slots(rng, tok, s->W, s->N, hot);
+    in.rslot = dev_slots(rng, tok, s->R, s->N, hot);
     in.kappa = dev_weights(rng, tok, s->W);
     in.rho = dev_weights(rng, tok, s->R);
     in.gamma = dev_random(rng, tok * s->W, -0.1f, 0.f);
@@ -162,18 +169,21 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
            "bwy %.3f\n", p1, fg, fs, fc, tk, bs, bc, bw);
 }
 
-// Training forward + backward, prefill, and the forward with the host-loop schedule at one shape.
+// Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
+// hot set of that many slots (0: uniform over N).
 static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int grad_bf16,
-                        int reps) {
+                        int reps, int hot = 0) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
     s.snapshot = snap; s.training = 1; s.grad_bank_bf16 = grad_bf16;
     static const char *const snap_names[] = {"none", "bf16", "fp8", "int4"};
-    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, %s bank gradient, DB=%d)\n", B, T,
-           H, N, d, W, R, C, snap_names[snap], grad_bf16 ? "bf16" : "fp32", sdm_op_col_block(&s));
+    char slots[48] = "uniform slots";
+    if (hot) snprintf(slots, sizeof(slots), "slots from a hot set of %d", hot);
+    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, %s bank gradient, DB=%d, %s)\n", B,
+           T, H, N, d, W, R, C, snap_names[snap], grad_bf16 ? "bf16" : "fp32", sdm_op_col_block(&s), slots);
     Rng rng = rng_make(1234);
-    SdmOpInputs in = make_inputs(&rng, &s);
+    SdmOpInputs in = make_inputs(&rng, &s, hot);
     size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
     void *bank = dev_bank(&rng, bank_n);
     float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
@@ -225,7 +235,7 @@ static void bench_decode(int B, int H, int N, int d, int W, int R) {
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = 1; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = 64;
     Rng rng = rng_make(99);
-    SdmOpInputs in = make_inputs(&rng, &s);
+    SdmOpInputs in = make_inputs(&rng, &s, 0);
     size_t bank_n = (size_t)B * H * N * d;
     void *bank = dev_bank(&rng, bank_n);
     float *out;
@@ -266,8 +276,12 @@ int main(int argc, char **argv) {
     cudaDeviceProp p;
     cudaCheck(cudaGetDeviceProperties(&p, 0));
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
-    const SdmSnapshot flagship_snaps[] = {SDM_SNAP_NONE, SDM_SNAP_FP8, SDM_SNAP_INT4};
-    for (int i = 0; i < 3; i++) bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, flagship_snaps[i], 0, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps, 256);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps, 64);
+    if (argc > 2 && !strcmp(argv[2], "hot")) return 0;
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, 0, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, 0, reps);
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 1, reps);
     bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, 0, reps);
     bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, SDM_SNAP_NONE, 0, reps);

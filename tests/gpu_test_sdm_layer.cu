@@ -8,9 +8,9 @@
 //   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
 //          output gate) against the CPU pieces.
 //   whole layer forward/backward: y, dx and every parameter gradient; H = 1, 2, 4; 2 and 3 factors; learned bank
-//          on/off; output gate; readings norm; key_weighted_decay. The selected slot sets must agree with the CPU's
-//          (fp32 mode: continuous inputs; bf16 mode: inputs on a coarse grid so that the bf16 projection of the
-//          sub-key scores is exact and both sides select from identical float32 scores).
+//          on/off; output gate; readings norm; key_weighted_decay; hot slots (W = 12 of N = 32). The selected slot
+//          sets must agree with the CPU's (fp32 mode: continuous inputs; bf16 mode: inputs on a coarse grid so that
+//          the bf16 projection of the sub-key scores is exact and both sides select from identical float32 scores).
 // Tolerances (relative L2 error): fp32 mode 1e-5, bf16 mode 1e-2.
 #include <time.h>
 
@@ -674,10 +674,14 @@ int main(int argc, char **argv) {
         {"B", 0, 64, 2, 3, {4, 8, 8}, 12, 8, 16, 2, 37, 0, 0, 0, 1, 1.0f, 0.8f, 0},
         {"C", 0, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f, 0},
         {"C bf16-G", 0, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f, 1},
+        // hot slots: 12 of N = 32 per token, each slot hit by ~24 tokens of a 64-token chunk
+        {"D hot", 1, 64, 2, 2, {4, 8, 0}, 12, 12, 64, 2, 100, 1, 0, 0, 0, 1.0f, 1.0f, 0},
+        {"D hot", 0, 64, 2, 2, {4, 8, 0}, 12, 12, 64, 2, 100, 1, 0, 0, 1, 1.0f, 1.0f, 0},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_layer(&rng, &cases[i]);
     test_layer_determinism(&rng, &cases[5]);
     test_layer_determinism(&rng, &cases[6]);
+    test_layer_determinism(&rng, &cases[8]);
     matmul_destroy();
     return test_summary();
 }
