@@ -11,6 +11,7 @@
 // bytes are printed with non-printables escaped, then the speed. --bench times prefill and decode instead.
 // --eval scores the checkpoint on token shards as train_sdm's evaluation does (model/evaluate.cuh): mean loss, loss
 // by position in the row and recall accuracy by gap, on rows of the training shape (data.batch_size x data.seq_len).
+#include <cuda_profiler_api.h>
 #include <sys/stat.h>
 
 #include "core/config.h"
@@ -214,9 +215,11 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
             gpu_infer_sample(I, b);
         }
         gpu_infer_step(I, B, use_graph); // warm-up: captures the graph of B streams
+        cudaCheck(cudaProfilerStart()); // a profiler started with --profile-from-start off sees the decode steps only
         double t0 = gen_now();
         for (int i = 1; i < steps; i++) gpu_infer_step(I, B, use_graph);
         double t = gen_now() - t0;
+        cudaCheck(cudaProfilerStop());
         printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s)\n", B, steps - 1, 1e3 * t / (steps - 1),
                B * (steps - 1) / t, use_graph ? "CUDA graph" : "eager");
     }

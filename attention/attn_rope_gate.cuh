@@ -30,38 +30,38 @@ static inline void attn_rope_destroy(AttnRope *r) { device_free(r->inv_freq); r-
 
 #define ATTN_ROPE_HEADS 8
 
-// One thread per (row b*T+t, pair m): the angle's sincos once, then pair m of every head of q and k (a warp's
-// threads touch consecutive pairs of one head at a time). Position = pos0[b] + t (pos0 NULL: t).
+// One thread per (row b*T+t, group of ATTN_ROPE_HEADS heads of q then k, pair m): the angle's sincos once for its
+// group, whose loads are all issued before its stores; a warp's threads touch consecutive pairs of one head.
+// Position = pos0[b] + t (pos0 NULL: t).
 template <typename T>
 __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, const float *inv_freq,
-                                 const int *pos0, float direction, size_t n_rows) {
+                                 const int *pos0, float direction, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_rows * half) return;
-    int m = (int)(i % half);
-    size_t row = i / half;
+    if (i >= n) return;
+    int groups = (nh + nkv + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS, m = (int)(i % half);
+    int h0 = (int)(i / half % groups) * ATTN_ROPE_HEADS;
+    size_t row = i / half / groups;
     int t = (int)(row % T_), b = (int)(row / T_);
     float ang = (float)((pos0 ? pos0[b] : 0) + t) * inv_freq[m];
     float sn, cs;
     sincosf(ang, &sn, &cs);
     sn *= direction;
-    for (int h0 = 0; h0 < nh + nkv; h0 += ATTN_ROPE_HEADS) { // the group's loads all issued before its stores
-        T *x[ATTN_ROPE_HEADS];
-        float x0[ATTN_ROPE_HEADS], x1[ATTN_ROPE_HEADS];
+    T *x[ATTN_ROPE_HEADS];
+    float x0[ATTN_ROPE_HEADS], x1[ATTN_ROPE_HEADS];
 #pragma unroll
-        for (int j = 0; j < ATTN_ROPE_HEADS; j++) {
-            int h = h0 + j;
-            x[j] = h >= nh + nkv ? NULL
-                   : h < nh     ? q + (row * nh + h) * 2 * half + 2 * m
-                                : k + (row * nkv + (h - nh)) * 2 * half + 2 * m;
-            if (x[j]) { x0[j] = dtype_to_float(x[j][0]); x1[j] = dtype_to_float(x[j][1]); }
-        }
-#pragma unroll
-        for (int j = 0; j < ATTN_ROPE_HEADS; j++)
-            if (x[j]) {
-                x[j][0] = dtype_from_float<T>(x0[j] * cs - x1[j] * sn);
-                x[j][1] = dtype_from_float<T>(x0[j] * sn + x1[j] * cs);
-            }
+    for (int j = 0; j < ATTN_ROPE_HEADS; j++) {
+        int h = h0 + j;
+        x[j] = h >= nh + nkv ? NULL
+               : h < nh     ? q + (row * nh + h) * 2 * half + 2 * m
+                            : k + (row * nkv + (h - nh)) * 2 * half + 2 * m;
+        if (x[j]) { x0[j] = dtype_to_float(x[j][0]); x1[j] = dtype_to_float(x[j][1]); }
     }
+#pragma unroll
+    for (int j = 0; j < ATTN_ROPE_HEADS; j++)
+        if (x[j]) {
+            x[j][0] = dtype_from_float<T>(x0[j] * cs - x1[j] * sn);
+            x[j][1] = dtype_from_float<T>(x0[j] * sn + x1[j] * cs);
+        }
 }
 
 // In place on q [B,T,n_h,d_h] and k [B,T,n_kv,d_h]; direction 1 = forward, -1 = backward (the transpose).
@@ -70,15 +70,16 @@ static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T,
     if (r->head_dim != a->head_dim)
         sdm_die("attention: RoPE table for head_dim %d used with %d", r->head_dim, a->head_dim);
     int half = a->head_dim / 2;
-    size_t rows = (size_t)B * T, n = rows * half;
+    size_t groups = (size_t)(a->n_heads + a->n_kv_heads + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS;
+    size_t n = (size_t)B * T * groups * half;
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
         attn_rope_kernel<bf16><<<grid, 256, 0, st>>>((bf16 *)q, (bf16 *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                     r->inv_freq, pos0, (float)direction, rows);
+                                                     r->inv_freq, pos0, (float)direction, n);
     else
         attn_rope_kernel<float><<<grid, 256, 0, st>>>((float *)q, (float *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                      r->inv_freq, pos0, (float)direction, rows);
+                                                      r->inv_freq, pos0, (float)direction, n);
     cudaCheckLast();
 }
 
