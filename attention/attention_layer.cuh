@@ -105,9 +105,8 @@ static inline void attn_layer_destroy(AttnLayer *L) {
 static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x, int n,
                                   void *q, void *k, void *v, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
-    matmul_forward(q, ct, nq, x, p->wq, NULL, ct, n, nq, D, s);
-    matmul_forward(k, ct, nk, x, p->wk, NULL, ct, n, nk, D, s);
-    matmul_forward(v, ct, nk, x, p->wv, NULL, ct, n, nk, D, s);
+    MatmulParts P = {3, {p->wq, p->wk, p->wv}, {q, k, v}, {NULL, NULL, NULL}, {nq, nk, nk}, {nq, nk, nk}};
+    matmul_forward_parts(&P, ct, x, ct, n, D, s); // one launch at decode
 }
 
 // y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h].

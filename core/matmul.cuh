@@ -118,12 +118,27 @@ __device__ __forceinline__ void matmul_gemv_load(const float *p, float *v) {
     v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
 }
 
+#define MATMUL_MAX_PARTS 4
+
+// Products that share X (e.g. a layer's q, k, v): part p is Y_p[M,N_p] (row stride ldy_p) = X · W_p[N_p,K]ᵀ
+// (+ bias_p, NULL or [N_p] in Y's dtype). The GEMV runs every part in one launch.
+typedef struct {
+    int n;
+    const void *w[MATMUL_MAX_PARTS];
+    void *y[MATMUL_MAX_PARTS];
+    const void *bias[MATMUL_MAX_PARTS];
+    int N[MATMUL_MAX_PARTS], ldy[MATMUL_MAX_PARTS];
+} MatmulParts;
+
+// Block b takes rows [b' R, b' R + R) of the part it falls in (b' = its index within that part).
 template <typename T, typename TY, int M>
-__global__ void __launch_bounds__(MATMUL_GEMV_THREADS)
-matmul_gemv_kernel(TY *y, int ldy, const T *x, const T *w, const TY *bias, int N, int K) {
+__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K) {
     constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
     __shared__ float part[WARPS][R * M];
-    const int n0 = blockIdx.x * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int b = blockIdx.x, p = 0;
+    for (; p < P.n - 1 && b >= (P.N[p] + R - 1) / R; p++) b -= (P.N[p] + R - 1) / R;
+    const T *w = (const T *)P.w[p];
+    const int N = P.N[p], n0 = b * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float acc[R][M] = {};
     for (int k = threadIdx.x * VEC; k < K; k += MATMUL_GEMV_THREADS * VEC) {
         float wv[R][VEC], xv[VEC];
@@ -153,16 +168,16 @@ matmul_gemv_kernel(TY *y, int ldy, const T *x, const T *w, const TY *bias, int N
     if (threadIdx.x >= R * M || n0 + r >= N) return;
     float s = 0.f;
     for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
-    if (bias) s += dtype_to_float(bias[n0 + r]);
-    y[(size_t)m * ldy + n0 + r] = dtype_from_float<TY>(s);
+    if (P.bias[p]) s += dtype_to_float(((const TY *)P.bias[p])[n0 + r]);
+    ((TY *)P.y[p])[(size_t)m * P.ldy[p] + n0 + r] = dtype_from_float<TY>(s);
 }
 
 template <typename T, typename TY>
-static inline void matmul_gemv_run(TY *y, int ldy, const T *x, const T *w, const TY *bias, int M, int N, int K,
-                                   cudaStream_t s) {
-    unsigned grid = (unsigned)ceil_div(N, MATMUL_GEMV_ROWS);
+static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
+    unsigned grid = 0;
+    for (int p = 0; p < P->n; p++) grid += (unsigned)ceil_div(P->N[p], MATMUL_GEMV_ROWS);
 #define MATMUL_GEMV_CASE(m) \
-    case m: matmul_gemv_kernel<T, TY, m><<<grid, MATMUL_GEMV_THREADS, 0, s>>>(y, ldy, x, w, bias, N, K); break;
+    case m: matmul_gemv_kernel<T, TY, m><<<grid, MATMUL_GEMV_THREADS, 0, s>>>(*P, x, K); break;
     switch (M) {
         MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
@@ -171,33 +186,42 @@ static inline void matmul_gemv_run(TY *y, int ldy, const T *x, const T *w, const
     cudaCheckLast();
 }
 
-// The small-M product when it applies (M <= MATMUL_GEMV_MAX_M, rows of X and W in whole 16-byte vectors); returns
-// 0 to leave the product to cuBLASLt.
-static inline int matmul_gemv(void *y, Dtype y_type, int ldy, const void *x, const void *w, const void *bias,
-                              Dtype in_type, int M, int N, int K, cudaStream_t s) {
+// The small-M products when they apply (M <= MATMUL_GEMV_MAX_M, rows of X and of every W in whole 16-byte
+// vectors); returns 0 to leave them to cuBLASLt.
+static inline int matmul_gemv(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M, int K,
+                              cudaStream_t s) {
     typedef __nv_bfloat16 bf;
     size_t row_bytes = (size_t)K * dtype_size(in_type);
-    if (M < 1 || M > MATMUL_GEMV_MAX_M || row_bytes % 16 || ((uintptr_t)x | (uintptr_t)w) % 16) return 0;
+    uintptr_t addr = (uintptr_t)x;
+    for (int p = 0; p < P->n; p++) addr |= (uintptr_t)P->w[p];
+    if (M < 1 || M > MATMUL_GEMV_MAX_M || row_bytes % 16 || addr % 16) return 0;
     if (in_type == DT_FP32 && y_type != DT_FP32) sdm_die("matmul: fp32 inputs need an fp32 output");
-    if (in_type == DT_FP32)
-        matmul_gemv_run((float *)y, ldy, (const float *)x, (const float *)w, (const float *)bias, M, N, K, s);
-    else if (y_type == DT_FP32)
-        matmul_gemv_run((float *)y, ldy, (const bf *)x, (const bf *)w, (const float *)bias, M, N, K, s);
-    else
-        matmul_gemv_run((bf *)y, ldy, (const bf *)x, (const bf *)w, (const bf *)bias, M, N, K, s);
+    if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
+    else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
+    else matmul_gemv_run<bf, bf>(P, (const bf *)x, M, K, s);
     return 1;
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
 static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                   const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
-    if (matmul_gemv(y, y_type, ldy, x, w, bias, in_type, M, N, K, s)) return;
+    MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
+    if (matmul_gemv(&P, y_type, x, in_type, M, K, s)) return;
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
     if (n0 < N)
         matmul_lt((void *)dtype_elem_ptr(y, n0, y_type), y_type, ldy, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 1,
                   x, K, 0, in_type, N - n0, M, K, 0.0f, bias ? dtype_elem_ptr(bias, n0, y_type) : NULL, s);
+}
+
+// Every part of P (see MatmulParts): one GEMV launch when M is small, else one product each.
+static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M,
+                                        int K, cudaStream_t s) {
+    if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
+    if (matmul_gemv(P, y_type, x, in_type, M, K, s)) return;
+    for (int p = 0; p < P->n; p++) matmul_forward(P->y[p], y_type, P->ldy[p], x, P->w[p], P->bias[p], in_type, M,
+                                                  P->N[p], K, s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].

@@ -1,7 +1,8 @@
 // tests/gpu_test_sdm_layer.cu: the GPU SDM layer (sdm/sdm_layer.cuh) and the matmul wrapper (core/matmul.cuh)
 // against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
 //   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum;
-//          the small-M forward (decode's GEMV): accuracy, rerun bits, a row's bits independent of M.
+//          the small-M forward (decode's GEMV): accuracy, rerun bits, a row's bits independent of M; products
+//          sharing X in one launch (matmul_forward_parts) = one call each, bit for bit.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
@@ -181,6 +182,44 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
     double *hb[] = {x, w, b, y, yr, yg};
     for (int i = 0; i < 6; i++) free(hb[i]);
     free(h1); free(h2); free(hr);
+}
+
+// Three products sharing X through matmul_forward_parts (one GEMV launch when M is small, else one cuBLASLt
+// product each) give the bits of three matmul_forward calls.
+static void test_matmul_parts(Rng *rng, int fp32, int M) {
+    const int K = 136, N[3] = {40, 13, 64};
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
+    double *x = hzeros((size_t)M * K);
+    fill_normal(rng, x, (size_t)M * K, 1.0);
+    void *dx_ = dev_upload(x, (size_t)M * K, fp32), *w[3], *y1[3], *y2[3];
+    MatmulParts P = {3, {NULL}, {NULL}, {NULL, NULL, NULL}, {N[0], N[1], N[2]}, {N[0], N[1], N[2]}};
+    for (int i = 0; i < 3; i++) {
+        double *hw = hzeros((size_t)N[i] * K);
+        fill_normal(rng, hw, (size_t)N[i] * K, 0.2);
+        w[i] = dev_upload(hw, (size_t)N[i] * K, fp32);
+        free(hw);
+        cudaCheck(cudaMalloc(&y1[i], (size_t)M * N[i] * dtype_size(t)));
+        cudaCheck(cudaMalloc(&y2[i], (size_t)M * N[i] * dtype_size(t)));
+        P.w[i] = w[i];
+        P.y[i] = y1[i];
+        matmul_forward(y2[i], t, N[i], dx_, w[i], NULL, t, M, N[i], K, 0);
+    }
+    matmul_forward_parts(&P, t, dx_, t, M, K, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    int same = 1;
+    for (int i = 0; i < 3; i++) {
+        size_t bytes = (size_t)M * N[i] * dtype_size(t);
+        unsigned char *a = (unsigned char *)sdm_malloc(bytes), *b = (unsigned char *)sdm_malloc(bytes);
+        cudaCheck(cudaMemcpy(a, y1[i], bytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(b, y2[i], bytes, cudaMemcpyDeviceToHost));
+        same &= memcmp(a, b, bytes) == 0;
+        free(a); free(b);
+        cudaCheck(cudaFree(w[i])); cudaCheck(cudaFree(y1[i])); cudaCheck(cudaFree(y2[i]));
+    }
+    printf("matmul parts %s M=%d: %s\n", fp32 ? "fp32" : "bf16", M, same ? "same bits as one call each" : "DIFFER");
+    CHECK(same, "matmul_forward_parts (%s, M = %d) differs from one matmul_forward per part", dtype_name(t), M);
+    cudaCheck(cudaFree(dx_));
+    free(x);
 }
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
@@ -632,6 +671,8 @@ int main(int argc, char **argv) {
         test_matmul_small_m(&rng, fp32, 1, 8, 258, 2048, 264, 0);    // the LM head's shape: fp32 logits
         test_matmul_small_m(&rng, fp32, fp32, 8, 1030, 2048, 1030, 1);
         test_matmul_small_m(&rng, fp32, fp32, 2, 45, 44, 45, 1);      // bf16 rows of 88 bytes: the cuBLASLt path
+        test_matmul_parts(&rng, fp32, 5);  // the GEMV
+        test_matmul_parts(&rng, fp32, 37); // cuBLASLt, part by part
     }
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
