@@ -133,7 +133,6 @@ static inline SdmOpShape sdm_layer_op_shape(const SdmDims *s, int B, int T, int 
     SdmOpShape op;
     op.B = B; op.T = T; op.H = s->heads; op.N = s->slots; op.d = s->head_dim; op.W = s->writes; op.R = s->reads;
     op.C = s->chunk; op.bank_fp32 = s->bank_fp32; op.snapshot = s->snapshot; op.training = training;
-    op.grad_bank_bf16 = s->grad_bank_bf16;
     return op;
 }
 

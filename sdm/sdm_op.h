@@ -28,18 +28,15 @@
 //       after sdm_op_forward with s->training = 1 on the same inputs and `saved`. bank: in = final bank left by the
 //       forward, out = initial bank restored from the snapshots (exact for `none`, rounded rows for bf16/fp8/int4
 //       snapshots); the backward can therefore run once per forward. dout [B,T,H,d]; dbank_final [B,H,N,d] fp32 or
-//       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten). The dense bank gradient G is
-//       accumulated in g->dbank_init (fp32), or with s->grad_bank_bf16 in a bf16 copy inside `scratch` (fp32 sums
-//       within a chunk, one rounding per touched row and chunk) converted into g->dbank_init at the end.
-//       scratch: sdm_op_scratch_bytes, may be shared by all layers.
+//       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten); g->dbank_init doubles as the dense
+//       fp32 bank-gradient accumulator. scratch: sdm_op_scratch_bytes, may be shared by all layers.
 //   void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream);
 //       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the
 //       recurrence (docs/SDM.md#the-recurrence) applied to the bank in place, readings written to out [B,1,H,d]. Needs
 //       no workspace.
 //
 // Precision: every decay, Gram matrix, solve, GEMM and accumulation is IEEE fp32 (no TF32 anywhere); a bank row is
-// rounded to the bank dtype once per chunk (with grad_bank_bf16, a touched row of the bank gradient to bf16 once per
-// chunk). bank_fp32 = 1 with snapshot none and grad_bank_bf16 = 0 is the all-fp32 mode. The op is
+// rounded to the bank dtype once per chunk. bank_fp32 = 1 with snapshot none is the all-fp32 mode. The op is
 // bitwise deterministic (no floating-point atomics; duplicates of a slot are combined by one thread in time order).
 #ifndef SDM_SDM_OP_H
 #define SDM_SDM_OP_H
@@ -61,7 +58,6 @@ typedef struct {
     int bank_fp32;        // 0: bf16 bank, 1: fp32 bank
     SdmSnapshot snapshot; // storage of the backward snapshots (training only)
     int training;         // 1: forward saves for the backward; 0: prefill
-    int grad_bank_bf16;   // backward: 1 keeps the bank gradient G in bf16 between chunks (scratch), 0 in fp32
 } SdmOpShape;
 
 typedef struct {
@@ -124,13 +120,12 @@ static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
 
 // Bytes a training forward or backward must move at least (its byte floor, as BENCHMARKS.md counts it),
 // per token and head: forward, read the W written and R read rows, write the W rows and W snapshot rows; backward,
-// read and write the bank gradient (fp32, or bf16 with grad_bank_bf16) at the W + R rows, read the W snapshots,
-// restore the W rows, read the R rows.
+// read and write the fp32 bank gradient at the W + R rows, read the W snapshots, restore the W rows, read the R rows.
 static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
     double th = (double)s->B * s->T * s->H, row = (double)s->d * (s->bank_fp32 ? 4 : 2);
     double snap = (double)sdm_op_snap_row_bytes(s) + 4.0 * sdm_op_snap_scales(s), W = s->W, R = s->R;
     if (!backward) return th * ((2 * W + R) * row + W * snap);
-    return th * ((2 * W + 2 * R) * s->d * (s->grad_bank_bf16 ? 2 : 4) + W * snap + (W + R) * row);
+    return th * ((2 * W + 2 * R) * s->d * 4 + W * snap + (W + R) * row);
 }
 
 // Offsets of every buffer inside `saved` / `scratch` (bytes). Streams are stream-major: [S = B*H][Tp][...] with
@@ -154,7 +149,6 @@ typedef struct {
     size_t phi, dlamr;            // [S][Tp][R]: per-entry dots, then gradients of rho, lambda'
 
     size_t dS, dL;                // [S][nc][C][C]
-    size_t gbank;                 // [S][N][d] bf16: the bank gradient G between chunks (grad_bank_bf16 only)
     size_t scratch_bytes;
 } SdmOpLayout;
 
@@ -193,7 +187,6 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(dmu, ew * 4);
     SDM_OP_TAKE(phi, er * 4); SDM_OP_TAKE(dlamr, er * 4);
     SDM_OP_TAKE(dS, cc * 4); SDM_OP_TAKE(dL, cc * 4);
-    if (s->grad_bank_bf16) SDM_OP_TAKE(gbank, (size_t)L.S * s->N * s->d * 2);
     L.scratch_bytes = off;
 #undef SDM_OP_TAKE
     return L;

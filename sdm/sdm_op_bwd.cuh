@@ -3,7 +3,7 @@
 // the bank gradient G before the chunk's update), bsolve (dDelta, dX, dR0, dv) and bscatter (G at the touched rows,
 // the bank rows restored from the snapshots, and the dots against the chunk-start rows: psi, phi, eta), then one
 // bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). G, dense
-// [B,H,N,d], is fp32 in dbank_init, or bf16 in the scratch (grad_bank_bf16; converted into dbank_init at the end).
+// [B,H,N,d] fp32, is accumulated in dbank_init.
 // In: what sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] or NULL; out: dkappa,
 // dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] fp32, and the initial bank
 // restored.
@@ -20,19 +20,18 @@
 // ------------------------------------------------------------------------------------------------------------------
 // Backward, in the reverse chunk loop.
 
-// Per (stream, token) of chunk c, from G before the chunk's update (Tg: float or bf16): the write-path gradient of
-// delta, wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per
-// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
-template <typename Tg>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
+// Per (stream, token) of chunk c, from G before the chunk's update: the write-path gradient of delta,
+// wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per write
+// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const float *G, int c) {
     extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
     __syncthreads();
-    sdm_gather_whole_rows<Tg>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d, false,
-                              drow, a.omega);
+    sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
+                                 false, drow, a.omega);
     sdm_sum_partials(part, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
@@ -104,9 +103,8 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
 // none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
 // threads.
-template <typename Tg>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G,
-                                                                       const float *dout, int c) {
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32,
+                                                                       float *G, const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
@@ -123,7 +121,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
         const float el = a.w_elam_tot[ew + i];
         const int lr = a.w_lastread[ew + i];
         void *brow = (char *)bank + (row0 + slot) * row_bytes;
-        Tg *grow = G + (row0 + slot) * d;
+        float *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
             float m[SDM_SQ][8], g[SDM_SQ][8];
@@ -168,7 +166,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs
         const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
         const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
-        Tg *grow = G + (row0 + slot) * d;
+        float *grow = G + (row0 + slot) * d;
         float phi = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
             float m[SDM_SQ][8], g[SDM_SQ][8];
@@ -339,11 +337,10 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).
-template <typename Tg>
-static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
+static inline void sdm_op_launch_token(const SdmOpArgs &a, const float *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
-    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
@@ -352,49 +349,15 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c);
     cudaCheckLast();
 }
-template <typename Tg>
-static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, Tg *G, const float *dout,
+static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    sdm_bscatter_kernel<Tg><<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32,
-                                                                                                      G, dout, c);
+    sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
+                                                                                                  dout, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
     sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
     cudaCheckLast();
-}
-
-// dst[0..n) = src[0..n) converted (n a multiple of 8, both 16-byte aligned)
-template <typename To, typename Ti> __global__ void sdm_convert_kernel(To *dst, const Ti *src, size_t n8) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
-        float x[8];
-        sdm_load8(src + 8 * i, x);
-        sdm_store8(dst + 8 * i, x);
-    }
-}
-template <typename To, typename Ti> static void sdm_op_convert(To *dst, const Ti *src, size_t n, cudaStream_t stream) {
-    if ((const void *)dst == (const void *)src) return;
-    if (sizeof(To) == sizeof(Ti)) { // same dtype (fp32 or bf16)
-        cudaCheck(cudaMemcpyAsync(dst, src, n * sizeof(To), cudaMemcpyDeviceToDevice, stream));
-        return;
-    }
-    sdm_convert_kernel<To, Ti><<<2112, 256, 0, stream>>>(dst, src, n / 8);
-    cudaCheckLast();
-}
-
-// The reverse chunk loop with the bank gradient G in Tg: G starts as dbank_final (or zero) and ends as dbank_init.
-template <typename Tg>
-static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank, const float *dout,
-                                   const float *dbank_final, const SdmOpGrads *g, Tg *G, cudaStream_t stream) {
-    size_t n = (size_t)a.S * a.N * a.d;
-    if (dbank_final) sdm_op_convert(G, dbank_final, n, stream);
-    else cudaCheck(cudaMemsetAsync(G, 0, n * sizeof(Tg), stream));
-    for (int c = a.nc - 1; c >= 0; c--) {
-        sdm_op_launch_token(a, (const Tg *)G, c, stream);
-        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
-        sdm_op_launch_bscatter(a, bank, bank_fp32, G, dout, c, stream);
-    }
-    sdm_op_convert(g->dbank_init, (const Tg *)G, n, stream);
 }
 
 static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
@@ -404,8 +367,16 @@ static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *ba
     (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    if (s->grad_bank_bf16) sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g, a.gbank, stream);
-    else sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g, g->dbank_init, stream);
+    size_t n = (size_t)a.S * a.N * a.d; // G starts as dbank_final (or zero) and ends as dbank_init
+    if (dbank_final) {
+        if (dbank_final != g->dbank_init)
+            cudaCheck(cudaMemcpyAsync(g->dbank_init, dbank_final, n * 4, cudaMemcpyDeviceToDevice, stream));
+    } else cudaCheck(cudaMemsetAsync(g->dbank_init, 0, n * 4, stream));
+    for (int c = a.nc - 1; c >= 0; c--) {
+        sdm_op_launch_token(a, g->dbank_init, c, stream);
+        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
+        sdm_op_launch_bscatter(a, bank, s->bank_fp32, g->dbank_init, dout, c, stream);
+    }
     sdm_op_launch_bwy(a, dout, g, stream);
 }
 

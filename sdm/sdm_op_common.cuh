@@ -171,7 +171,6 @@ struct SdmOpArgs {
     SdmSnapView snap;
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
-    __nv_bfloat16 *gbank; // NULL unless grad_bank_bf16
 };
 
 static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
@@ -205,7 +204,6 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
         SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);
         SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dS, float); SDM_OP_PTR(dL, float);
         SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
-        if (s->grad_bank_bf16) SDM_OP_PTR(gbank, __nv_bfloat16);
     }
 #undef SDM_OP_PTR
     return a;

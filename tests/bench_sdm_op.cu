@@ -1,14 +1,14 @@
 // tests/bench_sdm_op.cu: op-only timings of the GPU SDM memory op (sdm/sdm_op.cuh): training forward, backward,
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
-// int4 snapshots, with the bf16 bank gradient, and with concentrated slots (every token draws its slots from a hot
-// set of 256 or of W slots: each slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as
-// the second argument runs only these and the uniform case). Median of repeated runs (CUDA events) after a warm-up.
+// int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
+// slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
+// these and the uniform case). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
 // HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
 //   prefill:            read W + R rows, write W rows                                          -> (2W + R) d 2 bytes
-//   backward: G rows (g = 4 bytes, 2 with the bf16 bank gradient) read + written at W + R rows, W snapshot rows
-//             read, W rows restored, R bank rows read                  -> (2W + 2R) d g + (W + R) d 2 + W s bytes
+//   backward: fp32 G rows read + written at W + R rows, W snapshot rows read, W rows restored, R bank rows read
+//                                                                      -> (2W + 2R) d 4 + (W + R) d 2 + W s bytes
 //   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
@@ -131,14 +131,6 @@ template <typename F> static float time_ms(int reps, F fn) {
     return median(t);
 }
 
-// token and bscatter over all chunks, with the bank gradient G in Tg
-template <typename Tg>
-static void bench_bank_grad_parts(const SdmOpArgs &a, void *bank, Tg *G, const float *dout, int reps, float *tk,
-                                  float *bc) {
-    *tk = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, (const Tg *)G, c, 0); });
-    *bc = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, G, dout, c, 0); });
-}
-
 // Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
 // by a full forward + backward; the values they compute are not used).
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
@@ -159,10 +151,13 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
             sdm_fscatter_kernel<__nv_bfloat16>
                 <<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
-    float tk, bc;
-    if (s->grad_bank_bf16) bench_bank_grad_parts(a, bank, a.gbank, dout, reps, &tk, &bc);
-    else bench_bank_grad_parts(a, bank, g->dbank_init, dout, reps, &tk, &bc);
+    float tk = time_ms(reps, [&] {
+        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, g->dbank_init, c, 0);
+    });
     float bs = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bsolve(a, dout, g->dv, c, 0); });
+    float bc = time_ms(reps, [&] {
+        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, g->dbank_init, dout, c, 0);
+    });
     float bw = time_ms(reps, [&] { sdm_op_launch_bwy(a, dout, g, 0); });
     cudaCheckLast();
     printf("  parts (ms): phase1 %.3f | fgather %.3f fsolve %.3f fscatter %.3f | token %.3f bsolve %.3f bscatter %.3f "
@@ -171,17 +166,17 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
 
 // Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
 // hot set of that many slots (0: uniform over N).
-static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int grad_bf16,
-                        int reps, int hot = 0) {
+static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
+                        int hot = 0) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
-    s.snapshot = snap; s.training = 1; s.grad_bank_bf16 = grad_bf16;
+    s.snapshot = snap; s.training = 1;
     static const char *const snap_names[] = {"none", "bf16", "fp8", "int4"};
     char slots[48] = "uniform slots";
     if (hot) snprintf(slots, sizeof(slots), "slots from a hot set of %d", hot);
-    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, %s bank gradient, DB=%d, %s)\n", B,
-           T, H, N, d, W, R, C, snap_names[snap], grad_bf16 ? "bf16" : "fp32", sdm_op_col_block(&s), slots);
+    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, DB=%d, %s)\n", B, T, H, N, d, W,
+           R, C, snap_names[snap], sdm_op_col_block(&s), slots);
     Rng rng = rng_make(1234);
     SdmOpInputs in = make_inputs(&rng, &s, hot);
     size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
@@ -276,15 +271,14 @@ int main(int argc, char **argv) {
     cudaDeviceProp p;
     cudaCheck(cudaGetDeviceProperties(&p, 0));
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps, 256);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 0, reps, 64);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
     if (argc > 2 && !strcmp(argv[2], "hot")) return 0;
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, 0, reps);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, 0, reps);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, 1, reps);
-    bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, 0, reps);
-    bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, SDM_SNAP_NONE, 0, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, reps);
+    bench_train(2, 8192, 1, 36864, 768, 64, 64, 256, SDM_SNAP_NONE, reps);
     bench_decode(1, 2, 65536, 1024, 64, 64);
     bench_decode(32, 2, 65536, 1024, 64, 64);
     return 0;

@@ -1,11 +1,9 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
 // (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, decode = prefill =
 // training forward, bitwise determinism, snapshot modes and their independence of the batch, refusals.
-// Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2 (with the bf16 bank gradient
-// too: the two roundings' errors add, each ~2e-3), fp32 bank with the bf16 bank gradient 5e-3. The same hold with
-// heavily repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative
-// rounding of about sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not
-// amplify it.
+// Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
+// repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
+// sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
 #include "core/cuda_common.cuh"
 #include "core/rng.h"
 #include "sdm/sdm_op.cuh"
@@ -18,7 +16,6 @@
 #define TOL_CHUNK_FP32 1e-5 // GPU at chunk size C vs GPU at C = 64, fp32 mode
 #define TOL_FP8 0.1         // kappa/gamma/rho gradients with fp8 snapshots vs none (fp32 bank)
 #define TOL_INT4 0.4        // same with int4 snapshots
-#define TOL_GRAD_BF16 5e-3  // fp32 bank, bank gradient kept in bf16: GRAD_BF16_TOL of tests/test_sdm_chunked.c
 
 typedef enum { GAMMA_UNIFORM, GAMMA_ZERO, GAMMA_VERY_NEGATIVE } GammaMode;
 
@@ -224,11 +221,9 @@ static void free_result(Result *r) {
 
 static void poison(void *p, size_t bytes) { cudaCheck(cudaMemset(p, 0xFF, bytes)); } // NaN in fp32 and bf16
 
-// Forward (training) then backward on the GPU. rounded_bank: the initial bank in the bank dtype. grad_bf16: the bank
-// gradient kept in bf16 between chunks.
-static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, int grad_bf16, double *rounded_bank) {
+// Forward (training) then backward on the GPU. rounded_bank: the initial bank in the bank dtype.
+static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
     SdmOpShape s = shape_of(c, C, fp32, snap, 1);
-    s.grad_bank_bf16 = grad_bf16;
     Dev D = dev_alloc(c, &s);
     size_t tok = (size_t)c->B * c->T * c->H;
     upload_bank(c, fp32, D.bank, rounded_bank);
@@ -314,7 +309,7 @@ static unsigned long long result_digest(const Case *c, const Result *r) {
 static unsigned long long fixed_case_digest(void) {
     Case c = make_case(4242, 2, 300, 2, 128, 16, 16, 16, GAMMA_UNIFORM, 1);
     double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-    Result r = run_gpu(&c, 64, 0, SDM_SNAP_NONE, 0, rb);
+    Result r = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb);
     unsigned long long h = result_digest(&c, &r);
     free_result(&r); free(rb); free_case(&c);
     return h;
@@ -359,26 +354,23 @@ static void test_against_oracle(void) {
         {1, 300, 1, 256, 8, 16, 16, 256, GAMMA_UNIFORM, 1, 2},    // the same at C = 256: chains of 256 entries
     };
     int n = (int)(sizeof(specs) / sizeof(specs[0]));
-    for (int gb = 0; gb <= 1; gb++) // bank gradient in fp32, then in bf16
-        for (int fp32 = 1; fp32 >= 0; fp32--)
-            for (int i = 0; i < n; i++) {
-                const Spec *p = &specs[i];
-                if ((!fp32 || gb) && i > 3 && !p->hot) continue; // bf16 bank or bank gradient: the first four
-                                                                   // shapes and the hot ones
-                Case c = make_case(1000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
-                if (p->hot == 2) repeat_first_slots(&c);
-                if (p->collide)
-                    CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
-                double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-                Result g = run_gpu(&c, p->C, fp32, SDM_SNAP_NONE, gb, rb);
-                Result ref = run_ref(&c, rb);
-                char name[128];
-                snprintf(name, sizeof(name), "%s%s B%d T%d H%d N%d d%d W%d R%d C%d g%d%s", fp32 ? "fp32" : "bf16",
-                         gb ? " bf16-G" : "", p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm,
-                         p->hot == 2 ? " same-slots" : "");
-                compare(name, &c, &g, &ref, !fp32 ? TOL_BF16 : gb ? TOL_GRAD_BF16 : TOL_FP32);
-                free_result(&g); free_result(&ref); free(rb); free_case(&c);
-            }
+    for (int fp32 = 1; fp32 >= 0; fp32--)
+        for (int i = 0; i < n; i++) {
+            const Spec *p = &specs[i];
+            if (!fp32 && i > 3 && !p->hot) continue; // bf16 bank: the first four shapes and the hot ones
+            Case c = make_case(1000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
+            if (p->hot == 2) repeat_first_slots(&c);
+            if (p->collide)
+                CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
+            double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+            Result g = run_gpu(&c, p->C, fp32, SDM_SNAP_NONE, rb);
+            Result ref = run_ref(&c, rb);
+            char name[128];
+            snprintf(name, sizeof(name), "%s B%d T%d H%d N%d d%d W%d R%d C%d g%d%s", fp32 ? "fp32" : "bf16", p->B,
+                     p->T, p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm, p->hot == 2 ? " same-slots" : "");
+            compare(name, &c, &g, &ref, fp32 ? TOL_FP32 : TOL_BF16);
+            free_result(&g); free_result(&ref); free(rb); free_case(&c);
+        }
 }
 
 // Same inputs at C = 16..256 (fp32): all equal to C = 64 and to the oracle; two runs bitwise equal (fp32 and bf16).
@@ -387,24 +379,22 @@ static void test_chunk_invariance_and_determinism(int repeat) {
     Case c = make_case(77, 2, 300, 2, 128, 16, 16, 16, GAMMA_UNIFORM, 1);
     if (repeat) repeat_first_slots(&c);
     double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-    Result base = run_gpu(&c, 64, 1, SDM_SNAP_NONE, 0, rb);
+    Result base = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
     Result ref = run_ref(&c, rb);
     compare("fp32 C=64 vs oracle", &c, &base, &ref, TOL_FP32);
     const int Cs[] = {16, 32, 128, 256};
     for (int i = 0; i < 4; i++) {
-        Result r = run_gpu(&c, Cs[i], 1, SDM_SNAP_NONE, 0, rb);
+        Result r = run_gpu(&c, Cs[i], 1, SDM_SNAP_NONE, rb);
         char name[64];
         snprintf(name, sizeof(name), "fp32 C=%d vs C=64", Cs[i]);
         compare(name, &c, &r, &base, TOL_CHUNK_FP32);
         free_result(&r);
     }
-    Result again = run_gpu(&c, 64, 1, SDM_SNAP_NONE, 0, rb);
+    Result again = run_gpu(&c, 64, 1, SDM_SNAP_NONE, rb);
     CHECK(bitwise_equal(&c, &base, &again), "fp32: two runs differ");
-    for (int gb = 0; gb < 2; gb++) { // bf16 bank determinism, bank gradient in fp32 and in bf16
-        Result x = run_gpu(&c, 64, 0, SDM_SNAP_NONE, gb, rb), y = run_gpu(&c, 64, 0, SDM_SNAP_NONE, gb, rb);
-        CHECK(bitwise_equal(&c, &x, &y), "bf16%s: two runs differ", gb ? " with the bf16 bank gradient" : "");
-        free_result(&x); free_result(&y);
-    }
+    Result x = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb), y = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb); // bf16 bank
+    CHECK(bitwise_equal(&c, &x, &y), "bf16: two runs differ");
+    free_result(&x); free_result(&y);
     printf("  chunk invariance / determinism checked\n");
     free_result(&base); free_result(&ref); free_result(&again); free(rb); free_case(&c);
 }
@@ -415,13 +405,13 @@ static void test_chunk_invariance_and_determinism(int repeat) {
 static void test_snapshot_modes(int fp32) {
     Case c = make_case(91, 2, 200, 2, 128, 64, 16, 16, GAMMA_UNIFORM, 0);
     double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-    Result none = run_gpu(&c, 64, fp32, SDM_SNAP_NONE, 0, rb);
+    Result none = run_gpu(&c, 64, fp32, SDM_SNAP_NONE, rb);
     size_t tok = (size_t)c.B * c.T * c.H;
     const SdmSnapshot modes[] = {SDM_SNAP_BF16, SDM_SNAP_FP8, SDM_SNAP_INT4};
     const double tols[] = {TOL_BF16, TOL_FP8, TOL_INT4};
     const char *names[] = {"bf16", "fp8", "int4"};
     for (int i = fp32 ? 0 : 1; i < 3; i++) { // bf16 snapshots need an fp32 bank
-        Result r = run_gpu(&c, 64, fp32, modes[i], 0, rb);
+        Result r = run_gpu(&c, 64, fp32, modes[i], rb);
         CHECK(!memcmp(r.out, none.out, tok * c.d * 8) && !memcmp(r.bank_final, none.bank_final, bank_elems(&c) * 8),
               "%s snapshots changed the forward", names[i]);
         double ek = rel_error(r.dkappa, none.dkappa, tok * c.W), eg = rel_error(r.dgamma, none.dgamma, tok * c.W);
@@ -449,7 +439,7 @@ static void test_snapshot_batch_independence(void) {
     const SdmSnapshot modes[] = {SDM_SNAP_FP8, SDM_SNAP_INT4};
     const char *names[] = {"fp8", "int4"};
     for (int i = 0; i < 2; i++) {
-        Result all = run_gpu(&c, 64, 1, modes[i], 0, rb), alone = run_gpu(&one, 64, 1, modes[i], 0, rb1);
+        Result all = run_gpu(&c, 64, 1, modes[i], rb), alone = run_gpu(&one, 64, 1, modes[i], rb1);
         double ek = rel_error(all.dkappa, alone.dkappa, tok * c.W), eg = rel_error(all.dgamma, alone.dgamma, tok * c.W);
         double er = rel_error(all.drho, alone.drho, tok * c.R);
         printf("  %-4s snapshots, sequence 0 in a batch of 8 vs alone: dkappa %.2e dgamma %.2e drho %.2e\n", names[i],
