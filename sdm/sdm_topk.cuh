@@ -41,7 +41,9 @@
 // issue (mostly the per-factor ranking), so P problems take ~max(5 us, P * 2 us / 132), while the warp kernel's first
 // wave (~2000 problems) takes ~38 us whatever P: the two cross near P ~ 2500; 1024 leaves a factor 2 for error
 // (bench_sdm_layer 3 prints both kernels over P). Training (P = 32768) stays on the warp kernel.
+#ifndef SDM_TOPK_BLOCK_MAX_P // -D to move the threshold when measuring
 #define SDM_TOPK_BLOCK_MAX_P 1024
+#endif
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
 

@@ -612,10 +612,13 @@ static void test_layer_determinism(Rng *rng, const LayerCase *c) {
     void *bias = dev_upload(b_in, L.n_in, fp32);
     for (int i = 0; i < SDM_B_COUNT; i++) p.b_in[i] = dtype_elem_ptr(bias, boff[i], fp32 ? DT_FP32 : DT_BF16);
     p.A_log = dev_upload(t[SDM_P_A_log], s.heads, fp32); p.dt_bias = dev_upload(t[SDM_P_dt_bias], s.heads, fp32);
-    p.ln_w = dev_upload(t[SDM_P_ln_w], s.head_dim, fp32); p.ln_b = dev_upload(t[SDM_P_ln_b], s.head_dim, fp32);
+    if (s.normalize_readings) { // absent tensors are NULL in t
+        p.ln_w = dev_upload(t[SDM_P_ln_w], s.head_dim, fp32);
+        p.ln_b = dev_upload(t[SDM_P_ln_b], s.head_dim, fp32);
+    }
     p.w_out = dev_upload(t[SDM_P_wo], (size_t)D * D, fp32); p.b_out = dev_upload(t[SDM_P_bo], D, fp32);
     size_t nbank = sdm_param_numel(&s, SDM_P_bank);
-    p.bank0 = dev_upload(t[SDM_P_bank], nbank, fp32);
+    if (s.learned_bank) p.bank0 = dev_upload(t[SDM_P_bank], nbank, fp32);
     void *dxin = dev_upload(x, (size_t)n * D, fp32), *ddy = dev_upload(x, (size_t)n * D, fp32);
     void *y = dev_upload(x, (size_t)n * D, fp32), *dx = dev_upload(x, (size_t)n * D, fp32);
     // all gradients in one buffer: w_in, b_in, A_log, dt_bias, ln_w, ln_b, w_out, b_out, bank0
