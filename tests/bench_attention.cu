@@ -2,6 +2,7 @@
 // full causal and sliding window w=128. Median of many CUDA-event timings after warm-up; TFLOP/s counts only the
 // (query, key) pairs inside the mask: forward 4*d flops per pair (Q K^T and P V), backward 10*d (five products).
 #include "attention/attention.cuh"
+#include "tests/bench.h"
 #include "tests/test.h"
 
 #define CK(x) cudaCheck(x)
@@ -15,10 +16,6 @@ __global__ void bench_fill(bf16 *x, size_t n, uint32_t seed) {
     x[i] = __float2bfloat16((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 typedef struct {
     const AttnDims *a;
@@ -41,25 +38,10 @@ typedef void (*KernelLaunch)(const AttnArgs &, int, cudaStream_t);
 // Median milliseconds of `reps` timed runs after `warm` untimed ones: of a whole pass (launch NULL) or one kernel.
 static float time_pass(const BenchBufs *b, int backward, KernelLaunch launch, const AttnArgs *args, int warm,
                        int reps) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < warm; i++) launch ? launch(*args, b->B, 0) : run_pass(b, backward);
-    float *ms = (float *)sdm_malloc(reps * sizeof(float));
-    for (int i = 0; i < reps; i++) {
-        CK(cudaEventRecord(e0));
+    return bench_time(warm, reps, [](int) {}, [&] {
         if (launch) launch(*args, b->B, 0);
         else run_pass(b, backward);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms[i], e0, e1));
-    }
-    qsort(ms, reps, sizeof(float), cmp_float);
-    float med = ms[reps / 2];
-    free(ms);
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return med;
+    }).median;
 }
 
 // (query, key) pairs inside the mask of one (sequence, head)

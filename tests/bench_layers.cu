@@ -6,6 +6,7 @@
 // dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this file also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
 #include "core/layers.cuh"
+#include "tests/bench.h"
 #include "tests/test.h"
 
 #define HBM_BYTES_PER_S 4.8e12 // the H200's HBM, as logging.hbm_tbps
@@ -29,10 +30,6 @@ static bf16 *dev_random(size_t n, uint32_t seed) {
     return d;
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 typedef struct {
     int n, D, F;
@@ -80,25 +77,9 @@ static void launch(const Bufs *b, Kernel k) {
 
 // Median milliseconds of `reps` runs of kernel k, each after an L2 flush, following `warm` untimed runs.
 static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
-    cudaEvent_t e0, e1;
-    cudaCheck(cudaEventCreate(&e0));
-    cudaCheck(cudaEventCreate(&e1));
-    for (int i = 0; i < warm; i++) launch(b, k);
-    float *ms = (float *)sdm_malloc(reps * sizeof(float));
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaMemsetAsync(b->flush, i & 0xFF, FLUSH_BYTES, 0));
-        cudaCheck(cudaEventRecord(e0));
-        launch(b, k);
-        cudaCheck(cudaEventRecord(e1));
-        cudaCheck(cudaEventSynchronize(e1));
-        cudaCheck(cudaEventElapsedTime(&ms[i], e0, e1));
-    }
-    qsort(ms, reps, sizeof(float), cmp_float);
-    float med = ms[reps / 2];
-    free(ms);
-    cudaCheck(cudaEventDestroy(e0));
-    cudaCheck(cudaEventDestroy(e1));
-    return med;
+    return bench_time(
+        warm, reps, [&](int i) { cudaCheck(cudaMemsetAsync(b->flush, i & 0xFF, FLUSH_BYTES, 0)); },
+        [&] { launch(b, k); }).median;
 }
 
 static size_t count_nonfinite(const bf16 *d, size_t n) {

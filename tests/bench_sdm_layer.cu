@@ -7,6 +7,7 @@
 // flagship layer's decode step (sdm/sdm_infer.cuh: projections, top-k, memory op, readout) at batch 1 and 32
 // (targets <= 25 and <= 60 us; its top-k runs the block kernel), and the top-k alone by both kernels over P.
 #include "sdm/sdm_infer.cuh"
+#include "tests/bench.h"
 #include "tests/test.h"
 
 #define BF16_PEAK_TFLOPS 790.0
@@ -36,10 +37,6 @@ static float *zero_grad(size_t n) {
     return p;
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 // Mean time (ms) of `call` over reps launches on stream 0, after one warm-up launch.
 #define TIME_PIECE(label, flops, call)                                                                          \
@@ -269,30 +266,15 @@ static void bench_decode(int B, double target_us) {
         sdm_infer_decode(&I, &p[i % DECODE_COPIES], (const char *)x + (size_t)i * B * D * 2, y, B, st);
     cudaCheck(cudaStreamEndCapture(st, &graph));
     cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    cudaCheck(cudaEventCreate(&e0));
-    cudaCheck(cudaEventCreate(&e1));
-    const int reps = 7;
-    float us[reps];
-    cudaCheck(cudaGraphLaunch(exec, st)); // warm-up
-    for (int r = 0; r < reps; r++) {
-        cudaCheck(cudaEventRecord(e0, st));
-        cudaCheck(cudaGraphLaunch(exec, st));
-        cudaCheck(cudaEventRecord(e1, st));
-        cudaCheck(cudaEventSynchronize(e1));
-        cudaCheck(cudaEventElapsedTime(&us[r], e0, e1));
-        us[r] *= 1e3f / DECODE_STEPS;
-    }
-    qsort(us, reps, sizeof(float), cmp_float);
+    BenchTime t = bench_time(1, 7, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+    float med = t.median * 1e3f / DECODE_STEPS, fastest = t.min * 1e3f / DECODE_STEPS; // us per step
     double weights = 2.0 * ((double)I.L.n_in + D) * D, rows = 2.0 * B * s.heads * (2 * s.writes + s.reads) * s.head_dim;
     printf("== flagship layer decode step, batch %2d: median %.1f us (min %.1f; target %.0f us); floor %.1f us "
-           "(weights %.1f MB + bank rows %.1f MB at %.1f TB/s)\n", B, us[reps / 2], us[0], target_us,
+           "(weights %.1f MB + bank rows %.1f MB at %.1f TB/s)\n", B, med, fastest, target_us,
            (weights + rows) / HBM_TBPS / 1e6, weights / 1e6, rows / 1e6, HBM_TBPS);
-    CHECK(us[reps / 2] > 0.0f, "decode batch %d: no time measured", B);
+    CHECK(med > 0.0f, "decode batch %d: no time measured", B);
     cudaCheck(cudaGraphExecDestroy(exec));
     cudaCheck(cudaGraphDestroy(graph));
-    cudaCheck(cudaEventDestroy(e0));
-    cudaCheck(cudaEventDestroy(e1));
     cudaCheck(cudaStreamDestroy(st));
     for (int c = 0; c < DECODE_COPIES; c++) free_layer_params(&p[c], bias[c]);
     cudaCheck(cudaFree(x));

@@ -1,0 +1,42 @@
+// tests/bench.h: the benchmarks' timer: median (and minimum) of repeated runs timed with CUDA events on one stream.
+#ifndef SDM_TESTS_BENCH_H
+#define SDM_TESTS_BENCH_H
+
+#include <stdlib.h>
+
+#include "core/cuda_common.cuh"
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    float median, min; // ms
+} BenchTime;
+
+// `warm` untimed runs of run(), then `reps` timed ones on stream st, each after prep() (untimed: e.g. an L2 flush).
+template <typename Prep, typename Run>
+static BenchTime bench_time(int warm, int reps, Prep prep, Run run, cudaStream_t st = 0) {
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    for (int i = 0; i < warm; i++) run();
+    float *ms = (float *)sdm_malloc(reps * sizeof(float));
+    for (int i = 0; i < reps; i++) {
+        prep(i);
+        cudaCheck(cudaEventRecord(e0, st));
+        run();
+        cudaCheck(cudaEventRecord(e1, st));
+        cudaCheck(cudaEventSynchronize(e1));
+        cudaCheck(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    qsort(ms, reps, sizeof(float), cmp_float);
+    BenchTime t = {ms[reps / 2], ms[0]};
+    free(ms);
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+    return t;
+}
+
+#endif
