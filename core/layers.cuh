@@ -255,6 +255,17 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
     if (lane == 0) rstd[row] = r;
 }
 
+// The block's sum of v: per warp by the butterfly, then the warps' sums in order (known to every thread).
+// warp_buf [blockDim.x / 32] may be reused only after a later barrier.
+__device__ __forceinline__ float rms_block_sum(float v, float *warp_buf) {
+    v = core_warp_sum(v);
+    if ((threadIdx.x & 31) == 0) warp_buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0.0f;
+    for (int k = 0; k < (int)(blockDim.x >> 5); k++) v += warp_buf[k];
+    return v;
+}
+
 // Vector path, the same: block b normalizes row b. All loads are issued before the first store (h_out may alias
 // h_in, so the compiler could not hoist them over it).
 template <typename T, int VPT>
@@ -263,7 +274,7 @@ __global__ void __launch_bounds__(RMS_THREADS)
                                float eps) {
     typedef DtypeVec<T> Vec;
     __shared__ float warp_ss[RMS_THREADS / 32];
-    int V = D / Vec::N, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int V = D / Vec::N;
     size_t base = (size_t)blockIdx.x * D;
     Vec wv[VPT], h[VPT], bv[VPT];
 #pragma unroll
@@ -287,12 +298,7 @@ __global__ void __launch_bounds__(RMS_THREADS)
 #pragma unroll
         for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
     }
-    ss = core_warp_sum(ss);
-    if (lane == 0) warp_ss[warp] = ss;
-    __syncthreads();
-    ss = 0.0f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) ss += warp_ss[k];
-    float rs = rsqrtf(ss / (float)D + eps);
+    float rs = rsqrtf(rms_block_sum(ss, warp_ss) / (float)D + eps);
 #pragma unroll
     for (int i = 0; i < VPT; i++) {
         int j = threadIdx.x + i * blockDim.x;
@@ -391,7 +397,7 @@ __global__ void __launch_bounds__(RMS_THREADS, VPT == 1 ? 2 : 1)
     typedef DtypeVec<T> Vec;
     typedef DtypePack<float, 4> Float4;
     __shared__ float warp_dot[2][RMS_THREADS / 32];
-    int V = D / Vec::N, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int V = D / Vec::N;
     int r0 = blockIdx.x * rows_per_block, r1 = min(n, r0 + rows_per_block);
     Vec wv[VPT];
     float dw[VPT][Vec::N];
@@ -420,11 +426,7 @@ __global__ void __launch_bounds__(RMS_THREADS, VPT == 1 ? 2 : 1)
 #pragma unroll
             for (int e = 0; e < Vec::N; e++) dot += gv[i].get(e) * wv[i].get(e) * xv[i].get(e);
         }
-        dot = core_warp_sum(dot);
-        if (lane == 0) warp_dot[buf][warp] = dot;
-        __syncthreads(); // warp_dot[buf] is rewritten two rows on, after the next row's barrier
-        dot = 0.0f;
-        for (int k = 0; k < (int)(blockDim.x >> 5); k++) dot += warp_dot[buf][k];
+        dot = rms_block_sum(dot, warp_dot[buf]); // warp_dot[buf] is rewritten two rows on, after the next barrier
         float c = rs * rs * rs * dot / (float)D;
 #pragma unroll
         for (int i = 0; i < VPT; i++) {

@@ -2,6 +2,7 @@
 #ifndef SDM_TESTS_BENCH_H
 #define SDM_TESTS_BENCH_H
 
+#include <math.h>
 #include <stdlib.h>
 
 #include "core/cuda_common.cuh"
@@ -37,6 +38,16 @@ static BenchTime bench_time(int warm, int reps, Prep prep, Run run, cudaStream_t
     cudaCheck(cudaEventDestroy(e0));
     cudaCheck(cudaEventDestroy(e1));
     return t;
+}
+
+// Non-finite values among n bf16 values on the device (a benchmark's sanity check of its outputs).
+static size_t count_nonfinite(const __nv_bfloat16 *d, size_t n) {
+    __nv_bfloat16 *h = (__nv_bfloat16 *)sdm_malloc(n * sizeof(__nv_bfloat16));
+    cudaCheck(cudaMemcpy(h, d, n * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += !isfinite(__bfloat162float(h[i]));
+    free(h);
+    return bad;
 }
 
 #endif

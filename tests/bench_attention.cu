@@ -67,15 +67,6 @@ static double rel_diff(const float *a, const float *b, size_t n) {
     return sqrt(num / den);
 }
 
-static int count_nonfinite(const bf16 *d, size_t n) {
-    bf16 *h = (bf16 *)sdm_malloc(n * sizeof(bf16));
-    CK(cudaMemcpy(h, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    int bad = 0;
-    for (size_t i = 0; i < n; i++) bad += !isfinite(__bfloat162float(h[i]));
-    free(h);
-    return bad;
-}
-
 int main(void) {
     const int B = 4, T = 4096, H = 16, D = 128, windows[2] = {0, 128}, warm = 5, reps = 30;
     size_t n = (size_t)B * T * H * D;

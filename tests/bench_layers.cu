@@ -82,15 +82,6 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
         [&] { launch(b, k); }).median;
 }
 
-static size_t count_nonfinite(const bf16 *d, size_t n) {
-    bf16 *h = (bf16 *)sdm_malloc(n * sizeof(bf16));
-    cudaCheck(cudaMemcpy(h, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    size_t bad = 0;
-    for (size_t i = 0; i < n; i++) bad += !isfinite(__bfloat162float(h[i]));
-    free(h);
-    return bad;
-}
-
 int main(void) {
     const int n = 4 * 4096, D = 2048, F = 5632, L = 24, warm = 3, reps = 20;
     size_t nd = (size_t)n * D, nf = (size_t)n * F;
