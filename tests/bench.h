@@ -12,6 +12,15 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// Deterministic pseudo-random bf16 in [-2, 2): real data (not zeros), the same for a given seed.
+__global__ void bench_fill(__nv_bfloat16 *x, size_t n, uint32_t seed) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    x[i] = __float2bfloat16((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
+}
+
 typedef struct {
     float median, min; // ms
 } BenchTime;

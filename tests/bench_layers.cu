@@ -13,15 +13,6 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Deterministic pseudo-random bf16 in [-2, 2).
-__global__ void bench_fill(bf16 *x, size_t n, uint32_t seed) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
-    x[i] = __float2bfloat16((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
-}
-
 static bf16 *dev_random(size_t n, uint32_t seed) {
     bf16 *d;
     cudaCheck(cudaMalloc((void **)&d, n * sizeof(bf16)));
