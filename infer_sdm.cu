@@ -1,7 +1,8 @@
 // infer_sdm.cu: generates text from a checkpoint of a model trained by train_sdm (docs/MODEL.md#generation).
 //
 //   ./infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [--max-new N] [--temperature T]
-//               [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph] [--fp32] [--bench]
+//               [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph] [--no-pdl] [--fp32]
+//               [--bench]
 //   ./infer_sdm CHECKPOINT --eval SHARDS [--eval-batches N] [--eval-task T] [--out DIR] [--fp32]
 //
 // CHECKPOINT is a model.bin or a run folder (its newest complete checkpoint). A prompt is BOS + its bytes, cut
@@ -25,7 +26,7 @@ typedef struct {
     const char *prompt, *prompt_file, *prompts_file;  // taken as given: a prompt may hold any byte
     const char *eval, *eval_task, *out;               // eval_task is checked as the key eval.task of the config
     int max_new, top_k, batch, eval_batches, seed;    // numbers and switches: parsed by core/config.h (INFER_FLAGS)
-    int fp32, no_graph, bench;
+    int fp32, no_graph, no_pdl, bench;
     double temperature, top_p;
 } Options;
 
@@ -46,6 +47,8 @@ static const CfgField INFER_FLAGS[] = {
      "all-fp32 mode (otherwise bf16, unless the model was trained in fp32)"},
     {"--no-graph", CFG_BOOL, INFER_OFF(no_graph), "false", 1, 0, NULL,
      "launch every decode kernel per token instead of replaying a CUDA graph"},
+    {"--no-pdl", CFG_BOOL, INFER_OFF(no_pdl), "false", 1, 0, NULL,
+     "no programmatic dependent launch (each kernel waits for the one before to finish before it starts)"},
     {"--bench", CFG_BOOL, INFER_OFF(bench), "false", 1, 0, NULL,
      "time prefill (one prompt of the whole context) and decode at batch 1, 8, 32"},
 };
@@ -298,6 +301,7 @@ int main(int argc, char **argv) {
                 o.max_new, context);
 
     cuda_require_gpu();
+    g_pdl = !o.no_pdl;
     // 2. the prompts (BOS + bytes, cut from the left to context - max_new tokens), the model on the GPU and an
     //    inference state of one stream per prompt (at most --batch; 32 for --bench) sized for the context
     GenRequest *req = NULL;

@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(32 * ATTN_DECODE_WARPS)
 attn_decode_kernel(const T *q, const T *kc, const T *vc, T *out, const int *len, int nh, int nkv, int C, int window,
                    float scale_log2) {
     __shared__ float part_o[ATTN_DECODE_WARPS][D], part_lse[ATTN_DECODE_WARPS]; // each piece's softmax output, lse
+    pdl_enter();
     int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), L = len[b];
     int w = threadIdx.x / 32, lane = threadIdx.x & 31;
     int lo = attn_first_key_dev(L - 1, window), per = (L - lo + ATTN_DECODE_WARPS - 1) / ATTN_DECODE_WARPS;
@@ -51,6 +52,7 @@ attn_decode_kernel(const T *q, const T *kc, const T *vc, T *out, const int *len,
 template <typename T>
 __global__ void attn_kv_append_kernel(const T *k, const T *v, T *kc, T *vc, const int *pos, int C, size_t row,
                                       size_t n) {
+    pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     size_t b = i / row, dst = (b * C + pos[b] % C) * row + i % row;
@@ -65,20 +67,20 @@ static inline void attn_kv_cache_append(const AttnDims *a, int B, Dtype dt, cons
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
-        attn_kv_append_kernel<bf16><<<grid, 256, 0, st>>>((const bf16 *)k, (const bf16 *)v, (bf16 *)k_cache,
-                                                          (bf16 *)v_cache, pos, C, row, n);
+        launch_pdl(attn_kv_append_kernel<bf16>, grid, 256, 0, st, (const bf16 *)k, (const bf16 *)v, (bf16 *)k_cache,
+                   (bf16 *)v_cache, pos, C, row, n);
     else
-        attn_kv_append_kernel<float><<<grid, 256, 0, st>>>((const float *)k, (const float *)v, (float *)k_cache,
-                                                           (float *)v_cache, pos, C, row, n);
+        launch_pdl(attn_kv_append_kernel<float>, grid, 256, 0, st, (const float *)k, (const float *)v,
+                   (float *)k_cache, (float *)v_cache, pos, C, row, n);
     cudaCheckLast();
 }
 
 template <typename T, int D>
 static inline void attn_decode_launch(const AttnDims *a, int B, const void *q, const void *kc, const void *vc, int C,
                                       const int *len, void *out, cudaStream_t st) {
-    attn_decode_kernel<T, D><<<(unsigned)(B * a->n_heads), 32 * ATTN_DECODE_WARPS, 0, st>>>(
-        (const T *)q, (const T *)kc, (const T *)vc, (T *)out, len, a->n_heads, a->n_kv_heads, C, a->window,
-        ATTN_LOG2E / sqrtf((float)D));
+    launch_pdl(attn_decode_kernel<T, D>, (unsigned)(B * a->n_heads), 32 * ATTN_DECODE_WARPS, 0, st, (const T *)q,
+               (const T *)kc, (const T *)vc, (T *)out, len, a->n_heads, a->n_kv_heads, C, a->window,
+               ATTN_LOG2E / sqrtf((float)D));
     cudaCheckLast();
 }
 

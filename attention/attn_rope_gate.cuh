@@ -36,6 +36,7 @@ static inline void attn_rope_destroy(AttnRope *r) { device_free(r->inv_freq); r-
 template <typename T>
 __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, const float *inv_freq,
                                  const int *pos0, float direction, size_t n) {
+    pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int groups = (nh + nkv + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS, m = (int)(i % half);
@@ -75,11 +76,11 @@ static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T,
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
-        attn_rope_kernel<bf16><<<grid, 256, 0, st>>>((bf16 *)q, (bf16 *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                     r->inv_freq, pos0, (float)direction, n);
+        launch_pdl(attn_rope_kernel<bf16>, grid, 256, 0, st, (bf16 *)q, (bf16 *)k, T, a->n_heads, a->n_kv_heads,
+                   half, r->inv_freq, pos0, (float)direction, n);
     else
-        attn_rope_kernel<float><<<grid, 256, 0, st>>>((float *)q, (float *)k, T, a->n_heads, a->n_kv_heads, half,
-                                                      r->inv_freq, pos0, (float)direction, n);
+        launch_pdl(attn_rope_kernel<float>, grid, 256, 0, st, (float *)q, (float *)k, T, a->n_heads, a->n_kv_heads,
+                   half, r->inv_freq, pos0, (float)direction, n);
     cudaCheckLast();
 }
 
@@ -89,6 +90,7 @@ static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T,
 
 template <typename T>
 __global__ void attn_gate_forward_kernel(const T *z, const T *o, T *og, size_t n) {
+    pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) og[i] = dtype_from_float<T>(dtype_to_float(o[i]) / (1.0f + expf(-dtype_to_float(z[i]))));
 }
@@ -106,9 +108,10 @@ static inline void attn_gate_forward(Dtype dt, size_t n, const void *z, const vo
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
-        attn_gate_forward_kernel<bf16><<<grid, 256, 0, st>>>((const bf16 *)z, (const bf16 *)o, (bf16 *)og, n);
+        launch_pdl(attn_gate_forward_kernel<bf16>, grid, 256, 0, st, (const bf16 *)z, (const bf16 *)o, (bf16 *)og, n);
     else
-        attn_gate_forward_kernel<float><<<grid, 256, 0, st>>>((const float *)z, (const float *)o, (float *)og, n);
+        launch_pdl(attn_gate_forward_kernel<float>, grid, 256, 0, st, (const float *)z, (const float *)o, (float *)og,
+                   n);
     cudaCheckLast();
 }
 

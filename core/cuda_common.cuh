@@ -93,4 +93,50 @@ __device__ __forceinline__ float core_block_sum(float v, float *scratch) {
     return t;
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90): a kernel launched by launch_pdl may be scheduled while the kernel before it
+// on the stream is still running, so its launch latency and whatever it does before pdl_wait() (reading weights,
+// which nothing in a step writes) hide behind the other's tail. A decode step is some 280 short kernels, so this
+// latency is a large share of it. The rule that keeps it exact: a kernel launched by launch_pdl calls pdl_wait()
+// on every path before it touches memory an earlier kernel of the stream writes or reads (only constant data may be
+// read before). griddepcontrol.wait returns once the grids it depends on have completed and their writes are
+// visible, so "this grid completed" still implies "every earlier grid completed" down the chain. pdl_trigger() lets
+// the next kernel be scheduled once every block of this one has started. Both are no-ops in a grid launched
+// without the attribute. Launches on the legacy stream (the training step) stay plain launches.
+__device__ __forceinline__ void pdl_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+// The first statement of a kernel that reads nothing constant early: wait for the earlier grids, then let the next
+// one be scheduled (it will wait for this one in turn).
+__device__ __forceinline__ void pdl_enter(void) {
+    pdl_wait();
+    pdl_trigger();
+}
+
+static int g_pdl = 1; // launch_pdl uses programmatic dependent launch (infer_sdm --no-pdl turns it off to compare)
+
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above).
+template <typename... Params, typename... Args>
+static inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                              Args... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = &attr;
+    cfg.numAttrs = g_pdl && s != 0 ? 1 : 0;
+    cudaCheck(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
 #endif

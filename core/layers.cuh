@@ -17,6 +17,7 @@
 // out[i, :] = E[tokens[i], :]; one block per row.
 template <typename T>
 __global__ void embedding_forward_kernel(T *out, const T *E, const int *tokens, int D) {
+    pdl_enter();
     const T *src = E + (size_t)tokens[blockIdx.x] * D;
     T *dst = out + (size_t)blockIdx.x * D;
     for (int k = threadIdx.x; k < D; k += blockDim.x) dst[k] = src[k];
@@ -26,7 +27,7 @@ __global__ void embedding_forward_kernel(T *out, const T *E, const int *tokens, 
 static inline void embedding_forward(void *out, const void *E, const int *tokens, Dtype dtype, int n, int D,
                                      cudaStream_t s) {
     DTYPE_DISPATCH(dtype, "embedding_forward",
-                 embedding_forward_kernel<T><<<n, 256, 0, s>>>((T *)out, (const T *)E, tokens, D));
+                 launch_pdl(embedding_forward_kernel<T>, n, 256, 0, s, (T *)out, (const T *)E, tokens, D));
     cudaCheckLast();
 }
 
@@ -235,6 +236,7 @@ static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
 template <typename T>
 __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int n,
                                        int D, float eps) {
+    pdl_enter();
     int row = blockIdx.x * RMS_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= n) return;
     size_t base = (size_t)row * D;
@@ -278,10 +280,15 @@ __global__ void __launch_bounds__(RMS_THREADS)
     size_t base = (size_t)blockIdx.x * D;
     Vec wv[VPT], h[VPT], bv[VPT];
 #pragma unroll
+    for (int i = 0; i < VPT; i++) { // the weights before pdl_wait: nothing in a step writes them
+        int j = threadIdx.x + i * blockDim.x;
+        if (j < V) wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
+    }
+    pdl_enter();
+#pragma unroll
     for (int i = 0; i < VPT; i++) {
         int j = threadIdx.x + i * blockDim.x;
         if (j >= V) continue;
-        wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
         h[i] = dtype_pack_load<Vec>(h_in + base + (size_t)j * Vec::N);
         if (branch) bv[i] = dtype_pack_load<Vec>(branch + base + (size_t)j * Vec::N);
     }
@@ -318,16 +325,16 @@ static inline void rmsnorm_forward_launch(const char *what, void *y, float *rstd
     RmsVecLayout lay = rmsnorm_vec_layout(dtype, D);
     if (!lay.vpt) {
         DTYPE_DISPATCH(dtype, what,
-                       rmsnorm_forward_kernel<T><<<ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s>>>(
-                           (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch, (const T *)w, n, D, eps));
+                       launch_pdl(rmsnorm_forward_kernel<T>, ceil_div(n, RMS_WARPS), 32 * RMS_WARPS, 0, s, (T *)y,
+                                  rstd, (T *)h_out, (const T *)h_in, (const T *)branch, (const T *)w, n, D, eps));
     } else {
         const void *ptrs[] = {y, h_out, h_in, branch, w};
         for (const void *p : ptrs) layers_require_aligned16(what, p);
         DTYPE_DISPATCH(dtype, what,
                        RMS_VPT_DISPATCH(lay.vpt,
-                                        rmsnorm_forward_vec_kernel<T, VPT><<<n, lay.threads, 0, s>>>(
-                                            (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch,
-                                            (const T *)w, D, eps)));
+                                        launch_pdl(rmsnorm_forward_vec_kernel<T, VPT>, n, lay.threads, 0, s,
+                                                   (T *)y, rstd, (T *)h_out, (const T *)h_in, (const T *)branch,
+                                                   (const T *)w, D, eps)));
     }
     cudaCheckLast();
 }
@@ -531,6 +538,7 @@ __device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + 
 template <typename T, int W>
 __global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int F) {
     typedef DtypePack<T, W> P;
+    pdl_enter();
     int c = (blockIdx.y * blockDim.x + threadIdx.x) * W;
     if (c >= F) return;
     size_t i = (size_t)blockIdx.x * ld + c;
@@ -577,10 +585,10 @@ static inline void swiglu_forward(void *h, const void *a, const void *b, int ld,
         for (const void *p : ptrs) layers_require_aligned16("swiglu_forward", p);
     }
     DTYPE_DISPATCH(dtype, "swiglu_forward",
-                   if (vec) swiglu_forward_kernel<T, DtypeVec<T>::N><<<grid, threads, 0, s>>>(
-                       (T *)h, (const T *)a, (const T *)b, ld, F);
-                   else swiglu_forward_kernel<T, 1><<<grid, threads, 0, s>>>((T *)h, (const T *)a, (const T *)b, ld,
-                                                                              F));
+                   if (vec) launch_pdl(swiglu_forward_kernel<T, DtypeVec<T>::N>, grid, threads, 0, s, (T *)h,
+                                       (const T *)a, (const T *)b, ld, F);
+                   else launch_pdl(swiglu_forward_kernel<T, 1>, grid, threads, 0, s, (T *)h, (const T *)a,
+                                   (const T *)b, ld, F));
     cudaCheckLast();
 }
 

@@ -97,7 +97,9 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 // ran at 3.1 TB/s and its 5632-deep ones, split-K, at 2.3). Here a block of MATMUL_GEMV_THREADS threads owns
 // MATMUL_GEMV_ROWS rows of W and strides over K in 16-byte vectors, all rows' loads in flight at once; X is read
 // through L1. Each output's sum has one fixed order (thread partials, warp butterfly, warps in order), the same for
-// every M: a stream's logits do not depend on how many streams decode with it.
+// every M: a stream's logits do not depend on how many streams decode with it. Launched with programmatic dependent
+// launch (core/cuda_common.cuh), a block reads its first slice of W before waiting for the kernel before it: W must
+// be constant during a step (weights are), X is read after the wait.
 
 #define MATMUL_GEMV_MAX_M 8
 #define MATMUL_GEMV_ROWS 4
@@ -116,6 +118,16 @@ __device__ __forceinline__ void matmul_gemv_load(const __nv_bfloat16 *p, float *
 __device__ __forceinline__ void matmul_gemv_load(const float *p, float *v) {
     float4 f = __ldg((const float4 *)p);
     v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+}
+
+// wv[r] = the VEC weights W[n0 + r][k ..) of rows n0..n0+R-1, zero past N or K.
+template <typename T, int R, int VEC>
+__device__ __forceinline__ void matmul_gemv_load_rows(float (&wv)[R][VEC], const T *w, int n0, int N, int K, int k) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (n0 + r < N && k < K) matmul_gemv_load(w + (size_t)(n0 + r) * K + k, wv[r]);
+        else for (int i = 0; i < VEC; i++) wv[r][i] = 0.f;
+    }
 }
 
 #define MATMUL_MAX_PARTS 4
@@ -139,14 +151,13 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     for (; p < P.n - 1 && b >= (P.N[p] + R - 1) / R; p++) b -= (P.N[p] + R - 1) / R;
     const T *w = (const T *)P.w[p];
     const int N = P.N[p], n0 = b * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float acc[R][M] = {};
-    for (int k = threadIdx.x * VEC; k < K; k += MATMUL_GEMV_THREADS * VEC) {
-        float wv[R][VEC], xv[VEC];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (n0 + r < N) matmul_gemv_load(w + (size_t)(n0 + r) * K + k, wv[r]);
-            else for (int i = 0; i < VEC; i++) wv[r][i] = 0.f;
-        }
+    float acc[R][M] = {}, wv[R][VEC];
+    constexpr int STRIDE = MATMUL_GEMV_THREADS * VEC;
+    matmul_gemv_load_rows<T, R, VEC>(wv, w, n0, N, K, threadIdx.x * VEC); // weights: before pdl_wait (see there)
+    pdl_enter();
+    for (int k = threadIdx.x * VEC; k < K; k += STRIDE) {
+        float next[R][VEC], xv[VEC];
+        matmul_gemv_load_rows<T, R, VEC>(next, w, n0, N, K, k + STRIDE); // in flight during this stride's sums
 #pragma unroll
         for (int m = 0; m < M; m++) {
             matmul_gemv_load(x + (size_t)m * K + k, xv);
@@ -155,6 +166,10 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 #pragma unroll
                 for (int i = 0; i < VEC; i++) acc[r][m] = fmaf(wv[r][i], xv[i], acc[r][m]);
         }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int i = 0; i < VEC; i++) wv[r][i] = next[r][i];
     }
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -177,7 +192,7 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
     unsigned grid = 0;
     for (int p = 0; p < P->n; p++) grid += (unsigned)ceil_div(P->N[p], MATMUL_GEMV_ROWS);
 #define MATMUL_GEMV_CASE(m) \
-    case m: matmul_gemv_kernel<T, TY, m><<<grid, MATMUL_GEMV_THREADS, 0, s>>>(*P, x, K); break;
+    case m: launch_pdl(matmul_gemv_kernel<T, TY, m>, grid, MATMUL_GEMV_THREADS, 0, s, *P, x, K); break;
     switch (M) {
         MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)

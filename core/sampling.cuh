@@ -73,6 +73,7 @@ sample_tokens_kernel(const float *logits, int ld, int V, SamplingParams sp, Rng 
     __shared__ float best_val[32];
     __shared__ int best_idx[32];
     __shared__ double sum;
+    pdl_enter();
     int r = blockIdx.x;
     const float *l = logits + (size_t)r * ld;
     int best = sample_block_argmax(l, V, best_val, best_idx);
@@ -120,8 +121,7 @@ sample_tokens_kernel(const float *logits, int ld, int V, SamplingParams sp, Rng 
 static inline void sample_tokens(const float *logits, int ld, int V, int rows, const SamplingParams *sp, Rng *rng,
                                  double *probs, int *order, int *next, cudaStream_t st) {
     if (rows == 0) return;
-    sample_tokens_kernel<<<rows, SAMPLE_THREADS, 0, st>>>(logits, ld, V, *sp, rng, probs, order, next);
-    cudaCheckLast();
+    launch_pdl(sample_tokens_kernel, rows, SAMPLE_THREADS, 0, st, logits, ld, V, *sp, rng, probs, order, next);
 }
 
 #endif

@@ -690,6 +690,7 @@ static inline const float *gpu_infer_prefill(GpuInferState *I, int b, const int 
 
 // Positions pos and len of streams 0..n-1 advance by one on the device (the host mirrors it).
 __global__ void gpu_infer_advance_kernel(int *pos_len, int streams, int n) {
+    pdl_enter();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     pos_len[i]++;
@@ -700,8 +701,7 @@ __global__ void gpu_infer_advance_kernel(int *pos_len, int streams, int n) {
 // `sample` the next tokens drawn into I->next and copied to I->next_host.
 static inline void gpu_infer_enqueue_decode(GpuInferState *I, int n, int sample) {
     gpu_infer_run(I, I->next, -1, n, n, 0);
-    gpu_infer_advance_kernel<<<ceil_div(n, 256), 256, 0, I->stream>>>(I->pos_len, I->streams, n);
-    cudaCheckLast();
+    launch_pdl(gpu_infer_advance_kernel, ceil_div(n, 256), 256, 0, I->stream, I->pos_len, I->streams, n);
     if (!sample) return;
     sample_tokens(I->logits, I->g->Vp, I->g->V, n, &I->sp, I->rng, I->probs, I->order, I->next, I->stream);
     cudaCheck(cudaMemcpyAsync(I->next_host, I->next, sizeof(int) * n, cudaMemcpyDeviceToHost, I->stream));

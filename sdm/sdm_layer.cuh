@@ -30,6 +30,7 @@
 
 __global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int col_v, int col_a, int col_c, int D, int H,
                               const void *A_log, const void *dt_bias, float *v, float *g, float *beta) {
+    pdl_enter();
     size_t tok = blockIdx.x, row = tok * ldz;
     for (int i = threadIdx.x; i < D; i += blockDim.x) v[tok * D + i] = dtype_load(z, row + col_v + i, fp32);
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
@@ -341,9 +342,8 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
     }
     sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL,
                      NULL, rs);
-    sdm_unpack_kernel<<<BT, 256, 0, st>>>(L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log, p->dt_bias,
-                                      L->v, L->g, L->beta);
-    cudaCheckLast();
+    launch_pdl(sdm_unpack_kernel, BT, 256, 0, st, L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
+               p->dt_bias, L->v, L->g, L->beta);
     sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay,
                      L->wslot, L->kappa, NULL, L->gamma, st);
     if (L->side) {

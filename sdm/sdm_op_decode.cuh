@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOp
                                                                           float *out) {
     constexpr int V = SdmBankVec<Tb>::V;
     __shared__ float part[SDM_DECODE_WARPS][32 * V];
+    pdl_enter();
     const int s = blockIdx.y, w = threadIdx.x >> 5, col = (blockIdx.x * 32 + (threadIdx.x & 31)) * V;
     const bool active = col < sh.d; // inactive threads still meet the barriers
     Tb *M = bank + (size_t)s * sh.N * sh.d;
@@ -76,12 +77,11 @@ static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank
     if (s->T != 1) sdm_die("sdm_op_decode: T must be 1 (got %d)", s->T);
     dim3 block(32 * SDM_DECODE_WARPS);
     if (s->bank_fp32)
-        sdm_decode_kernel<float><<<dim3(ceil_div(s->d, 32 * 4), s->B * s->H), block, 0, stream>>>(*s, *in,
-                                                                                                 (float *)bank, out);
+        launch_pdl(sdm_decode_kernel<float>, dim3(ceil_div(s->d, 32 * 4), s->B * s->H), block, 0, stream, *s, *in,
+                   (float *)bank, out);
     else
-        sdm_decode_kernel<__nv_bfloat16><<<dim3(ceil_div(s->d, 32 * 8), s->B * s->H), block, 0, stream>>>(
-            *s, *in, (__nv_bfloat16 *)bank, out);
-    cudaCheckLast();
+        launch_pdl(sdm_decode_kernel<__nv_bfloat16>, dim3(ceil_div(s->d, 32 * 8), s->B * s->H), block, 0, stream, *s,
+                   *in, (__nv_bfloat16 *)bank, out);
 }
 
 #endif

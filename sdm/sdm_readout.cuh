@@ -40,6 +40,7 @@ __device__ __forceinline__ float sdm_f4get(const float4 &v, int j) {
 template <int NV>
 __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
     sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o, void *r, float *ln_mean, float *ln_rstd) {
+    pdl_enter();
     int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
@@ -88,6 +89,7 @@ template <int NV>
 __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
     sdm_readout_backward_kernel(SdmReadoutArgs ra, const float *o, const float *ln_mean, const float *ln_rstd,
                                 const float *dr, float *dout, void *dz, float *partials) {
+    pdl_enter();
     int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= ra.n_warps) return;
     int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
@@ -159,12 +161,11 @@ __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
 #define SDM_RO_DISPATCH(kernel, ra, st, ...)                                                                           \
     do {                                                                                                               \
         int blocks_ = ceil_div((ra).n_warps, SDM_RO_WARPS_PER_BLOCK), thr_ = 32 * SDM_RO_WARPS_PER_BLOCK;              \
-        if ((ra).d <= 128) kernel<1><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                       \
-        else if ((ra).d <= 256) kernel<2><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                  \
-        else if ((ra).d <= 512) kernel<4><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                  \
-        else if ((ra).d <= 1024) kernel<8><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                 \
-        else kernel<16><<<blocks_, thr_, 0, st>>>(ra, __VA_ARGS__);                                                    \
-        cudaCheckLast();                                                                                               \
+        if ((ra).d <= 128) launch_pdl(kernel<1>, blocks_, thr_, 0, st, ra, __VA_ARGS__);                               \
+        else if ((ra).d <= 256) launch_pdl(kernel<2>, blocks_, thr_, 0, st, ra, __VA_ARGS__);                          \
+        else if ((ra).d <= 512) launch_pdl(kernel<4>, blocks_, thr_, 0, st, ra, __VA_ARGS__);                          \
+        else if ((ra).d <= 1024) launch_pdl(kernel<8>, blocks_, thr_, 0, st, ra, __VA_ARGS__);                         \
+        else launch_pdl(kernel<16>, blocks_, thr_, 0, st, ra, __VA_ARGS__);                                            \
     } while (0)
 
 static inline void sdm_readout_forward(const SdmReadoutArgs *ra, const float *o, void *r, float *ln_mean,

@@ -357,6 +357,7 @@ __device__ __forceinline__ void sdm_topk_emit(const SdmTopkOut &o, int k, const 
 __global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
                                         SdmTopkOut out) {
     extern __shared__ unsigned char sdm_topk_smem[];
+    pdl_enter();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * pl.warps + warp;
     if (p >= P) return;
@@ -459,6 +460,7 @@ __global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32
 __global__ void __launch_bounds__(SDM_TOPK_THREADS)
     sdm_topk_block_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P, SdmTopkOut out) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
+    pdl_enter();
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, p = blockIdx.x, k = pl.k, nw = SDM_TOPK_THREADS / 32;
     unsigned long long *sorted = (unsigned long long *)sdm_topk_bsmem, *cand = sorted + pl.sort_total;
     unsigned long long *sel = cand + pl.cap;
@@ -592,9 +594,8 @@ static inline void sdm_topk_forward(const SdmTopkPlan *pl, const void *z, Dtype 
     size_t smem = block ? pl->smem_block : pl->smem_per_warp * pl->warps;
     if (smem > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<block ? P : ceil_div(P, pl->warps), block ? SDM_TOPK_THREADS : 32 * pl->warps, smem, s>>>(
-        *pl, z, zt == DT_FP32, ldz, col0, H, P, out);
-    cudaCheckLast();
+    launch_pdl(kernel, block ? P : ceil_div(P, pl->warps), block ? SDM_TOPK_THREADS : 32 * pl->warps, smem, s, *pl, z,
+               zt == DT_FP32, ldz, col0, H, P, out);
 }
 
 // =================================================================================================================

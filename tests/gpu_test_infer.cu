@@ -13,7 +13,9 @@
 //       states, for greedy, temperature, top-k and top-p (with ties), and leaves the same Rng states;
 //   (g) generation with a CUDA graph per batch size gives the tokens of eager launches, and a batch of streams
 //       (requests of different prompt and output lengths, finished ones leaving) the tokens of one at a time;
-//   (h) a prefill of P tokens leaves the SDM bank and KV caches of a prefill of 1 token + P - 1 decode steps.
+//   (h) a prefill of P tokens leaves the SDM bank and KV caches of a prefill of 1 token + P - 1 decode steps;
+//   (i) programmatic dependent launch changes no bit: decode logits (fp32, bf16) and graph generation with it and
+//       without it.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -646,6 +648,63 @@ static void check_prefill_state(const float *host) {
     free(m);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// (i) programmatic dependent launch (core/cuda_common.cuh): the same kernels, each waiting for the one before inside
+// the grid instead of at launch, so the same bits. A kernel that touched a buffer before pdl_wait would read a value
+// of the previous step or a half-written row and change the logits.
+
+#define PDL_STEPS (T_SEQ - 9)
+
+// Logits rows of two streams (prompts of 5 and 9 tokens, then PDL_STEPS teacher-forced decode steps) into
+// out [PDL_STEPS + 1][2][Vp], on a fresh state.
+static void two_stream_logits(GpuInferState *I, const int *tokens, float *out) {
+    size_t row = (size_t)I->g->Vp;
+    gpu_infer_reset(I, -1);
+    memcpy(out, gpu_infer_prefill(I, 0, tokens, 5), 4 * row);
+    memcpy(out + row, gpu_infer_prefill(I, 1, tokens + T_SEQ, 9), 4 * row);
+    for (int i = 0; i < PDL_STEPS; i++) {
+        int next[2] = {tokens[5 + i], tokens[T_SEQ + 9 + i]};
+        memcpy(out + (size_t)(i + 1) * 2 * row, gpu_infer_decode(I, next), 4 * 2 * row);
+    }
+}
+
+static void check_pdl(const float *host) {
+    for (int fp32 = 1; fp32 >= 0; fp32--) {
+        Config cfg;
+        ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+        build_model(&cfg, m, fp32 ? "fp32" : "bf16");
+        GpuModel g;
+        gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+        gpu_model_set_params(&g, host);
+        GpuInferState I;
+        gpu_infer_create(&I, &g, 2, T_SEQ);
+        int tokens[2 * T_SEQ];
+        random_tokens(tokens, 2 * T_SEQ, m->vocab, 5);
+        size_t n = (size_t)(PDL_STEPS + 1) * 2 * g.Vp;
+        float *with = (float *)sdm_malloc(4 * n), *without = (float *)sdm_malloc(4 * n);
+        two_stream_logits(&I, tokens, with);
+        g_pdl = 0;
+        two_stream_logits(&I, tokens, without);
+        static int out[2][GEN_REQUESTS][T_SEQ];
+        GenRequest gen_without[GEN_REQUESTS], gen_with[GEN_REQUESTS];
+        const SamplingParams sp = {1.0, 0.0, 20};
+        generate_requests(&I, tokens, &sp, 1, out[0], gen_without);
+        g_pdl = 1;
+        gpu_infer_drop_graphs(&I); // captured without the attribute
+        generate_requests(&I, tokens, &sp, 1, out[1], gen_with);
+        int same = memcmp(with, without, 4 * n) == 0, same_gen = same_requests(gen_with, gen_without);
+        printf("(i) [%s] with and without programmatic dependent launch: decode logits %s, graph generation %s\n",
+               fp32 ? "fp32" : "bf16", same ? "same bits" : "DIFFER", same_gen ? "equal" : "DIFFERS");
+        CHECK(same, "[%s] decode logits change with programmatic dependent launch", fp32 ? "fp32" : "bf16");
+        CHECK(same_gen, "[%s] graph generation changes with programmatic dependent launch", fp32 ? "fp32" : "bf16");
+        free(with);
+        free(without);
+        gpu_infer_destroy(&I);
+        gpu_model_destroy(&g);
+        free(m);
+    }
+}
+
 // The prompt is BOS + bytes, cut from the left.
 static void check_prompt(void) {
     int t[8];
@@ -670,6 +729,7 @@ int main(void) {
     check_sampler();
     check_graphs_and_batches(host);
     check_prefill_state(host);
+    check_pdl(host);
     free(host);
     free(m);
     return test_summary();
