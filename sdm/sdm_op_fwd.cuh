@@ -30,6 +30,7 @@ template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS)
     sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
     extern __shared__ float sdm_fgather_part[]; // [warps][d]
+    pdl_enter();
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS)
 // Grid (d/DB, S), 256 threads, dynamic smem: X and Delta tiles [C][DB].
 __global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c) {
     extern __shared__ float sdm_smem_tiles[];
+    pdl_enter();
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
     float *Xs = sdm_smem_tiles, *Ds = Xs + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out
 template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
     constexpr int V = SdmBankVec<Tb>::V;
+    pdl_enter();
     const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (e >= a.C * a.W) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
@@ -108,19 +111,18 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs
     }
 }
 
-// One chunk of the forward for every stream: gather, solve, scatter.
+// One chunk of the forward for every stream: gather, solve, scatter; with programmatic dependent launch
+// (core/cuda_common.cuh) on a stream of its own, such as a prefill's, each launch overlaps the tail of the one before.
 template <typename Tb>
 static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c,
                                  cudaStream_t stream) {
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    sdm_fgather_kernel<Tb><<<dim3(a.C, a.S), SDM_ROW_THREADS, rs, stream>>>(a, v, (const Tb *)bank, c);
-    cudaCheckLast();
-    sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts, stream>>>(a, out, c);
-    cudaCheckLast();
-    sdm_fscatter_kernel<Tb><<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream>>>(a, (Tb *)bank, c);
-    cudaCheckLast();
+    launch_pdl(sdm_fgather_kernel<Tb>, dim3(a.C, a.S), SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
+    launch_pdl(sdm_fsolve_kernel, dim3(a.d / a.DB, a.S), 256, ts, stream, a, out, c);
+    launch_pdl(sdm_fscatter_kernel<Tb>, sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream, a, (Tb *)bank,
+               c);
 }
 
 static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, void *saved,

@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(SdmOpArgs a, const int *wsl
                                                      const float *gamma, const float *beta, const int *rslot,
                                                      const float *rho) {
     extern __shared__ int sdm_smem_slots[];
+    pdl_enter();
     const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R;
     const int nvalid = min(C, a.T - c * C); // tokens of this chunk inside the sequence; the rest are inert padding
     const int sW = W | 1, sR = R | 1; // odd row strides: lanes walking different tokens' lists hit different banks
@@ -188,9 +189,8 @@ __global__ void __launch_bounds__(256) sdm_wy_kernel(SdmOpArgs a, const int *wsl
 static inline void sdm_op_phase1(const SdmOpArgs &a, const SdmOpInputs *in, cudaStream_t stream) {
     size_t smem = (size_t)SDM_MAX(a.C * ((a.W | 1) + (a.R | 1)), a.C * (a.C + 1) / 2) * sizeof(int);
     cudaCheck(cudaFuncSetAttribute(sdm_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_wy_kernel<<<dim3(a.nc, a.S), 256, smem, stream>>>(a, in->wslot, in->kappa, in->gamma, in->beta, in->rslot,
-                                                          in->rho);
-    cudaCheckLast();
+    launch_pdl(sdm_wy_kernel, dim3(a.nc, a.S), 256, smem, stream, a, in->wslot, in->kappa, in->gamma, in->beta,
+               in->rslot, in->rho);
 }
 
 #endif
