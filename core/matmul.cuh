@@ -105,9 +105,8 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #define MATMUL_GEMV_ROWS 4
 #define MATMUL_GEMV_THREADS 256
 
-// v[0..VEC) = the 16 bytes at p as floats (VEC = 8 bf16 or 4 fp32).
-__device__ __forceinline__ void matmul_gemv_load(const __nv_bfloat16 *p, float *v) {
-    uint4 u = __ldg((const uint4 *)p);
+// v[0..VEC) = the 16 bytes u as floats (VEC = 8 bf16 or 4 fp32).
+__device__ __forceinline__ void matmul_gemv_unpack(uint4 u, const __nv_bfloat16 *, float *v) {
     const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
     for (int i = 0; i < 4; i++) {
         float2 f = __bfloat1622float2(h[i]);
@@ -115,19 +114,23 @@ __device__ __forceinline__ void matmul_gemv_load(const __nv_bfloat16 *p, float *
         v[2 * i + 1] = f.y;
     }
 }
-__device__ __forceinline__ void matmul_gemv_load(const float *p, float *v) {
-    float4 f = __ldg((const float4 *)p);
-    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+__device__ __forceinline__ void matmul_gemv_unpack(uint4 u, const float *, float *v) {
+    v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y); v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
 }
 
-// wv[r] = the VEC weights W[n0 + r][k ..) of rows n0..n0+R-1, zero past N or K.
-template <typename T, int R, int VEC>
-__device__ __forceinline__ void matmul_gemv_load_rows(float (&wv)[R][VEC], const T *w, int n0, int N, int K, int k) {
+// v[0..VEC) = the 16 bytes at p as floats.
+template <typename T>
+__device__ __forceinline__ void matmul_gemv_load(const T *p, float *v) {
+    matmul_gemv_unpack(__ldg((const uint4 *)p), p, v);
+}
+
+// wr[r] = the 16 bytes of weights W[n0 + r][k ..) of rows n0..n0+R-1, zero past N or K. Kept packed until used:
+// unpacked floats held over the loop would cost registers, hence occupancy.
+template <typename T, int R>
+__device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w, int n0, int N, int K, int k) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (n0 + r < N && k < K) matmul_gemv_load(w + (size_t)(n0 + r) * K + k, wv[r]);
-        else for (int i = 0; i < VEC; i++) wv[r][i] = 0.f;
-    }
+    for (int r = 0; r < R; r++)
+        wr[r] = n0 + r < N && k < K ? __ldg((const uint4 *)(w + (size_t)(n0 + r) * K + k)) : make_uint4(0, 0, 0, 0);
 }
 
 #define MATMUL_MAX_PARTS 4
@@ -151,13 +154,16 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     for (; p < P.n - 1 && b >= (P.N[p] + R - 1) / R; p++) b -= (P.N[p] + R - 1) / R;
     const T *w = (const T *)P.w[p];
     const int N = P.N[p], n0 = b * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float acc[R][M] = {}, wv[R][VEC];
-    constexpr int STRIDE = MATMUL_GEMV_THREADS * VEC;
-    matmul_gemv_load_rows<T, R, VEC>(wv, w, n0, N, K, threadIdx.x * VEC); // weights: before pdl_wait (see there)
+    float acc[R][M] = {};
+    uint4 wr[R];
+    const int k0 = threadIdx.x * VEC;
+    matmul_gemv_load_rows<T, R>(wr, w, n0, N, K, k0); // before pdl_wait: W is constant in a step
     pdl_enter();
-    for (int k = threadIdx.x * VEC; k < K; k += STRIDE) {
-        float next[R][VEC], xv[VEC];
-        matmul_gemv_load_rows<T, R, VEC>(next, w, n0, N, K, k + STRIDE); // in flight during this stride's sums
+    for (int k = k0; k < K; k += MATMUL_GEMV_THREADS * VEC) {
+        float wv[R][VEC], xv[VEC];
+        if (k != k0) matmul_gemv_load_rows<T, R>(wr, w, n0, N, K, k);
+#pragma unroll
+        for (int r = 0; r < R; r++) matmul_gemv_unpack(wr[r], w, wv[r]);
 #pragma unroll
         for (int m = 0; m < M; m++) {
             matmul_gemv_load(x + (size_t)m * K + k, xv);
@@ -166,10 +172,6 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 #pragma unroll
                 for (int i = 0; i < VEC; i++) acc[r][m] = fmaf(wv[r][i], xv[i], acc[r][m]);
         }
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int i = 0; i < VEC; i++) wv[r][i] = next[r][i];
     }
 #pragma unroll
     for (int r = 0; r < R; r++)
