@@ -1,5 +1,6 @@
 // core/matmul.cuh: the cuBLASLt matmul every layer uses, for row-major activations and row-major (out, in) weights.
-//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (M <= 8, decode: a GEMV kernel of our own)
+//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (decode's small M: kernels of our own, a GEMV for
+//                                                             M <= 8, tensor cores for bf16 with M <= 64)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
@@ -136,7 +137,7 @@ __device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w
 #define MATMUL_MAX_PARTS 4
 
 // Products that share X (e.g. a layer's q, k, v): part p is Y_p[M,N_p] (row stride ldy_p) = X · W_p[N_p,K]ᵀ
-// (+ bias_p, NULL or [N_p] in Y's dtype). The GEMV runs every part in one launch.
+// (+ bias_p, NULL or [N_p] in Y's dtype). The small-M kernels run every part in one launch.
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -145,13 +146,34 @@ typedef struct {
     int N[MATMUL_MAX_PARTS], ldy[MATMUL_MAX_PARTS];
 } MatmulParts;
 
+// The small-M kernels' grids: blocks of `rows` rows of W, part after part.
+static inline unsigned matmul_parts_blocks(const MatmulParts *P, int rows) {
+    unsigned n = 0;
+    for (int p = 0; p < P->n; p++) n += (unsigned)ceil_div(P->N[p], rows);
+    return n;
+}
+
+// The part that block b of such a grid falls in; b becomes its index within that part.
+__device__ __forceinline__ int matmul_block_part(const MatmulParts &P, int rows, int &b) {
+    int p = 0;
+    for (; p < P.n - 1 && b >= (P.N[p] + rows - 1) / rows; p++) b -= (P.N[p] + rows - 1) / rows;
+    return p;
+}
+
+// Y_p[m, n] = s + bias_p[n].
+template <typename TY>
+__device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, int m, int n, float s) {
+    if (P.bias[p]) s += dtype_to_float(((const TY *)P.bias[p])[n]);
+    ((TY *)P.y[p])[(size_t)m * P.ldy[p] + n] = dtype_from_float<TY>(s);
+}
+
 // Block b takes rows [b' R, b' R + R) of the part it falls in (b' = its index within that part).
 template <typename T, typename TY, int M>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K) {
     constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
     __shared__ float part[WARPS][R * M];
-    int b = blockIdx.x, p = 0;
-    for (; p < P.n - 1 && b >= (P.N[p] + R - 1) / R; p++) b -= (P.N[p] + R - 1) / R;
+    int b = blockIdx.x;
+    const int p = matmul_block_part(P, R, b);
     const T *w = (const T *)P.w[p];
     const int N = P.N[p], n0 = b * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float acc[R][M] = {};
@@ -185,14 +207,12 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     if (threadIdx.x >= R * M || n0 + r >= N) return;
     float s = 0.f;
     for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
-    if (P.bias[p]) s += dtype_to_float(((const TY *)P.bias[p])[n0 + r]);
-    ((TY *)P.y[p])[(size_t)m * P.ldy[p] + n0 + r] = dtype_from_float<TY>(s);
+    matmul_part_store<TY>(P, p, m, n0 + r, s);
 }
 
 template <typename T, typename TY>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
-    unsigned grid = 0;
-    for (int p = 0; p < P->n; p++) grid += (unsigned)ceil_div(P->N[p], MATMUL_GEMV_ROWS);
+    unsigned grid = matmul_parts_blocks(P, MATMUL_GEMV_ROWS);
 #define MATMUL_GEMV_CASE(m) \
     case m: launch_pdl(matmul_gemv_kernel<T, TY, m>, grid, MATMUL_GEMV_THREADS, 0, s, *P, x, K); break;
     switch (M) {
@@ -203,27 +223,181 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
     cudaCheckLast();
 }
 
-// The small-M products when they apply (M <= MATMUL_GEMV_MAX_M, rows of X and of every W in whole 16-byte
-// vectors); returns 0 to leave them to cuBLASLt.
-static inline int matmul_gemv(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M, int K,
-                              cudaStream_t s) {
+// ------------------------------------------------------------------------------------------------------------------
+// Small-M forward on tensor cores (decode batches, bf16): at 32 streams cuBLASLt's products took half of the
+// flagship's 2.4 ms decode step, whose weights take 0.57 ms to read, and the GEMV's FMAs (one per weight and row)
+// would be compute-bound at such M. Here mma.sync m16n8k16 (bf16 in, fp32 accumulate) computes Y = X·Wᵀ with
+// A = X (MT = ceil(M/16) tiles of 16 rows, rows >= M zero) and B = Wᵀ (an n-tile: 8 output features). A block owns
+// MATMUL_MMA_NT n-tiles of one part and all M rows; its warps split K in 32-wide k-blocks, warp w taking blocks w,
+// w + WARPS, ... and loading W for UNROLL of them at once, around L1 (read once) so that L1 keeps X for the other
+// blocks; then the warps' partials are added in warp order through shared memory (+ bias).
+//
+// Fragments come straight from global memory, 16 bytes a lane, with K permuted: an mma's sum does not depend on
+// which 16 k it takes in which slot, as long as A and B use the same map. Lane l (g = l/4, t = l%4) loads
+// w = W[n0+g][kb+8t, +8), lo = X[m0+g][same], hi = X[m0+g+8][same]; register .x holds k = kb+8t+{0,1}, .y +{2,3},
+// .z +{4,5}, .w +{6,7}, the lower k in the lower half, as the ISA packs pairs. The PTX ISA's m16n8k16 .bf16 layouts
+// (κ: the mma's k): A a0a1 (row g, κ 2t+{0,1}), a2a3 (row g+8, same), a4a5 (row g, κ 2t+8+{0,1}), a6a7 (row g+8,
+// same); B b0b1 (κ 2t+{0,1}, col g), b2b3 (κ 2t+8+{0,1}, col g); C c0c1 (row g, col 2t+{0,1}), c2c3 (row g+8, same).
+// So the first mma takes A = {lo.x, hi.x, lo.y, hi.y}, B = {w.x, w.y}: κ 2t+e -> k kb+8t+e, κ 2t+8+e -> kb+8t+2+e,
+// the same map in A's rows g, g+8 and in B's column g, and over t = 0..3 a bijection onto {kb+8t+j : j < 4}. The
+// second takes .z, .w: the same onto {kb+8t+4+j}. Together every k of the block once; c0..c3 are Y[m0+g][n0+2t+e]
+// and Y[m0+g+8][n0+2t+e]. A 16-byte chunk past K is zero in W and X (K % 8 == 0 keeps a chunk whole).
+//
+// Batch invariance: an output's sum is fixed by K alone (the k-block -> warp split, each warp's mma sequence, the
+// warp order of the final sum); a tensor core computes each element of D from its row of A and column of B, and
+// padding rows are zeros never stored. So row m's bits depend neither on M nor on the other rows: a stream's logits
+// do not depend on how many streams (9..64) decode with it. tests/gpu_test_sdm_layer.cu checks it, each row inside
+// products of 9 and 64 rows at another position of another tile. Products of M <= 8 rows take the GEMV (another
+// order): MATMUL_MMA_MIN_M = 1 gives bf16 decode one order for every batch of 1..64.
+
+#ifndef MATMUL_MMA_MIN_M
+#define MATMUL_MMA_MIN_M 9
+#endif
+#ifndef MATMUL_MMA_MAX_M
+#define MATMUL_MMA_MAX_M 64
+#endif
+#ifndef MATMUL_MMA_NT
+#define MATMUL_MMA_NT 2 // n-tiles (8 rows of W each) a block
+#endif
+#ifndef MATMUL_MMA_WARPS
+#define MATMUL_MMA_WARPS 8
+#endif
+#ifndef MATMUL_MMA_UNROLL
+#define MATMUL_MMA_UNROLL 4 // k-blocks whose W loads a warp has in flight at once
+#endif
+#define MATMUL_MMA_ROWS (8 * MATMUL_MMA_NT)
+static_assert(MATMUL_MMA_MAX_M <= 64, "matmul: the MMA kernel takes at most 4 tiles of 16 rows");
+
+// c[0..4) += A·B for one m16n8k16 tile, operands packed as the ISA lays them out (see above).
+__device__ __forceinline__ void matmul_mma_16816(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 16 bytes at p (zeros where !ok): W read once, without allocating in L1; X through L1.
+__device__ __forceinline__ uint4 matmul_mma_load_w(const __nv_bfloat16 *p, bool ok) {
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (ok)
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+            : "l"(p));
+    return u;
+}
+__device__ __forceinline__ uint4 matmul_mma_load_x(const __nv_bfloat16 *p, bool ok) {
+    return ok ? __ldg((const uint4 *)p) : make_uint4(0, 0, 0, 0);
+}
+
+// A lane's W chunks of k-blocks kb0 + u WARPS (u < U) for its NT n-tiles.
+template <int U, int NT>
+__device__ __forceinline__ void matmul_mma_load_ws(uint4 (&wv)[U][NT], const __nv_bfloat16 *w, int n0, int N, int K,
+                                                   int kb0, int g, int t) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            int n = n0 + 8 * j + g, k = (kb0 + u * MATMUL_MMA_WARPS) * 32 + 8 * t;
+            wv[u][j] = matmul_mma_load_w(w + (size_t)n * K + k, n < N && k < K);
+        }
+}
+
+// Block b takes rows [b' R, b' R + R) of the part it falls in (R = MATMUL_MMA_ROWS) for all M <= 16 MT rows of X.
+template <typename TY, int MT>
+__global__ void __launch_bounds__(MATMUL_MMA_WARPS * 32)
+    matmul_mma_kernel(MatmulParts P, const __nv_bfloat16 *x, int M, int K) {
+    constexpr int NT = MATMUL_MMA_NT, R = MATMUL_MMA_ROWS, WARPS = MATMUL_MMA_WARPS, U = MATMUL_MMA_UNROLL;
+    static_assert(WARPS * 16 * MT * R * sizeof(float) <= 48 * 1024, "matmul: MMA partials exceed shared memory");
+    __shared__ float part[WARPS][16 * MT][R]; // [warp][row of X][row of W within the block]
+    int b = blockIdx.x;
+    const int p = matmul_block_part(P, R, b);
+    const __nv_bfloat16 *w = (const __nv_bfloat16 *)P.w[p];
+    const int N = P.N[p], n0 = b * R, KB = (K + 31) / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    float acc[MT][NT][4] = {};
+    uint4 wv[U][NT];
+    matmul_mma_load_ws<U, NT>(wv, w, n0, N, K, warp, g, t); // before pdl_wait: W is constant in a step
+    pdl_enter();
+    for (int kb0 = warp; kb0 < KB; kb0 += WARPS * U) {
+        if (kb0 != warp) matmul_mma_load_ws<U, NT>(wv, w, n0, N, K, kb0, g, t);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int k = (kb0 + u * WARPS) * 32 + 8 * t; // past K: zero fragments, D = C exactly
+#pragma unroll
+            for (int i = 0; i < MT; i++) {
+                int m = 16 * i + g;
+                uint4 lo = matmul_mma_load_x(x + (size_t)m * K + k, m < M && k < K);
+                uint4 hi = matmul_mma_load_x(x + (size_t)(m + 8) * K + k, m + 8 < M && k < K);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    matmul_mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, wv[u][j].x, wv[u][j].y);
+                    matmul_mma_16816(acc[i][j], lo.z, hi.z, lo.w, hi.w, wv[u][j].z, wv[u][j].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) part[warp][16 * i + g + 8 * (e / 2)][8 * j + 2 * t + e % 2] = acc[i][j][e];
+    __syncthreads();
+    for (int o = threadIdx.x; o < M * R; o += WARPS * 32) {
+        int m = o / R, r = o % R;
+        if (n0 + r >= N) continue;
+        float s = 0.f;
+        for (int j = 0; j < WARPS; j++) s += part[j][m][r];
+        matmul_part_store<TY>(P, p, m, n0 + r, s);
+    }
+}
+
+// Every part of P for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY output.
+template <typename TY>
+static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
+    unsigned grid = matmul_parts_blocks(P, MATMUL_MMA_ROWS);
+#define MATMUL_MMA_CASE(mt) \
+    case mt: launch_pdl(matmul_mma_kernel<TY, mt>, grid, MATMUL_MMA_WARPS * 32, 0, s, *P, x, M, K); break;
+    switch (ceil_div(M, 16)) {
+        MATMUL_MMA_CASE(1) MATMUL_MMA_CASE(2) MATMUL_MMA_CASE(3) MATMUL_MMA_CASE(4)
+    default: sdm_die("matmul: the MMA kernel takes 1..64 rows, not %d", M);
+    }
+#undef MATMUL_MMA_CASE
+}
+
+typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA } MatmulKernel;
+
+// Which kernel takes a forward product of M rows of K in_type inputs (X and W 16-byte aligned): bf16 with
+// MATMUL_MMA_MIN_M <= M <= MATMUL_MMA_MAX_M the MMA kernel, else M <= MATMUL_GEMV_MAX_M the GEMV, else cuBLASLt;
+// the small-M kernels need rows of whole 16-byte vectors.
+static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int K) {
+    if (M < 1 || (size_t)K * dtype_size(in_type) % 16) return MATMUL_KERNEL_LT;
+    if (in_type == DT_BF16 && M >= MATMUL_MMA_MIN_M && M <= MATMUL_MMA_MAX_M) return MATMUL_KERNEL_MMA;
+    return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
+}
+
+// Every part of P by a small-M kernel when one applies; returns 0 to leave them to cuBLASLt.
+static inline int matmul_small_m(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M, int K,
+                                 cudaStream_t s) {
     typedef __nv_bfloat16 bf;
-    size_t row_bytes = (size_t)K * dtype_size(in_type);
     uintptr_t addr = (uintptr_t)x;
     for (int p = 0; p < P->n; p++) addr |= (uintptr_t)P->w[p];
-    if (M < 1 || M > MATMUL_GEMV_MAX_M || row_bytes % 16 || addr % 16) return 0;
+    MatmulKernel kernel = addr % 16 ? MATMUL_KERNEL_LT : matmul_small_m_kernel(in_type, M, K);
+    if (kernel == MATMUL_KERNEL_LT) return 0;
     if (in_type == DT_FP32 && y_type != DT_FP32) sdm_die("matmul: fp32 inputs need an fp32 output");
-    if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
+    if (kernel == MATMUL_KERNEL_MMA) {
+        if (y_type == DT_FP32) matmul_mma_run<float>(P, (const bf *)x, M, K, s);
+        else matmul_mma_run<bf>(P, (const bf *)x, M, K, s);
+    } else if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
     else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
     else matmul_gemv_run<bf, bf>(P, (const bf *)x, M, K, s);
     return 1;
 }
 
-// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
-static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
-                                  const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
-    MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
-    if (matmul_gemv(&P, y_type, x, in_type, M, K, s)) return;
+// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] by cuBLASLt, whatever M.
+static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
+                                     const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
@@ -232,13 +406,21 @@ static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x,
                   x, K, 0, in_type, N - n0, M, K, 0.0f, bias ? dtype_elem_ptr(bias, n0, y_type) : NULL, s);
 }
 
-// Every part of P (see MatmulParts): one GEMV launch when M is small, else one product each.
+// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
+static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
+                                  const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
+    MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
+    if (!matmul_small_m(&P, y_type, x, in_type, M, K, s))
+        matmul_forward_lt(y, y_type, ldy, x, w, bias, in_type, M, N, K, s);
+}
+
+// Every part of P (see MatmulParts): one launch when M is small, else one cuBLASLt product each.
 static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M,
                                         int K, cudaStream_t s) {
     if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
-    if (matmul_gemv(P, y_type, x, in_type, M, K, s)) return;
-    for (int p = 0; p < P->n; p++) matmul_forward(P->y[p], y_type, P->ldy[p], x, P->w[p], P->bias[p], in_type, M,
-                                                  P->N[p], K, s);
+    if (matmul_small_m(P, y_type, x, in_type, M, K, s)) return;
+    for (int p = 0; p < P->n; p++)
+        matmul_forward_lt(P->y[p], y_type, P->ldy[p], x, P->w[p], P->bias[p], in_type, M, P->N[p], K, s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].

@@ -3,9 +3,12 @@
 // alone: median of CUDA-event timings after warm-up, with L2 flushed before each run (a 256 MiB memset outside the
 // events), so every byte comes from HBM. Bytes are those of the [n, D] and [n, F] tensors each call must read and
 // write once, as the profile's floors count them (docs/MODEL.md#step-profile); the weights, rstd and the backward's
-// dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this file also builds against an
+// dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this part also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
+// Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernel
+// and cuBLASLt, each called directly (see bench_products).
 #include "core/layers.cuh"
+#include "core/matmul.cuh"
 #include "tests/bench.h"
 #include "tests/test.h"
 
@@ -73,6 +76,143 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
         [&] { launch(b, k); }).median;
 }
 
+// ---- decode's products ---------------------------------------------------------------------------------------------
+// Y[M,N] = X[M,K]·W[N,K]ᵀ at the flagship's decode shapes (D = 2048, F = 5632, V = 32768) for M = 1..64 streams,
+// bf16 weights, by each path of core/matmul.cuh called directly: the GEMV (M <= 8), the MMA kernel, cuBLASLt
+// (matmul_forward_lt: one product per part). A time is the mean of PROD_REPS launches in a CUDA graph (decode replays
+// its step as one), each on the next weight copy of a PROD_POOL_BYTES pool, so that the weights come from HBM, not
+// from the 50 MB L2, as in a model whose other layers evict them. GB/s count the weight bytes N·K·2 alone.
+
+#define PROD_POOL_BYTES ((size_t)512 << 20)
+#define PROD_REPS 20
+#define PROD_MAX_M 64
+#define PROD_MAX_N 32768
+#define PROD_MAX_K 5632
+
+typedef struct {
+    const char *name;
+    int K, n_parts, N[3], fp32_out;
+} Product;
+
+static const Product PRODUCTS[] = {
+    {"qkv 2048 -> 2048+1024+1024 (3 parts)", 2048, 3, {2048, 1024, 1024}, 0},
+    {"attention out 2048 -> 2048", 2048, 1, {2048}, 0},
+    {"FFN w13 2048 -> 11264", 2048, 1, {11264}, 0},
+    {"FFN w2 5632 -> 2048", 5632, 1, {2048}, 0},
+    {"LM head 2048 -> 32768, fp32 logits", 2048, 1, {PROD_MAX_N}, 1},
+};
+
+typedef enum { PATH_GEMV, PATH_MMA, PATH_LT, PATH_COUNT } Path;
+
+static size_t product_weights(const Product *pr) {
+    size_t n = 0;
+    for (int p = 0; p < pr->n_parts; p++) n += (size_t)pr->N[p] * pr->K;
+    return n;
+}
+
+// The product by `path` on weight copy w (its parts one after the other), outputs y[part] (row stride N).
+static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *const *y, int M, Path path,
+                        cudaStream_t st) {
+    MatmulParts P = {pr->n_parts, {NULL}, {NULL}, {NULL}, {0}, {0}};
+    for (int p = 0; p < pr->n_parts; p++) {
+        P.w[p] = w, P.y[p] = y[p], P.N[p] = P.ldy[p] = pr->N[p];
+        w += (size_t)pr->N[p] * pr->K;
+    }
+    if (path == PATH_GEMV && pr->fp32_out) matmul_gemv_run<bf16, float>(&P, x, M, pr->K, st);
+    else if (path == PATH_GEMV) matmul_gemv_run<bf16, bf16>(&P, x, M, pr->K, st);
+    else if (path == PATH_MMA && pr->fp32_out) matmul_mma_run<float>(&P, x, M, pr->K, st);
+    else if (path == PATH_MMA) matmul_mma_run<bf16>(&P, x, M, pr->K, st);
+    else
+        for (int p = 0; p < P.n; p++)
+            matmul_forward_lt(P.y[p], pr->fp32_out ? DT_FP32 : DT_BF16, P.ldy[p], x, P.w[p], NULL, DT_BF16, M, P.N[p],
+                              pr->K, st);
+}
+
+// Mean ms of the product by `path` (see above); y keeps the last launch's outputs.
+static float product_time(const Product *pr, const bf16 *pool, const bf16 *x, void *const *y, int M, Path path,
+                          cudaStream_t st) {
+    size_t w_n = product_weights(pr);
+    int copies = (int)(PROD_POOL_BYTES / (w_n * sizeof(bf16)));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: cuBLASLt may load modules
+    for (int r = 0; r < PROD_REPS; r++) product_run(pr, pool + (size_t)(r % copies) * w_n, x, y, M, path, st);
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    BenchTime t = bench_time(1, 5, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    return t.median / PROD_REPS;
+}
+
+// The largest relative L2 difference over the parts between two paths' outputs (M rows each).
+static double product_diff(const Product *pr, void *const *a, void *const *b, int M) {
+    double worst = 0.0;
+    size_t es = pr->fp32_out ? 4 : 2;
+    for (int p = 0; p < pr->n_parts; p++) {
+        size_t n = (size_t)M * pr->N[p];
+        unsigned char *ha = (unsigned char *)sdm_malloc(n * es), *hb = (unsigned char *)sdm_malloc(n * es);
+        double *da = (double *)sdm_malloc(n * sizeof(double)), *db = (double *)sdm_malloc(n * sizeof(double));
+        cudaCheck(cudaMemcpy(ha, a[p], n * es, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(hb, b[p], n * es, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) {
+            da[i] = pr->fp32_out ? ((float *)ha)[i] : __bfloat162float(((bf16 *)ha)[i]);
+            db[i] = pr->fp32_out ? ((float *)hb)[i] : __bfloat162float(((bf16 *)hb)[i]);
+        }
+        double e = rel_error(da, db, n);
+        worst = e > worst || e != e ? e : worst; // NaN sticks
+        free(ha); free(hb); free(da); free(db);
+    }
+    return worst;
+}
+
+static void bench_products(void) {
+    const int Ms[] = {1, 8, 16, 32, 64};
+    static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "cuBLASLt"};
+    matmul_init(); // outside the graph captures: it allocates
+    bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 20), *x = dev_random((size_t)PROD_MAX_M * PROD_MAX_K, 21);
+    void *y[PATH_COUNT][3];
+    for (int v = 0; v < PATH_COUNT; v++)
+        for (int p = 0; p < 3; p++) cudaCheck(cudaMalloc(&y[v][p], (size_t)PROD_MAX_M * PROD_MAX_N * sizeof(float)));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    printf("\ndecode's products Y[M,N] = X[M,K]·W[N,K]ᵀ, bf16 weights from HBM, mean of %d launches in a CUDA graph; "
+           "per path: us, GB/s of weights, %% of 4.8 TB/s; last: relative L2 difference from cuBLASLt's output\n",
+           PROD_REPS);
+    printf("| product | M | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|\n", PATH_NAMES[0], PATH_NAMES[1],
+           PATH_NAMES[2]);
+    for (size_t i = 0; i < sizeof PRODUCTS / sizeof PRODUCTS[0]; i++) {
+        const Product *pr = &PRODUCTS[i];
+        double bytes = product_weights(pr) * sizeof(bf16);
+        for (size_t j = 0; j < sizeof Ms / sizeof Ms[0]; j++) {
+            int M = Ms[j];
+            printf("| %s | %d |", pr->name, M);
+            for (int v = 0; v < PATH_COUNT; v++) {
+                if (v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) {
+                    printf(" - |");
+                    continue;
+                }
+                float ms = product_time(pr, pool, x, y[v], M, (Path)v, st);
+                double bps = bytes / (ms * 1e-3);
+                printf(" %.1f us, %.0f GB/s, %.0f%% |", ms * 1e3, bps / 1e9, 100.0 * bps / HBM_BYTES_PER_S);
+                CHECK(ms > 0.0f, "%s M=%d %s: no time measured", pr->name, M, PATH_NAMES[v]);
+            }
+            for (int v = PATH_GEMV; v < PATH_LT; v++) {
+                if (v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) continue;
+                double d = product_diff(pr, y[v], y[PATH_LT], M);
+                printf(" %s %.1e", PATH_NAMES[v], d);
+                CHECK(d < 1e-2, "%s M=%d: %s differs from cuBLASLt by %.2e", pr->name, M, PATH_NAMES[v], d);
+            }
+            printf(" |\n");
+        }
+    }
+    cudaCheck(cudaStreamDestroy(st));
+    for (int v = 0; v < PATH_COUNT; v++)
+        for (int p = 0; p < 3; p++) cudaCheck(cudaFree(y[v][p]));
+    cudaCheck(cudaFree(pool));
+    cudaCheck(cudaFree(x));
+}
+
 int main(void) {
     const int n = 4 * 4096, D = 2048, F = 5632, L = 24, warm = 3, reps = 20;
     size_t nd = (size_t)n * D, nf = (size_t)n * F;
@@ -115,5 +255,7 @@ int main(void) {
     void *bufs[] = {b.h, b.branch, b.hout, b.y, b.dy, b.dx, b.ab, b.dab, b.hf, b.dhf, b.w, b.rstd, b.dw, b.scratch,
                     b.flush};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    bench_products();
+    matmul_destroy();
     return test_summary();
 }

@@ -1,8 +1,9 @@
 // tests/gpu_test_sdm_layer.cu: the GPU SDM layer (sdm/sdm_layer.cuh) and the matmul wrapper (core/matmul.cuh)
 // against the double-precision CPU reference (sdm/sdm_ref.h) on fresh random inputs (seed printed).
 //   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum;
-//          the small-M forward (decode's GEMV): accuracy, rerun bits, a row's bits independent of M; products
-//          sharing X in one launch (matmul_forward_parts) = one call each, bit for bit.
+//          the small-M forward (decode's GEMV and tensor-core kernels): accuracy, rerun bits, a row's bits
+//          independent of M and of the other rows; products sharing X in one launch (matmul_forward_parts) = one
+//          call each, bit for bit.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
@@ -129,11 +130,44 @@ static void test_matmul(Rng *rng, int fp32) {
     for (int i = 0; i < 15; i++) free(hb[i]);
 }
 
-// Small-M forward (M <= MATMUL_GEMV_MAX_M: the GEMV kernel when rows are whole 16-byte vectors, else cuBLASLt):
-// against the double reference, rerun bitwise, and row m of the M-row product bitwise equal to the product of that
-// row alone (the GEMV's sum order does not depend on M: a stream's logits do not depend on the batch). Tolerance:
-// fp32 sums of K <= 4104 products of O(1) terms err ~sqrt(K) 2^-24 relative, far below 1e-5; a bf16 output adds its
-// rounding (2^-9), under TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to TOL_FP32.
+// Whether every row m of the M-row product y1 (host bytes, row stride ldy) has the bits that x_m gets inside an
+// M2-row product of the same W and bias: there x_m is row j = (m + M2/2 + 1) % M2 (for M2 > 1 never row m of an
+// M2 = M product: another place in its 16-row tile, or another tile), the other rows X's rows taken cyclically
+// (other neighbours, other zero padding). M2 = 1 is the row alone.
+static int rows_same_inside(const unsigned char *y1, Dtype ty, int ldy, const void *dx, const void *dw,
+                            const void *db, Dtype t, int M, int M2, int N, int K) {
+    size_t xr = (size_t)K * dtype_size(t), yr = (size_t)ldy * dtype_size(ty), nb = (size_t)N * dtype_size(ty);
+    char *xt = NULL, *xb = NULL, *yb = NULL;
+    cudaCheck(cudaMalloc((void **)&xt, M2 * xr)); cudaCheck(cudaMalloc((void **)&xb, M2 * xr));
+    cudaCheck(cudaMalloc((void **)&yb, M2 * yr));
+    for (int i = 0; i < M2; i++)
+        cudaCheck(cudaMemcpy(xt + i * xr, (const char *)dx + (i % M) * xr, xr, cudaMemcpyDeviceToDevice));
+    unsigned char *row = (unsigned char *)sdm_malloc(nb);
+    int same = 1;
+    for (int m = 0; m < M; m++) {
+        int j = (m + M2 / 2 + 1) % M2;
+        cudaCheck(cudaMemcpy(xb, xt, M2 * xr, cudaMemcpyDeviceToDevice));
+        cudaCheck(cudaMemcpy(xb + j * xr, (const char *)dx + m * xr, xr, cudaMemcpyDeviceToDevice));
+        cudaCheck(cudaMemset(yb, 0xFF, M2 * yr));
+        matmul_forward(yb, ty, ldy, xb, dw, db, t, M2, N, K, 0);
+        cudaCheck(cudaMemcpy(row, yb + j * yr, nb, cudaMemcpyDeviceToHost));
+        same &= memcmp(row, y1 + m * yr, nb) == 0;
+    }
+    free(row);
+    cudaCheck(cudaFree(xt)); cudaCheck(cudaFree(xb)); cudaCheck(cudaFree(yb));
+    return same;
+}
+
+// Small-M forward (matmul_small_m_kernel: the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernel for bf16 with
+// MATMUL_MMA_MIN_M <= M <= MATMUL_MMA_MAX_M, when rows are whole 16-byte vectors; else cuBLASLt): against the
+// double reference, rerun bitwise, and each row bitwise the same inside products of M' = 1, 9 and 64 rows that the
+// same kernel takes (rows_same_inside; cuBLASLt makes no promise). Random rows make this a test of the sum order:
+// fp32 sums of thousands of terms taken in another order (another K split, another warp order, a tile computed
+// with the row elsewhere) differ in the last bits of most outputs, and a row read from a neighbour's or an unzeroed
+// padding row's data differs outright. Tolerance: fp32 sums of K <= 5632 products of O(1) terms err ~sqrt(K) 2^-24
+// relative, far below 1e-5; tensor cores truncate each mma's sum (~2^-23 of the accumulator), a warp chaining at
+// most 2 ceil(K / 32 / 8) = 44 of them: < 6e-6 even if all errors add. A bf16 output adds its rounding (2^-9), under
+// TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to TOL_FP32.
 static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, int K, int ldy, int with_bias) {
     Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = out_fp32 ? DT_FP32 : t;
     double *x = hzeros((size_t)M * K), *w = hzeros((size_t)N * K), *b = hzeros(N);
@@ -142,27 +176,21 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
     void *dx_ = dev_upload(x, (size_t)M * K, fp32), *dw_ = dev_upload(w, (size_t)N * K, fp32);
     void *db_ = with_bias ? dev_upload(b, N, out_fp32) : NULL;
     size_t ybytes = (size_t)M * ldy * dtype_size(ty);
-    void *dy1 = NULL, *dy2 = NULL, *drow = NULL;
-    cudaCheck(cudaMalloc(&dy1, ybytes)); cudaCheck(cudaMalloc(&dy2, ybytes)); cudaCheck(cudaMalloc(&drow, ybytes));
+    void *dy1 = NULL, *dy2 = NULL;
+    cudaCheck(cudaMalloc(&dy1, ybytes)); cudaCheck(cudaMalloc(&dy2, ybytes));
     cudaCheck(cudaMemset(dy1, 0xFF, ybytes)); // NaN in both dtypes: every entry must be written
     matmul_forward(dy1, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
     matmul_forward(dy2, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
-    for (int m = 0; m < M; m++) // row m alone
-        matmul_forward((char *)drow + (size_t)m * ldy * dtype_size(ty), ty, ldy,
-                       (const char *)dx_ + (size_t)m * K * dtype_size(t), dw_, db_, t, 1, N, K, 0);
     cudaCheck(cudaDeviceSynchronize());
     unsigned char *h1 = (unsigned char *)sdm_malloc(ybytes), *h2 = (unsigned char *)sdm_malloc(ybytes);
-    unsigned char *hr = (unsigned char *)sdm_malloc(ybytes);
     cudaCheck(cudaMemcpy(h1, dy1, ybytes, cudaMemcpyDeviceToHost));
     cudaCheck(cudaMemcpy(h2, dy2, ybytes, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(hr, drow, ybytes, cudaMemcpyDeviceToHost));
     double *y = hzeros((size_t)M * ldy), *yr = hzeros((size_t)M * N), *yg = hzeros((size_t)M * N);
     dev_download(y, dy1, (size_t)M * ldy, out_fp32);
-    int same = 1, row_same = 1;
+    int same = 1;
     size_t es = dtype_size(ty);
     for (int i = 0; i < M; i++) {
         same &= memcmp(h1 + (size_t)i * ldy * es, h2 + (size_t)i * ldy * es, (size_t)N * es) == 0;
-        row_same &= memcmp(h1 + (size_t)i * ldy * es, hr + (size_t)i * ldy * es, (size_t)N * es) == 0;
         for (int j = 0; j < N; j++) {
             yg[(size_t)i * N + j] = y[(size_t)i * ldy + j];
             double s = with_bias ? b[j] : 0.0;
@@ -170,24 +198,35 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
             yr[(size_t)i * N + j] = s;
         }
     }
+    static const int OTHER_M[] = {1, 9, 64};
+    MatmulKernel kernel = matmul_small_m_kernel(t, M, K);
+    int row_same = 1;
+    char others[32] = "";
+    for (int i = 0; i < 3; i++) {
+        if (kernel == MATMUL_KERNEL_LT || matmul_small_m_kernel(t, OTHER_M[i], K) != kernel) continue;
+        row_same &= rows_same_inside(h1, ty, ldy, dx_, dw_, db_, t, M, OTHER_M[i], N, K);
+        size_t used = strlen(others);
+        snprintf(others + used, sizeof others - used, "%s%d", used ? ", " : "", OTHER_M[i]);
+    }
     char what[128];
-    snprintf(what, sizeof what, "matmul small M=%d N=%d K=%d %s->%s%s", M, N, K, fp32 ? "fp32" : "bf16",
-             out_fp32 ? "fp32" : dtype_name(t), with_bias ? " bias" : "");
+    snprintf(what, sizeof what, "matmul small M=%d N=%d K=%d %s->%s%s (%s)", M, N, K, fp32 ? "fp32" : "bf16",
+             out_fp32 ? "fp32" : dtype_name(t), with_bias ? " bias" : "",
+             kernel == MATMUL_KERNEL_MMA ? "MMA" : kernel == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt");
     double err = rel_error(yg, yr, (size_t)M * N);
-    printf("%s: fwd %.2e, rerun %s, rows alone %s\n", what, err, same ? "same bits" : "DIFFERS",
-           row_same ? "same bits" : "DIFFER");
+    printf("%s: fwd %.2e, rerun %s, rows inside products of M' = {%s} %s\n", what, err,
+           same ? "same bits" : "DIFFERS", others, row_same ? "same bits" : "DIFFER");
     check_close(what, yg, yr, (size_t)M * N, out_fp32 ? TOL_FP32 : tol_for(fp32));
     CHECK(same, "%s: a rerun gave other bits", what);
-    CHECK(row_same || K * dtype_size(t) % 16, "%s: a row's result depends on M", what); // cuBLASLt: no promise
-    void *bufs[] = {dx_, dw_, db_, dy1, dy2, drow};
-    for (int i = 0; i < 6; i++) cudaCheck(cudaFree(bufs[i]));
+    CHECK(row_same, "%s: a row's result depends on M or on the other rows", what);
+    void *bufs[] = {dx_, dw_, db_, dy1, dy2};
+    for (int i = 0; i < 5; i++) cudaCheck(cudaFree(bufs[i]));
     double *hb[] = {x, w, b, y, yr, yg};
     for (int i = 0; i < 6; i++) free(hb[i]);
-    free(h1); free(h2); free(hr);
+    free(h1); free(h2);
 }
 
-// Three products sharing X through matmul_forward_parts (one GEMV launch when M is small, else one cuBLASLt
-// product each) give the bits of three matmul_forward calls.
+// Three products sharing X through matmul_forward_parts (one launch of a small-M kernel, else one cuBLASLt product
+// each) give the bits of three matmul_forward calls. K = 136: a ragged last k-block for the MMA kernel.
 static void test_matmul_parts(Rng *rng, int fp32, int M) {
     const int K = 136, N[3] = {40, 13, 64};
     Dtype t = fp32 ? DT_FP32 : DT_BF16;
@@ -675,8 +714,22 @@ int main(int argc, char **argv) {
         test_matmul_small_m(&rng, fp32, fp32, 8, 1030, 2048, 1030, 1);
         test_matmul_small_m(&rng, fp32, fp32, 2, 45, 44, 45, 1);      // bf16 rows of 88 bytes: the cuBLASLt path
         test_matmul_parts(&rng, fp32, 5);  // the GEMV
-        test_matmul_parts(&rng, fp32, 37); // cuBLASLt, part by part
+        test_matmul_parts(&rng, fp32, 17); // bf16: the MMA kernel, two tiles of rows; fp32: cuBLASLt
+        test_matmul_parts(&rng, fp32, 64); // bf16: the MMA kernel, four whole tiles
+        test_matmul_parts(&rng, fp32, MATMUL_MMA_MAX_M + 1); // cuBLASLt, part by part
     }
+    // the MMA kernel (bf16, 9..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
+    // rows (nor of 8); K with fewer 32-wide k-blocks than warps, with 1 or 3 of a ragged last k-block's four 16-byte
+    // chunks, and the flagship's 2048 and 5632; bf16 and fp32 outputs (the LM head's logits), bias, ldy > N
+    test_matmul_small_m(&rng, 0, 0, 9, 45, 96, 48, 1);
+    test_matmul_small_m(&rng, 0, 1, 16, 1030, 2048, 1032, 0);
+    test_matmul_small_m(&rng, 0, 0, 17, 2051, 2056, 2056, 1);
+    test_matmul_small_m(&rng, 0, 1, 32, 258, 5632, 264, 1);
+    test_matmul_small_m(&rng, 0, 0, 32, 261, 5632, 261, 0);
+    test_matmul_small_m(&rng, 0, 1, 33, 100, 5624, 104, 1);
+    test_matmul_small_m(&rng, 0, 0, 48, 7, 136, 8, 1);
+    test_matmul_small_m(&rng, 0, 0, 64, 1037, 2048, 1040, 1);
+    test_matmul_small_m(&rng, 0, 1, 64, 300, 5632, 300, 0);
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
