@@ -86,10 +86,10 @@ static inline void open_data(Run *r) {
         sdm_die("%s", err);
 }
 
-// The master weights from host fp32 [m->storage], and the model's working copy from them.
+// The master weights from host fp32 [m->storage], and the model's working copy from the same values.
 static inline void set_params(Run *r, const float *host) {
     cudaCheck(cudaMemcpy(r->opt.master, host, sizeof(float) * r->m->storage, cudaMemcpyHostToDevice));
-    gpu_model_cast_params(&r->g, r->opt.master);
+    gpu_model_set_params(&r->g, host);
 }
 
 // Initial weights (docs/MODEL.md#initialisation), the same on every rank.
