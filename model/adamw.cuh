@@ -60,12 +60,12 @@ static inline void adamw_clip_scale(float *norm, float *scale, const float *sums
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments over the model's
-// flat parameter array (padded to whole ZeRO-1 shards; each rank updates its own shard), and the device scalars of
-// the gradient clip.
+// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments of this rank's
+// ZeRO-1 shard of the model's flat parameter array (core/shard.h; one rank: the whole padded array), and the device
+// scalars of the gradient clip. Element i of master, m, v is element rank * shard + i of the flat array.
 
 typedef struct {
-    long long n;                 // padded length of the flat parameter array
+    long long n;                 // the shard's length: shard_size(storage, world)
     float *master, *m, *v;       // fp32 [n]
     float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
     float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
