@@ -32,7 +32,7 @@ typedef struct {
     ModelDesc *m;
     Dist dist;
     GpuModel g;
-    AdamWState opt;          // fp32 master weights, AdamW moments, clip scalars (this rank updates its shard)
+    AdamWState opt;          // fp32 master weights and AdamW moments of this rank's shard, clip scalars
     DataLoader train, val;
     int32_t *batch;          // host [B, T+1]
     int *inputs, *targets;   // host [B*T]
@@ -86,10 +86,18 @@ static inline void open_data(Run *r) {
         sdm_die("%s", err);
 }
 
-// The master weights from host fp32 [m->storage], and the model's working copy from them.
+// This rank's shard of a host array [m->storage] into a device array of the optimizer [shard] (its padding stays 0).
+static inline void upload_shard(const Run *r, float *dev, const float *host) {
+    long long lo, hi;
+    shard_range(r->m->storage, r->dist.world, r->dist.rank, &lo, &hi);
+    if (hi > lo) cudaCheck(cudaMemcpy(dev, host + lo, sizeof(float) * (hi - lo), cudaMemcpyHostToDevice));
+}
+
+// The master weights of this rank's shard from host fp32 [m->storage], and the model's whole working copy from the
+// same values.
 static inline void set_params(Run *r, const float *host) {
-    cudaCheck(cudaMemcpy(r->opt.master, host, sizeof(float) * r->m->storage, cudaMemcpyHostToDevice));
-    gpu_model_cast_params(&r->g, r->opt.master);
+    upload_shard(r, r->opt.master, host);
+    gpu_model_set_params(&r->g, host);
 }
 
 // Initial weights (docs/MODEL.md#initialisation), the same on every rank.
@@ -108,7 +116,8 @@ static inline void init_params(Run *r) {
 #define ADAMW_BYTES_PER_PARAM (7 * 4)
 
 // One optimizer step: grad_acc_steps micro-batches forward and backward, gradients reduce-scattered over ranks,
-// the global norm clipped, AdamW on this rank's shard, the updated weights all-gathered. Returns the mean loss.
+// the global norm clipped, AdamW on this rank's shard (the optimizer holds only that), the updated weights
+// all-gathered. Returns the mean loss.
 static inline float train_step(Run *r) {
     GpuModel *g = &r->g;
     AdamWState *o = &r->opt;
@@ -126,18 +135,18 @@ static inline float train_step(Run *r) {
     }
     dist_reduce_scatter_grads(d, g->grads, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
-    long long lo = d->rank * d->shard, hi = SDM_MIN(lo + d->shard, r->m->storage), shard = SDM_MAX(hi - lo, 0LL);
-    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, shard, 0);
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * shard, 0);
+    long long lo, hi; // this rank's elements of the flat array: element lo is element 0 of the optimizer's arrays
+    shard_range(r->m->storage, d->world, d->rank, &lo, &hi);
+    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, hi - lo, 0);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * (hi - lo), 0);
     dist_all_reduce_sum(d, o->sumsq, 1, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
     AdamWHyper hyper = adamw_hyper(c, r->step);
     r->lr = hyper.lr;
-    if (hi > lo)
-        adamw_update_model(r->m, lo, hi, o->master + lo, (char *)g->work + lo * g->es, g->ctype, g->grads + lo,
-                           o->m + lo, o->v + lo, &hyper, o->scale, 0);
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, (double)shard * (ADAMW_BYTES_PER_PARAM + g->es), 0);
+    adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, g->grads + lo, o->m, o->v,
+                       &hyper, o->scale, 0);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM + g->es), 0);
     dist_all_gather(d, g->work, g->es, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     r->step++;
@@ -203,18 +212,32 @@ static inline void evaluate(Run *r) {
     if (r->dist.rank == 0) eval_report(&s, r->step, r->cfg.run_dir, r->log);
 }
 
+// An optimizer array, of which every rank holds its shard `dev` [shard], whole on rank 0's host: returns the
+// malloc'ed [m->storage] there, NULL on the other ranks. Piece by piece (core/shard.h) through a staging buffer, so
+// no rank needs a whole-array device buffer: the piece's owner copies it there and broadcasts it, rank 0 copies it
+// out.
+static inline float *gather_to_rank0(Run *r, const float *dev) {
+    Dist *d = &r->dist;
+    long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), d->shard);
+    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
+    float *host = d->rank == 0 ? (float *)sdm_malloc(sizeof(float) * (size_t)d->n) : NULL;
+    ShardPiece p;
+    for (long long lo = 0; lo < d->n; lo = p.hi) {
+        p = shard_piece_at(d->n, d->world, piece, lo);
+        size_t bytes = sizeof(float) * (size_t)(p.hi - p.lo);
+        if (d->rank == p.owner) cudaCheck(cudaMemcpy(stage, dev + p.at, bytes, cudaMemcpyDeviceToDevice));
+        dist_broadcast(d, stage, bytes, p.owner, 0);
+        if (host) cudaCheck(cudaMemcpy(host + p.lo, stage, bytes, cudaMemcpyDeviceToHost)); // waits for it
+    }
+    device_free(stage);
+    return host;
+}
+
 // Gather the sharded state to rank 0 and write a checkpoint there.
 static inline void save_checkpoint(Run *r) {
     AdamWState *o = &r->opt;
-    dist_all_gather(&r->dist, o->master, 4, 0);
-    dist_all_gather(&r->dist, o->m, 4, 0);
-    dist_all_gather(&r->dist, o->v, 4, 0);
+    float *p = gather_to_rank0(r, o->master), *mm = gather_to_rank0(r, o->m), *vv = gather_to_rank0(r, o->v);
     if (r->dist.rank != 0) return;
-    size_t n = (size_t)r->m->storage;
-    float *p = (float *)sdm_malloc(4 * n), *mm = (float *)sdm_malloc(4 * n), *vv = (float *)sdm_malloc(4 * n);
-    cudaCheck(cudaMemcpy(p, o->master, 4 * n, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(mm, o->m, 4 * n, cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(vv, o->v, 4 * n, cudaMemcpyDeviceToHost));
     DataLoaderState ls;
     dataloader_get_state(&r->train, &ls);
     CkptTrainState st = {(uint64_t)r->step, 0, mm, vv, &ls, sizeof ls};
@@ -254,10 +277,9 @@ static inline void resume(Run *r) {
         snprintf(err, sizeof err, "%.300s/step_%08llu/state.bin: %.300s", r->cfg.run_dir,
                  (unsigned long long)cr.id.step, derr);
     if (!ckpt_all_ranks_ok(&comm, ok, "cannot restore the dataloader position", err)) sdm_die("%s", err);
-    size_t n = (size_t)r->m->storage;
     set_params(r, cr.params);
-    cudaCheck(cudaMemcpy(r->opt.m, cr.adam_m, 4 * n, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(r->opt.v, cr.adam_v, 4 * n, cudaMemcpyHostToDevice));
+    upload_shard(r, r->opt.m, cr.adam_m);
+    upload_shard(r, r->opt.v, cr.adam_v);
     r->step = (long long)cr.id.step;
     say(r, "resumed from %s/step_%08lld at step %lld\n", r->cfg.run_dir, r->step, r->step);
     ckpt_resume_free(&cr);
@@ -307,16 +329,16 @@ static int print_memory(const Config *c, const ModelDesc *m, int world) {
     GpuModel g;
     gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, c->selective_act_ckpt);
     AdamWState opt;
-    adamw_state_create(&opt, g.padded);
+    adamw_state_create(&opt, shard_size(m->storage, world));
     char title[3 * CFG_STR];
     snprintf(title, sizeof title, "device memory per GPU: %s, micro-batch %d x %d, %s, %d rank%s, recompute %s",
              c->name, c->batch_size, c->seq_len, c->model_dtype, world, world > 1 ? "s" : "",
              c->selective_act_ckpt ? "on" : "off");
     mem_print(stdout, title);
     printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
-    if (world > 1) // ZeRO-1 shards the optimizer update; the arrays themselves are whole on every rank
-        printf("  (master weights and AdamW m, v are whole on every rank: sharding them would save %.3f GiB per GPU)\n",
-               mem_gib((g_mem.bytes[MEM_MASTER] + g_mem.bytes[MEM_ADAMW]) / world * (world - 1)));
+    if (world > 1)
+        printf("  (ZeRO-1: the fp32 master weights and AdamW m, v are each rank's shard, 1/%d of the padded array)\n",
+               world);
     return 0;
 }
 
@@ -359,7 +381,7 @@ int main(int argc, char **argv) {
     r.inputs = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, c->selective_act_ckpt);
-    adamw_state_create(&r.opt, r.g.padded);
+    adamw_state_create(&r.opt, r.dist.shard);
     if (r.dist.rank == 0) {
         const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";
         mem_print(stdout, title);

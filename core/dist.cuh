@@ -2,9 +2,11 @@
 //
 // Every rank holds the full bf16/fp32 working weights and computes full fp32 gradients on its slice of the batch,
 // already scaled by 1/world through the loss scale. Gradients are reduce-scattered (summed) so that rank r owns the
-// shard of core/shard.h (the flat parameter array padded to world * shard); AdamW updates that shard of the fp32
-// master weights and of m, v; an all-gather brings the updated weights back to every rank. core/loopback.h has the
-// same collectives for threads of one process, so tests/test_zero1.c checks this arithmetic on the CPU.
+// shard of core/shard.h (the flat parameter array padded to world * shard); the rank holds the fp32 master weights
+// and AdamW m, v of that shard only (model/adamw.cuh) and updates them; an all-gather brings the updated weights
+// back to every rank. A checkpoint gathers the shards to rank 0 piece by piece with broadcasts (train_sdm.cu).
+// core/loopback.h has the same collectives for threads of one process, so tests/test_zero1.c checks this arithmetic
+// on the CPU.
 //
 // Reproducibility: NCCL's reductions are deterministic for a fixed world size and topology, so runs are bitwise
 // repeatable at a given world size. Across world sizes they are not bitwise equal: with 2 ranks a + b is the

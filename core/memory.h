@@ -17,6 +17,7 @@ typedef enum {
     MEM_SDM_SAVED,   // SDM banks and the op's saved state (snapshots, WY quantities)
     MEM_BANK_GRADS,  // per-sequence fp32 bank gradients [B, H, N, d]
     MEM_SCRATCH,     // backward temporaries, shared by the layers
+    MEM_STAGING,     // the bounded buffer of copies to and from the host in pieces (loading weights, checkpoints)
     MEM_CUBLAS,      // the cuBLASLt workspace
     MEM_NCCL,        // NCCL's own buffers (measured when the communicator is created)
     MEM_CONTEXT,     // CUDA context and libraries (measured before the first allocation)
@@ -25,8 +26,12 @@ typedef enum {
 
 static const char *const MEM_KIND_NAMES[MEM_KINDS] = {
     "working weights", "fp32 master weights", "AdamW m, v", "gradients (fp32)", "activations saved for backward",
-    "SDM banks + saved state", "per-sequence bank gradients", "backward scratch (shared)", "cuBLAS workspace",
-    "NCCL buffers", "CUDA context"};
+    "SDM banks + saved state", "per-sequence bank gradients", "backward scratch (shared)", "host copy staging",
+    "cuBLAS workspace", "NCCL buffers", "CUDA context"};
+
+// Bytes of the MEM_STAGING buffer: arrays of any size pass to and from the host through it, so no whole-array
+// temporary is needed on the device; it lives only during such a copy, so the steady-state total leaves it out.
+#define MEM_STAGE_BYTES ((size_t)64 << 20)
 
 #define MEM_MAX_LIVE 8192 // live allocations the ledger can track (a flagship run has about 400)
 

@@ -1,6 +1,6 @@
 // core/shard.h: the ZeRO-1 shard arithmetic, plain C, shared by the NCCL communicator (core/dist.cuh), the loopback
-// communicator (core/loopback.h) and the GPU buffers (model/gpu_model.cuh), so the CPU tests exercise the production
-// layout.
+// communicator (core/loopback.h), the GPU buffers (model/gpu_model.cuh) and train_sdm's checkpoint gather, so the
+// CPU tests exercise the production layout.
 //
 // The flat parameter array of n elements is padded to world * shard elements; rank r owns [r*shard, (r+1)*shard) ∩
 // [0, n) (possibly empty for the last ranks of a tiny model). shard = ceil(n / world) rounded up to SHARD_ALIGN
@@ -25,6 +25,18 @@ static inline void shard_range(long long n, int world, int rank, long long *lo, 
     *lo = (long long)rank * s;
     *hi = *lo + s < n ? *lo + s : n;
     if (*hi < *lo) *hi = *lo;
+}
+
+// Piece by piece through a bounded buffer (a checkpoint's gather to rank 0): the element range [lo, hi) of the flat
+// array, inside the shard of rank `owner`, where it starts at element `at` of that rank's shard-sized arrays.
+typedef struct { long long lo, hi, at; int owner; } ShardPiece;
+
+// The piece of [0, n) that starts at element lo (< n): at most `piece` elements, never crossing into the next shard.
+// The walk over the whole array: lo = 0, then lo = p.hi while lo < n.
+static inline ShardPiece shard_piece_at(long long n, int world, long long piece, long long lo) {
+    long long s = shard_size(n, world), end = (lo / s + 1) * s, hi = lo + piece < end ? lo + piece : end;
+    ShardPiece p = {lo, hi < n ? hi : n, lo % s, (int)(lo / s)};
+    return p;
 }
 
 // partial[b] = Σ g[i]² over block b = [b*SHARD_ALIGN, (b+1)*SHARD_ALIGN) of g[0..n) (elements beyond n count as 0),

@@ -60,12 +60,12 @@ static inline void adamw_clip_scale(float *norm, float *scale, const float *sums
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments over the model's
-// flat parameter array (padded to whole ZeRO-1 shards; each rank updates its own shard), and the device scalars of
-// the gradient clip.
+// The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments of this rank's
+// ZeRO-1 shard of the model's flat parameter array (core/shard.h; one rank: the whole padded array), and the device
+// scalars of the gradient clip. Element i of master, m, v is element rank * shard + i of the flat array.
 
 typedef struct {
-    long long n;                 // padded length of the flat parameter array
+    long long n;                 // the shard's length: shard_size(storage, world)
     float *master, *m, *v;       // fp32 [n]
     float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
     float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
@@ -126,25 +126,18 @@ static inline void adamw_update(float *p, void *work, Dtype work_type, const flo
 }
 
 // AdamW over the elements [lo, hi) of the model's flat parameter array (a ZeRO-1 shard, or everything), with each
-// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array. Only tensor
-// elements are touched (the alignment gaps between tensors stay as they are); adjacent tensors with the same flag
-// are updated by one launch.
+// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array (for the
+// optimizer's shard-sized arrays: their element 0). Only tensor elements are touched (the alignment gaps between
+// tensors stay as they are); adjacent tensors with the same flag are updated by one launch (model_decay_run).
 static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
                                       Dtype work_type, const float *g, float *m, float *v,
                                       const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
-    long long run_lo = 0, run_hi = 0; // the pending launch [run_lo, run_hi)
-    int run_decay = 0;
-    for (int i = 0; i <= md->n_params; i++) {
-        const ParamSpec *ps = i < md->n_params ? &md->params[i] : NULL;
-        long long a = ps ? SDM_MAX(lo, ps->offset) : 0, b = ps ? SDM_MIN(hi, ps->offset + ps->numel) : 0;
-        if (ps && a >= b) continue; // outside the range
-        if (ps && a == run_hi && ps->decay == run_decay && run_hi > run_lo) { run_hi = b; continue; }
-        if (run_hi > run_lo) {
-            long long off = run_lo - lo;
-            adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off,
-                         m + off, v + off, run_hi - run_lo, adamw_coeffs(h, run_decay), grad_scale, s);
-        }
-        if (ps) { run_lo = a; run_hi = b; run_decay = ps->decay; }
+    long long a, b;
+    int decay, next = 0;
+    while (model_decay_run(md, lo, hi, &next, &a, &b, &decay)) {
+        long long off = a - lo;
+        adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off, m + off,
+                     v + off, b - a, adamw_coeffs(h, decay), grad_scale, s);
     }
 }
 

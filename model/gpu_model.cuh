@@ -326,18 +326,23 @@ static inline double gm_bytes(const GpuModel *g, double tensors, int n, int widt
     return tensors * n * width * g->es;
 }
 
-// The working weights from fp32 master weights on the device [padded] (the optimizer's, or a temporary copy).
-static inline void gpu_model_cast_params(GpuModel *g, const float *master) {
-    gm_cast_to_work(g->work, master, g->padded, g->ctype, 0);
+// The working weights from host fp32 [m->storage] (the padding zero), `piece` floats at a time through a staging
+// buffer: the same cast of the same values as from a whole device copy, without one (a ZeRO-1 rank holds only its
+// shard of the fp32 master weights, and inference none).
+static inline void gpu_model_set_params_in_pieces(GpuModel *g, const float *host, long long piece) {
+    piece = SDM_MIN(piece, g->padded);
+    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
+    for (long long lo = 0; lo < g->padded; lo += piece) {
+        long long count = SDM_MIN(piece, g->padded - lo), real = SDM_MAX(0LL, SDM_MIN(count, g->m->storage - lo));
+        cudaCheck(cudaMemcpy(stage, host + SDM_MIN(lo, g->m->storage), sizeof(float) * real, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemset(stage + real, 0, sizeof(float) * (count - real))); // the padding
+        gm_cast_to_work((char *)g->work + lo * g->es, stage, count, g->ctype, 0);
+    }
+    device_free(stage);
 }
 
-// The working weights from host fp32 [m->storage], through a temporary device copy (inference keeps no master).
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
-    float *master = (float *)device_alloc(MEM_SCRATCH, sizeof(float) * g->padded);
-    cudaCheck(cudaMemset(master, 0, sizeof(float) * g->padded)); // the padding
-    cudaCheck(cudaMemcpy(master, host, sizeof(float) * g->m->storage, cudaMemcpyHostToDevice));
-    gpu_model_cast_params(g, master);
-    device_free(master);
+    gpu_model_set_params_in_pieces(g, host, (long long)(MEM_STAGE_BYTES / sizeof(float)));
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).

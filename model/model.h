@@ -244,6 +244,25 @@ static inline const ParamSpec *model_layer_param(const ModelDesc *m, int l, cons
     return model_find(m, name);
 }
 
+// The elements AdamW updates within [lo, hi) of the flat array (a ZeRO-1 shard, or everything), as runs: adjacent
+// tensors (no alignment gap between them) with one weight-decay flag, clipped to [lo, hi); the gaps are in none.
+// Call with *next = 0, then again while it returns 1: each call gives the next run [*a, *b) and its flag *decay.
+// Plain C, so tests/test_zero1.c updates its shards through the walk of model/adamw.cuh's adamw_update_model.
+static inline int model_decay_run(const ModelDesc *m, long long lo, long long hi, int *next, long long *a,
+                                  long long *b, int *decay) {
+    *a = *b = 0;
+    *decay = 0;
+    for (; *next < m->n_params; (*next)++) {
+        const ParamSpec *p = &m->params[*next];
+        long long x = SDM_MAX(lo, p->offset), y = SDM_MIN(hi, p->offset + p->numel);
+        if (x >= y) continue;                                    // outside the range
+        if (*b > *a && (x != *b || p->decay != *decay)) return 1; // tensor *next starts the next run
+        if (*b == *a) { *a = x; *decay = p->decay; }
+        *b = y;
+    }
+    return *b > *a;
+}
+
 // SDM gate parameters at init (docs/MODEL.md#initialisation): A_log = log(max(U(A_lo, A_hi), 1e-4)), and dt_bias the
 // inverse softplus of dt = max(exp(U(ln 0.001, ln 0.1)), 1e-4), so that softplus(a + dt_bias) starts near dt. One draw
 // each.

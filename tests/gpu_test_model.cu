@@ -1,7 +1,8 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
-// bf16; bitwise determinism of repeated steps; the same bits with selective activation recomputation on; a few
-// AdamW steps that must lower the loss of a fixed batch; and the memory ledger against the device's own count.
+// bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits with selective
+// activation recomputation on; a few AdamW steps that must lower the loss of a fixed batch; and the memory ledger
+// against the device's own count.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -138,6 +139,25 @@ static float step_grads(GpuModel *g, const int *tokens, const int *targets) {
     return gpu_model_loss(g);
 }
 
+// The working weights loaded through a staging buffer of 1000 floats (pieces that end inside tensors and divide
+// nothing) have the bits of the load in one piece, the padding zero; in fp32 they are the host values themselves.
+static void check_set_params_in_pieces(GpuModel *g, const float *host, const char *name, const char *dtype) {
+    size_t bytes = (size_t)g->padded * g->es, real = (size_t)g->m->storage * g->es;
+    char *whole = (char *)sdm_malloc(bytes), *pieces = (char *)sdm_malloc(bytes);
+    gpu_model_set_params_in_pieces(g, host, g->padded);
+    cudaCheck(cudaMemcpy(whole, g->work, bytes, cudaMemcpyDeviceToHost));
+    gpu_model_set_params_in_pieces(g, host, 1000);
+    cudaCheck(cudaMemcpy(pieces, g->work, bytes, cudaMemcpyDeviceToHost));
+    int padding = 0;
+    for (size_t i = real; i < bytes; i++) padding += whole[i] != 0;
+    CHECK(g->m->storage > 2000 && !memcmp(whole, pieces, bytes) && padding == 0, "%s [%s]: the working weights "
+          "loaded in pieces differ from one piece, or the padding is not zero (%d bytes)", name, dtype, padding);
+    if (g->ctype == DT_FP32)
+        CHECK(!memcmp(whole, host, real), "%s [fp32]: the working weights are not the host values", name);
+    free(whole);
+    free(pieces);
+}
+
 static void check_case(const Case *c, const char *dtype) {
     int fp32 = !strcmp(dtype, "fp32");
     Config cfg;
@@ -160,6 +180,7 @@ static void check_case(const Case *c, const char *dtype) {
     GpuModel g;
     gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g, host);
+    check_set_params_in_pieces(&g, host, c->name, dtype);
     double loss = step_grads(&g, tokens, targets);
     report_forward(&g, params, tokens, targets, c->B, c->T);
     double err = fabs(loss - ref_loss) / fabs(ref_loss);

@@ -72,6 +72,14 @@ else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$di
 # --- world size: the breakdown is per GPU and names the ranks --------------------------------------------------------
 out=$(./train_sdm -c configs/debug_hybrid.cfg --memory=8)
 if [[ "$out" == *"8 ranks"* ]]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: --memory=8: $out"; fi
+# ZeRO-1 at 8 ranks: the fp32 master weights and AdamW m, v of one shard (core/shard.h: S / 8 rounded up to 64
+# elements), the working weights and gradients whole (padded to 8 shards)
+out=$(./train_sdm -c configs/sdm_flagship.cfg --memory=8)
+S=2039699648; shard=$(( (S + 8 * 64 - 1) / (8 * 64) * 64 ))
+expect "$out" "fp32 master weights" $((4 * shard)) "flagship, 8 ranks"
+expect "$out" "AdamW m, v" $((8 * shard)) "flagship, 8 ranks"
+expect "$out" "working weights" $((2 * 8 * shard)) "flagship, 8 ranks"
+expect "$out" "gradients (fp32)" $((4 * 8 * shard)) "flagship, 8 ranks"
 err=$(./train_sdm -c configs/debug_hybrid.cfg --memory=0 2>&1 >/dev/null)
 if [[ "$err" == *"world size must be a positive integer"* ]]; then pass=$((pass + 1))
 else fail=$((fail + 1)); echo "FAIL: --memory=0 accepted: $err"; fi
