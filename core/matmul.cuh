@@ -1,6 +1,6 @@
 // core/matmul.cuh: the cuBLASLt matmul every layer uses, for row-major activations and row-major (out, in) weights.
-//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (decode's small M: kernels of our own, a GEMV for
-//                                                             M <= 8, tensor cores for bf16 with M <= 64)
+//   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (decode's small M: kernels of our own where they
+//                                                             beat cuBLASLt, see matmul_small_m_kernel)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
@@ -98,7 +98,7 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 // ran at 3.1 TB/s and its 5632-deep ones, split-K, at 2.3). Here a block of MATMUL_GEMV_THREADS threads owns
 // MATMUL_GEMV_ROWS rows of W and strides over K in 16-byte vectors, all rows' loads in flight at once; X is read
 // through L1. Each output's sum has one fixed order (thread partials, warp butterfly, warps in order), the same for
-// every M: a stream's logits do not depend on how many streams decode with it. Launched with programmatic dependent
+// every M it takes. Launched with programmatic dependent
 // launch (core/cuda_common.cuh), a block reads its first slice of W before waiting for the kernel before it: W must
 // be constant during a step (weights are), X is read after the wait.
 
@@ -246,13 +246,9 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
 // Batch invariance: an output's sum is fixed by K alone (the k-block -> warp split, each warp's mma sequence, the
 // warp order of the final sum); a tensor core computes each element of D from its row of A and column of B, and
 // padding rows are zeros never stored. So row m's bits depend neither on M nor on the other rows: a stream's logits
-// do not depend on how many streams (9..64) decode with it. tests/gpu_test_sdm_layer.cu checks it, each row inside
-// products of 9 and 64 rows at another position of another tile. Products of M <= 8 rows take the GEMV (another
-// order): MATMUL_MMA_MIN_M = 1 gives bf16 decode one order for every batch of 1..64.
+// do not depend on how many rows it takes with it. tests/gpu_test_sdm_layer.cu checks it, each row inside products
+// of 1, 9 and 64 rows at another position of another tile. matmul_small_m_kernel says which products take it.
 
-#ifndef MATMUL_MMA_MIN_M
-#define MATMUL_MMA_MIN_M 9
-#endif
 #ifndef MATMUL_MMA_MAX_M
 #define MATMUL_MMA_MAX_M 64
 #endif
@@ -368,31 +364,58 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 
 typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA } MatmulKernel;
 
-// Which kernel takes a forward product of M rows of K in_type inputs (X and W 16-byte aligned): bf16 with
-// MATMUL_MMA_MIN_M <= M <= MATMUL_MMA_MAX_M the MMA kernel, else M <= MATMUL_GEMV_MAX_M the GEMV, else cuBLASLt;
-// the small-M kernels need rows of whole 16-byte vectors.
-static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int K) {
-    if (M < 1 || (size_t)K * dtype_size(in_type) % 16) return MATMUL_KERNEL_LT;
-    if (in_type == DT_BF16 && M >= MATMUL_MMA_MIN_M && M <= MATMUL_MMA_MAX_M) return MATMUL_KERNEL_MMA;
-    return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
+static inline const char *matmul_kernel_name(MatmulKernel k) {
+    return k == MATMUL_KERNEL_MMA ? "MMA" : k == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt";
 }
 
-// Every part of P by a small-M kernel when one applies; returns 0 to leave them to cuBLASLt.
-static inline int matmul_small_m(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M, int K,
-                                 cudaStream_t s) {
-    typedef __nv_bfloat16 bf;
+// Which kernel takes a forward product (`parts` products sharing X, MatmulParts) of M rows of K in_type inputs, X and
+// every W at `addr` (their addresses or'ed) 16-byte aligned, as measured on the H200 (BENCHMARKS.md, decode's
+// products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at one row; its FMAs bind it
+// beyond); several bf16 parts of up to MATMUL_MMA_MAX_M rows the MMA kernel, one launch where cuBLASLt takes one per
+// part (a decode step's q, k, v at 32 rows: 10.1 against 16.9 us); single bf16 products of 2 or more rows cuBLASLt
+// (the FFN's 2048 -> 11264 at 32 rows: 13.6 against 24.8 us by the MMA kernel, whose blocks fill HBM's queue less
+// well). The small-M kernels need rows of whole 16-byte vectors.
+static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int K, int parts, uintptr_t addr) {
+    if (M < 1 || (size_t)K * dtype_size(in_type) % 16 || addr % 16) return MATMUL_KERNEL_LT;
+    if (in_type == DT_FP32) return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
+    if (M == 1) return MATMUL_KERNEL_GEMV;
+    return parts > 1 && M <= MATMUL_MMA_MAX_M ? MATMUL_KERNEL_MMA : MATMUL_KERNEL_LT;
+}
+
+// X and every W of P, or'ed: 16-byte aligned when its low 4 bits are 0.
+static inline uintptr_t matmul_parts_addr(const MatmulParts *P, const void *x) {
     uintptr_t addr = (uintptr_t)x;
     for (int p = 0; p < P->n; p++) addr |= (uintptr_t)P->w[p];
-    MatmulKernel kernel = addr % 16 ? MATMUL_KERNEL_LT : matmul_small_m_kernel(in_type, M, K);
-    if (kernel == MATMUL_KERNEL_LT) return 0;
+    return addr;
+}
+
+// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] by cuBLASLt, whatever M.
+static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
+                                     const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s);
+
+// Every part of P by the given kernel (the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernel for bf16 and
+// M <= MATMUL_MMA_MAX_M, both on 16-byte rows; cuBLASLt part by part). The tests and benches pick kernels here.
+static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, Dtype y_type, const void *x,
+                                    Dtype in_type, int M, int K, cudaStream_t s) {
+    typedef __nv_bfloat16 bf;
     if (in_type == DT_FP32 && y_type != DT_FP32) sdm_die("matmul: fp32 inputs need an fp32 output");
+    bool rows16 = (size_t)K * dtype_size(in_type) % 16 == 0 && matmul_parts_addr(P, x) % 16 == 0;
+    if (kernel != MATMUL_KERNEL_LT && (!rows16 || M < 1 ||
+                                       M > (kernel == MATMUL_KERNEL_GEMV ? MATMUL_GEMV_MAX_M : MATMUL_MMA_MAX_M) ||
+                                       (kernel == MATMUL_KERNEL_MMA && in_type != DT_BF16)))
+        sdm_die("matmul: the %s kernel cannot take %d rows of K = %d (%s)", matmul_kernel_name(kernel), M, K,
+                dtype_name(in_type));
     if (kernel == MATMUL_KERNEL_MMA) {
         if (y_type == DT_FP32) matmul_mma_run<float>(P, (const bf *)x, M, K, s);
         else matmul_mma_run<bf>(P, (const bf *)x, M, K, s);
-    } else if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
-    else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
-    else matmul_gemv_run<bf, bf>(P, (const bf *)x, M, K, s);
-    return 1;
+    } else if (kernel == MATMUL_KERNEL_GEMV) {
+        if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
+        else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
+        else matmul_gemv_run<bf, bf>(P, (const bf *)x, M, K, s);
+    } else {
+        for (int p = 0; p < P->n; p++)
+            matmul_forward_lt(P->y[p], y_type, P->ldy[p], x, P->w[p], P->bias[p], in_type, M, P->N[p], K, s);
+    }
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] by cuBLASLt, whatever M.
@@ -410,17 +433,16 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
 static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                   const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
-    if (!matmul_small_m(&P, y_type, x, in_type, M, K, s))
-        matmul_forward_lt(y, y_type, ldy, x, w, bias, in_type, M, N, K, s);
+    matmul_parts_run(matmul_small_m_kernel(in_type, M, K, 1, matmul_parts_addr(&P, x)), &P, y_type, x, in_type, M, K,
+                     s);
 }
 
 // Every part of P (see MatmulParts): one launch when M is small, else one cuBLASLt product each.
 static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M,
                                         int K, cudaStream_t s) {
     if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
-    if (matmul_small_m(P, y_type, x, in_type, M, K, s)) return;
-    for (int p = 0; p < P->n; p++)
-        matmul_forward_lt(P->y[p], y_type, P->ldy[p], x, P->w[p], P->bias[p], in_type, M, P->N[p], K, s);
+    matmul_parts_run(matmul_small_m_kernel(in_type, M, K, P->n, matmul_parts_addr(P, x)), P, y_type, x, in_type, M, K,
+                     s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].

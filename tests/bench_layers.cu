@@ -118,14 +118,8 @@ static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *c
         P.w[p] = w, P.y[p] = y[p], P.N[p] = P.ldy[p] = pr->N[p];
         w += (size_t)pr->N[p] * pr->K;
     }
-    if (path == PATH_GEMV && pr->fp32_out) matmul_gemv_run<bf16, float>(&P, x, M, pr->K, st);
-    else if (path == PATH_GEMV) matmul_gemv_run<bf16, bf16>(&P, x, M, pr->K, st);
-    else if (path == PATH_MMA && pr->fp32_out) matmul_mma_run<float>(&P, x, M, pr->K, st);
-    else if (path == PATH_MMA) matmul_mma_run<bf16>(&P, x, M, pr->K, st);
-    else
-        for (int p = 0; p < P.n; p++)
-            matmul_forward_lt(P.y[p], pr->fp32_out ? DT_FP32 : DT_BF16, P.ldy[p], x, P.w[p], NULL, DT_BF16, M, P.N[p],
-                              pr->K, st);
+    static const MatmulKernel KERNEL_OF[PATH_COUNT] = {MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_LT};
+    matmul_parts_run(KERNEL_OF[path], &P, pr->fp32_out ? DT_FP32 : DT_BF16, x, DT_BF16, M, pr->K, st);
 }
 
 // Mean ms of the product by `path` (see above); y keeps the last launch's outputs.
@@ -167,7 +161,7 @@ static double product_diff(const Product *pr, void *const *a, void *const *b, in
 }
 
 static void bench_products(void) {
-    const int Ms[] = {1, 8, 16, 32, 64};
+    const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
     static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "cuBLASLt"};
     matmul_init(); // outside the graph captures: it allocates
     bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 20), *x = dev_random((size_t)PROD_MAX_M * PROD_MAX_K, 21);
@@ -176,7 +170,8 @@ static void bench_products(void) {
         for (int p = 0; p < 3; p++) cudaCheck(cudaMalloc(&y[v][p], (size_t)PROD_MAX_M * PROD_MAX_N * sizeof(float)));
     cudaStream_t st;
     cudaCheck(cudaStreamCreate(&st));
-    printf("\ndecode's products Y[M,N] = X[M,K]·W[N,K]ᵀ, bf16 weights from HBM, mean of %d launches in a CUDA graph; "
+    printf("\ndecode's products Y[M,N] = X[M,K]·W[N,K]ᵀ, bf16 weights from HBM, mean of %d launches in a CUDA graph;"
+           " "
            "per path: us, GB/s of weights, %% of 4.8 TB/s; last: relative L2 difference from cuBLASLt's output\n",
            PROD_REPS);
     printf("| product | M | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|\n", PATH_NAMES[0], PATH_NAMES[1],

@@ -134,8 +134,8 @@ static void test_matmul(Rng *rng, int fp32) {
 // M2-row product of the same W and bias: there x_m is row j = (m + M2/2 + 1) % M2 (for M2 > 1 never row m of an
 // M2 = M product: another place in its 16-row tile, or another tile), the other rows X's rows taken cyclically
 // (other neighbours, other zero padding). M2 = 1 is the row alone.
-static int rows_same_inside(const unsigned char *y1, Dtype ty, int ldy, const void *dx, const void *dw,
-                            const void *db, Dtype t, int M, int M2, int N, int K) {
+static int rows_same_inside(MatmulKernel kernel, const unsigned char *y1, Dtype ty, int ldy, const void *dx,
+                            const void *dw, const void *db, Dtype t, int M, int M2, int N, int K) {
     size_t xr = (size_t)K * dtype_size(t), yr = (size_t)ldy * dtype_size(ty), nb = (size_t)N * dtype_size(ty);
     char *xt = NULL, *xb = NULL, *yb = NULL;
     cudaCheck(cudaMalloc((void **)&xt, M2 * xr)); cudaCheck(cudaMalloc((void **)&xb, M2 * xr));
@@ -149,7 +149,8 @@ static int rows_same_inside(const unsigned char *y1, Dtype ty, int ldy, const vo
         cudaCheck(cudaMemcpy(xb, xt, M2 * xr, cudaMemcpyDeviceToDevice));
         cudaCheck(cudaMemcpy(xb + j * xr, (const char *)dx + m * xr, xr, cudaMemcpyDeviceToDevice));
         cudaCheck(cudaMemset(yb, 0xFF, M2 * yr));
-        matmul_forward(yb, ty, ldy, xb, dw, db, t, M2, N, K, 0);
+        MatmulParts P = {1, {dw}, {yb}, {db}, {N}, {ldy}};
+        matmul_parts_run(kernel, &P, ty, xb, t, M2, K, 0);
         cudaCheck(cudaMemcpy(row, yb + j * yr, nb, cudaMemcpyDeviceToHost));
         same &= memcmp(row, y1 + m * yr, nb) == 0;
     }
@@ -158,17 +159,18 @@ static int rows_same_inside(const unsigned char *y1, Dtype ty, int ldy, const vo
     return same;
 }
 
-// Small-M forward (matmul_small_m_kernel: the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernel for bf16 with
-// MATMUL_MMA_MIN_M <= M <= MATMUL_MMA_MAX_M, when rows are whole 16-byte vectors; else cuBLASLt): against the
-// double reference, rerun bitwise, and each row bitwise the same inside products of M' = 1, 9 and 64 rows that the
-// same kernel takes (rows_same_inside; cuBLASLt makes no promise). Random rows make this a test of the sum order:
-// fp32 sums of thousands of terms taken in another order (another K split, another warp order, a tile computed
-// with the row elsewhere) differ in the last bits of most outputs, and a row read from a neighbour's or an unzeroed
-// padding row's data differs outright. Tolerance: fp32 sums of K <= 5632 products of O(1) terms err ~sqrt(K) 2^-24
-// relative, far below 1e-5; tensor cores truncate each mma's sum (~2^-23 of the accumulator), a warp chaining at
-// most 2 ceil(K / 32 / 8) = 44 of them: < 6e-6 even if all errors add. A bf16 output adds its rounding (2^-9), under
-// TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to TOL_FP32.
-static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, int K, int ldy, int with_bias) {
+// Small-M forward by a given kernel (matmul_parts_run: the GEMV, the MMA kernel, or cuBLASLt; matmul_small_m_kernel
+// picks among them for the model): against the double reference, rerun bitwise, and each row bitwise the same inside
+// products of M' = 1, 9 and 64 rows the same kernel takes (rows_same_inside; cuBLASLt makes no promise). Random rows
+// make this a test of the sum order: fp32 sums of thousands of terms taken in another order (another K split,
+// another warp order, a tile computed with the row elsewhere) differ in the last bits of most outputs, and a row read
+// from a neighbour's or an unzeroed padding row's data differs outright. Tolerance: fp32 sums of K <= 5632 products
+// of O(1) terms err ~sqrt(K) 2^-24 relative, far below 1e-5; tensor cores truncate each mma's sum (~2^-23 of the
+// accumulator), a warp chaining at most 2 ceil(K / 32 / 8) = 44 of them: < 6e-6 even if all errors add. A bf16
+// output adds its rounding (2^-9), under TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to
+// TOL_FP32.
+static void test_matmul_small_m(Rng *rng, MatmulKernel kernel, int fp32, int out_fp32, int M, int N, int K, int ldy,
+                                int with_bias) {
     Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = out_fp32 ? DT_FP32 : t;
     double *x = hzeros((size_t)M * K), *w = hzeros((size_t)N * K), *b = hzeros(N);
     fill_normal(rng, x, (size_t)M * K, 1.0); fill_normal(rng, w, (size_t)N * K, 0.2); fill_normal(rng, b, N, 1.0);
@@ -179,8 +181,9 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
     void *dy1 = NULL, *dy2 = NULL;
     cudaCheck(cudaMalloc(&dy1, ybytes)); cudaCheck(cudaMalloc(&dy2, ybytes));
     cudaCheck(cudaMemset(dy1, 0xFF, ybytes)); // NaN in both dtypes: every entry must be written
-    matmul_forward(dy1, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
-    matmul_forward(dy2, ty, ldy, dx_, dw_, db_, t, M, N, K, 0);
+    MatmulParts P1 = {1, {dw_}, {dy1}, {db_}, {N}, {ldy}}, P2 = {1, {dw_}, {dy2}, {db_}, {N}, {ldy}};
+    matmul_parts_run(kernel, &P1, ty, dx_, t, M, K, 0);
+    matmul_parts_run(kernel, &P2, ty, dx_, t, M, K, 0);
     cudaCheck(cudaDeviceSynchronize());
     unsigned char *h1 = (unsigned char *)sdm_malloc(ybytes), *h2 = (unsigned char *)sdm_malloc(ybytes);
     cudaCheck(cudaMemcpy(h1, dy1, ybytes, cudaMemcpyDeviceToHost));
@@ -199,19 +202,18 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
         }
     }
     static const int OTHER_M[] = {1, 9, 64};
-    MatmulKernel kernel = matmul_small_m_kernel(t, M, K);
-    int row_same = 1;
+    int row_same = 1, most = kernel == MATMUL_KERNEL_GEMV ? MATMUL_GEMV_MAX_M : MATMUL_MMA_MAX_M;
     char others[32] = "";
     for (int i = 0; i < 3; i++) {
-        if (kernel == MATMUL_KERNEL_LT || matmul_small_m_kernel(t, OTHER_M[i], K) != kernel) continue;
-        row_same &= rows_same_inside(h1, ty, ldy, dx_, dw_, db_, t, M, OTHER_M[i], N, K);
+        if (kernel == MATMUL_KERNEL_LT || OTHER_M[i] > most) continue;
+        row_same &= rows_same_inside(kernel, h1, ty, ldy, dx_, dw_, db_, t, M, OTHER_M[i], N, K);
         size_t used = strlen(others);
         snprintf(others + used, sizeof others - used, "%s%d", used ? ", " : "", OTHER_M[i]);
     }
     char what[128];
     snprintf(what, sizeof what, "matmul small M=%d N=%d K=%d %s->%s%s (%s)", M, N, K, fp32 ? "fp32" : "bf16",
              out_fp32 ? "fp32" : dtype_name(t), with_bias ? " bias" : "",
-             kernel == MATMUL_KERNEL_MMA ? "MMA" : kernel == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt");
+             matmul_kernel_name(kernel));
     double err = rel_error(yg, yr, (size_t)M * N);
     printf("%s: fwd %.2e, rerun %s, rows inside products of M' = {%s} %s\n", what, err,
            same ? "same bits" : "DIFFERS", others, row_same ? "same bits" : "DIFFER");
@@ -226,7 +228,8 @@ static void test_matmul_small_m(Rng *rng, int fp32, int out_fp32, int M, int N, 
 }
 
 // Three products sharing X through matmul_forward_parts (one launch of a small-M kernel, else one cuBLASLt product
-// each) give the bits of three matmul_forward calls. K = 136: a ragged last k-block for the MMA kernel.
+// each) give the bits of each product alone by the kernel the parts took. K = 136: a ragged last k-block for the
+// MMA kernel.
 static void test_matmul_parts(Rng *rng, int fp32, int M) {
     const int K = 136, N[3] = {40, 13, 64};
     Dtype t = fp32 ? DT_FP32 : DT_BF16;
@@ -243,7 +246,11 @@ static void test_matmul_parts(Rng *rng, int fp32, int M) {
         cudaCheck(cudaMalloc(&y2[i], (size_t)M * N[i] * dtype_size(t)));
         P.w[i] = w[i];
         P.y[i] = y1[i];
-        matmul_forward(y2[i], t, N[i], dx_, w[i], NULL, t, M, N[i], K, 0);
+    }
+    MatmulKernel kernel = matmul_small_m_kernel(t, M, K, 3, matmul_parts_addr(&P, dx_));
+    for (int i = 0; i < 3; i++) {
+        MatmulParts one = {1, {w[i]}, {y2[i]}, {NULL}, {N[i]}, {N[i]}};
+        matmul_parts_run(kernel, &one, t, dx_, t, M, K, 0);
     }
     matmul_forward_parts(&P, t, dx_, t, M, K, 0);
     cudaCheck(cudaDeviceSynchronize());
@@ -257,7 +264,8 @@ static void test_matmul_parts(Rng *rng, int fp32, int M) {
         free(a); free(b);
         cudaCheck(cudaFree(w[i])); cudaCheck(cudaFree(y1[i])); cudaCheck(cudaFree(y2[i]));
     }
-    printf("matmul parts %s M=%d: %s\n", fp32 ? "fp32" : "bf16", M, same ? "same bits as one call each" : "DIFFER");
+    printf("matmul parts %s M=%d (%s): %s\n", fp32 ? "fp32" : "bf16", M, matmul_kernel_name(kernel),
+           same ? "same bits as one call each" : "DIFFER");
     CHECK(same, "matmul_forward_parts (%s, M = %d) differs from one matmul_forward per part", dtype_name(t), M);
     cudaCheck(cudaFree(dx_));
     free(x);
@@ -707,29 +715,36 @@ int main(int argc, char **argv) {
     Rng rng = rng_make(seed);
     test_matmul(&rng, 1);
     test_matmul(&rng, 0);
-    for (int fp32 = 0; fp32 <= 1; fp32++) {
-        test_matmul_small_m(&rng, fp32, fp32, 1, 45, 96, 48, 1);     // fewer rows than blocks of rows, K < a stride
-        test_matmul_small_m(&rng, fp32, fp32, 3, 2051, 4104, 2056, 0); // K not a whole number of strides
-        test_matmul_small_m(&rng, fp32, 1, 8, 258, 2048, 264, 0);    // the LM head's shape: fp32 logits
-        test_matmul_small_m(&rng, fp32, fp32, 8, 1030, 2048, 1030, 1);
-        test_matmul_small_m(&rng, fp32, fp32, 2, 45, 44, 45, 1);      // bf16 rows of 88 bytes: the cuBLASLt path
-        test_matmul_parts(&rng, fp32, 5);  // the GEMV
+    for (int fp32 = 0; fp32 <= 1; fp32++) { // the GEMV
+        const MatmulKernel G = MATMUL_KERNEL_GEMV;
+        test_matmul_small_m(&rng, G, fp32, fp32, 1, 45, 96, 48, 1);      // fewer rows than blocks of rows, K < a stride
+        test_matmul_small_m(&rng, G, fp32, fp32, 3, 2051, 4104, 2056, 0); // K not a whole number of strides
+        test_matmul_small_m(&rng, G, fp32, 1, 8, 258, 2048, 264, 0);     // the LM head's shape: fp32 logits
+        test_matmul_small_m(&rng, G, fp32, fp32, 8, 1030, 2048, 1030, 1);
+        test_matmul_parts(&rng, fp32, 1);  // the GEMV
+        test_matmul_parts(&rng, fp32, 5);  // bf16: the MMA kernel, one partial tile of rows; fp32: the GEMV
         test_matmul_parts(&rng, fp32, 17); // bf16: the MMA kernel, two tiles of rows; fp32: cuBLASLt
         test_matmul_parts(&rng, fp32, 64); // bf16: the MMA kernel, four whole tiles
         test_matmul_parts(&rng, fp32, MATMUL_MMA_MAX_M + 1); // cuBLASLt, part by part
     }
-    // the MMA kernel (bf16, 9..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
+    // the policy sends rows of 88 bytes (not whole 16-byte vectors) to cuBLASLt
+    CHECK(matmul_small_m_kernel(DT_BF16, 1, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
+    // the MMA kernel (bf16, 1..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
     // rows (nor of 8); K with fewer 32-wide k-blocks than warps, with 1 or 3 of a ragged last k-block's four 16-byte
     // chunks, and the flagship's 2048 and 5632; bf16 and fp32 outputs (the LM head's logits), bias, ldy > N
-    test_matmul_small_m(&rng, 0, 0, 9, 45, 96, 48, 1);
-    test_matmul_small_m(&rng, 0, 1, 16, 1030, 2048, 1032, 0);
-    test_matmul_small_m(&rng, 0, 0, 17, 2051, 2056, 2056, 1);
-    test_matmul_small_m(&rng, 0, 1, 32, 258, 5632, 264, 1);
-    test_matmul_small_m(&rng, 0, 0, 32, 261, 5632, 261, 0);
-    test_matmul_small_m(&rng, 0, 1, 33, 100, 5624, 104, 1);
-    test_matmul_small_m(&rng, 0, 0, 48, 7, 136, 8, 1);
-    test_matmul_small_m(&rng, 0, 0, 64, 1037, 2048, 1040, 1);
-    test_matmul_small_m(&rng, 0, 1, 64, 300, 5632, 300, 0);
+    const MatmulKernel T = MATMUL_KERNEL_MMA;
+    test_matmul_small_m(&rng, T, 0, 0, 2, 45, 96, 48, 1);
+    test_matmul_small_m(&rng, T, 0, 1, 8, 258, 2048, 264, 0);
+    test_matmul_small_m(&rng, T, 0, 0, 9, 45, 96, 48, 1);
+    test_matmul_small_m(&rng, T, 0, 1, 16, 1030, 2048, 1032, 0);
+    test_matmul_small_m(&rng, T, 0, 0, 17, 2051, 2056, 2056, 1);
+    test_matmul_small_m(&rng, T, 0, 1, 32, 258, 5632, 264, 1);
+    test_matmul_small_m(&rng, T, 0, 0, 32, 261, 5632, 261, 0);
+    test_matmul_small_m(&rng, T, 0, 1, 33, 100, 5624, 104, 1);
+    test_matmul_small_m(&rng, T, 0, 0, 48, 7, 136, 8, 1);
+    test_matmul_small_m(&rng, T, 0, 0, 64, 1037, 2048, 1040, 1);
+    test_matmul_small_m(&rng, T, 0, 1, 64, 300, 5632, 300, 0);
+    test_matmul_small_m(&rng, MATMUL_KERNEL_LT, 0, 0, 32, 1030, 2048, 1030, 1); // the model's path at 32 rows
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
