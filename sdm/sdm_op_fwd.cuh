@@ -81,11 +81,15 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out
     }
 }
 
+// Column groups of 32 V a scatter warp holds at once (the whole 1024-wide bf16 row): their row loads, then each
+// chained entry's delta loads, are all in flight together rather than one group's dependent loads after another's.
+#define SDM_FSCATTER_GROUPS 4
+
 // Grid (ceil(C W / warps), S), SDM_ROW_THREADS threads: warp e of the chunk's write entries; when e is the last
 // entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking back) pi kappa delta_t.
 template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
-    constexpr int V = SdmBankVec<Tb>::V;
+    constexpr int V = SdmBankVec<Tb>::V, G = SDM_FSCATTER_GROUPS;
     pdl_enter();
     const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (e >= a.C * a.W) return;
@@ -94,20 +98,31 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs
     if (slot < 0 || a.w_next[ew + e] >= 0) return;
     Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
     float el = a.w_elam_tot[ew + e];
-    for (int col = lane * V; col < a.d; col += 32 * V) {
-        float x[V];
-        SdmBankVec<Tb>::load(row + col, x);
-        for (int i = 0; i < V; i++) x[i] *= el;
+    for (int col0 = lane * V; col0 < a.d; col0 += 32 * V * G) {
+        float x[G][V];
+#pragma unroll
+        for (int u = 0; u < G; u++) {
+            int col = col0 + u * 32 * V;
+            if (col >= a.d) continue;
+            SdmBankVec<Tb>::load(row + col, x[u]);
+            for (int i = 0; i < V; i++) x[u][i] *= el;
+        }
         for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
             float w = a.w_scat[ew + q];
-            const float *dr = sdm_delta_row(a, s, c, q / a.W) + col;
-            for (int i = 0; i < V; i += 4) {
-                float4 dv = *(const float4 *)(dr + i);
-                x[i] = fmaf(w, dv.x, x[i]); x[i + 1] = fmaf(w, dv.y, x[i + 1]);
-                x[i + 2] = fmaf(w, dv.z, x[i + 2]); x[i + 3] = fmaf(w, dv.w, x[i + 3]);
+            const float *dr = sdm_delta_row(a, s, c, q / a.W) + col0;
+#pragma unroll
+            for (int u = 0; u < G; u++) {
+                if (col0 + u * 32 * V >= a.d) continue;
+                for (int i = 0; i < V; i += 4) {
+                    float4 dv = *(const float4 *)(dr + u * 32 * V + i);
+                    x[u][i] = fmaf(w, dv.x, x[u][i]); x[u][i + 1] = fmaf(w, dv.y, x[u][i + 1]);
+                    x[u][i + 2] = fmaf(w, dv.z, x[u][i + 2]); x[u][i + 3] = fmaf(w, dv.w, x[u][i + 3]);
+                }
             }
         }
-        SdmBankVec<Tb>::store(row + col, x);
+#pragma unroll
+        for (int u = 0; u < G; u++)
+            if (col0 + u * 32 * V < a.d) SdmBankVec<Tb>::store(row + col0 + u * 32 * V, x[u]);
     }
 }
 
