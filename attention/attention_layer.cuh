@@ -109,14 +109,18 @@ static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerPa
     matmul_forward_parts(&P, ct, x, ct, n, D, s); // one launch at decode
 }
 
-// y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h].
-static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerParams *p,
-                                  const void *x, const void *o, void *z, void *og, int n, void *y, cudaStream_t s) {
+// y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h]. z and og
+// keep their values when `keep` (training's backward reads them); else a few rows (inference) take the gate in
+// x Wgᵀ's store, the same bits in og alone.
+static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x,
+                                  const void *o, void *z, void *og, int n, int keep, void *y, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim;
     const void *mixed = o;
     if (a->gated) {
-        matmul_forward(z, ct, nq, x, p->wg, NULL, ct, n, nq, D, s);
-        attn_gate_forward(ct, (size_t)n * nq, z, o, og, s);
+        if (keep || !matmul_forward_gate(og, o, x, p->wg, ct, n, nq, D, s)) {
+            matmul_forward(z, ct, nq, x, p->wg, NULL, ct, n, nq, D, s);
+            attn_gate_forward(ct, (size_t)n * nq, z, o, og, s);
+        }
         mixed = og;
     }
     matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
@@ -158,7 +162,7 @@ static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, co
     attn_rope(&L->rope, a, L->B, L->T, L->ctype, L->q, L->k, NULL, 1, s);
     attn_forward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, s);
     attn_layer_mark_core(L, 0, s);
-    attn_layer_out(a, L->ctype, p, x, L->o, L->z, L->og, n, y, s);
+    attn_layer_out(a, L->ctype, p, x, L->o, L->z, L->og, n, 1, y, s);
     attn_layer_mark_proj(L, attn_layer_out_flops(a, n), s);
 }
 
@@ -264,7 +268,7 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
     attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, s);
     attn_rope(&I->rope, a, 1, T, I->ctype, I->q, I->k, NULL, 1, s);
     attn_forward(a, 1, T, I->ctype, I->q, I->k, I->v, I->o, NULL, s);
-    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, T, y, s);
+    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, T, 0, y, s);
     size_t row = (size_t)a->n_kv_heads * a->head_dim, off = (size_t)b * I->C * row;
     if (I->ctype == DT_BF16)
         attn_cache_fill_kernel<bf16><<<256, 256, 0, s>>>((const bf16 *)I->k, (const bf16 *)I->v,
@@ -288,7 +292,7 @@ static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p
     attn_rope(&I->rope, a, B, 1, I->ctype, I->q, I->k, pos, 1, s);
     attn_kv_cache_append(a, B, I->ctype, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
     attn_decode(a, B, I->ctype, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
-    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, y, s);
+    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, 0, y, s);
 }
 
 // Stream `to`'s KV caches = stream `from`'s (a generator compacting its active streams).

@@ -92,7 +92,7 @@ template <typename T>
 __global__ void attn_gate_forward_kernel(const T *z, const T *o, T *og, size_t n) {
     pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) og[i] = dtype_from_float<T>(dtype_to_float(o[i]) / (1.0f + expf(-dtype_to_float(z[i]))));
+    if (i < n) og[i] = dtype_from_float<T>(core_sigmoid_gate(dtype_to_float(z[i]), dtype_to_float(o[i])));
 }
 
 template <typename T>

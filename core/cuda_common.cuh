@@ -93,6 +93,15 @@ __device__ __forceinline__ float core_block_sum(float v, float *scratch) {
     return t;
 }
 
+// Element-wise functions that must give the same bits wherever they run: the SwiGLU and attention-gate kernels
+// (core/layers.cuh, attention/attn_rope_gate.cuh) and the decode products that fold them into their store
+// (core/matmul.cuh, MatmulOut). One definition each, inlined into all of them.
+__device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+// SwiGLU: silu(a) * b.
+__device__ __forceinline__ float core_swiglu(float a, float b) { return a * core_sigmoidf(a) * b; }
+// The attention output gate: sigmoid(z) * o, by a division (not core_sigmoidf's reciprocal: other bits).
+__device__ __forceinline__ float core_sigmoid_gate(float z, float o) { return o / (1.0f + expf(-z)); }
+
 // ------------------------------------------------------------------------------------------------------------------
 // Programmatic dependent launch (sm_90): a kernel launched by launch_pdl may be scheduled while the kernel before it
 // on the stream is still running, so its launch latency and whatever it does before pdl_wait() (reading weights,

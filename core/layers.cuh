@@ -532,8 +532,6 @@ static inline void rmsnorm_backward(void *dx, float *dw, float *scratch, const v
 // 65535) and the columns are spread over blockIdx.y, so no thread divides by F; each thread owns W consecutive
 // columns: a 16-byte vector (W = DtypeVec<T>::N) when F and the row strides are multiples of it, else one element.
 
-__device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
 // h[r, c] = silu(a[r, c]) * b[r, c]; a, b have row stride ld, h has row stride F.
 template <typename T, int W>
 __global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int F) {
@@ -544,7 +542,7 @@ __global__ void swiglu_forward_kernel(T *h, const T *a, const T *b, int ld, int 
     size_t i = (size_t)blockIdx.x * ld + c;
     P av = dtype_pack_load<P>(a + i), bv = dtype_pack_load<P>(b + i), hv;
 #pragma unroll
-    for (int e = 0; e < W; e++) hv.set(e, av.get(e) * core_sigmoidf(av.get(e)) * bv.get(e));
+    for (int e = 0; e < W; e++) hv.set(e, core_swiglu(av.get(e), bv.get(e)));
     dtype_pack_store(h + (size_t)blockIdx.x * F + c, hv);
 }
 

@@ -1,6 +1,10 @@
 // core/matmul.cuh: the cuBLASLt matmul every layer uses, for row-major activations and row-major (out, in) weights.
 //   forward          Y[M,N]  = X[M,K] · W[N,K]ᵀ (+ bias[N])   (decode's small M: kernels of our own where they
 //                                                             beat cuBLASLt, see matmul_small_m_kernel)
+//   forward + op     H = silu(X·W1ᵀ) * (X·W3ᵀ), OG = sigmoid(X·Wᵀ) * O   (where a kernel of our own takes the
+//                                                             product, else the caller runs the element-wise
+//                                                             kernel: decode's SwiGLU and attention gate in the
+//                                                             product's store, bit for bit)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
@@ -125,65 +129,105 @@ __device__ __forceinline__ void matmul_gemv_load(const T *p, float *v) {
     matmul_gemv_unpack(__ldg((const uint4 *)p), p, v);
 }
 
-// wr[r] = the 16 bytes of weights W[n0 + r][k ..) of rows n0..n0+R-1, zero past N or K. Kept packed until used:
-// unpacked floats held over the loop would cost registers, hence occupancy.
-template <typename T, int R>
-__device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w, int n0, int N, int K, int k) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        wr[r] = n0 + r < N && k < K ? __ldg((const uint4 *)(w + (size_t)(n0 + r) * K + k)) : make_uint4(0, 0, 0, 0);
-}
-
 #define MATMUL_MAX_PARTS 4
 
+// An element-wise op the small-M kernels fold into their store, so that a decode step runs no kernel of its own
+// for it between two products. It applies the element-wise kernel's function (one definition, core/cuda_common.cuh)
+// to the product rounded to Y's dtype, as that kernel reads a stored product: Y gets the bits of the two kernels.
+// (In the store, each output's op runs once; folded into the next product's X loads instead, every block of that
+// product would recompute all of its X's sigmoids.)
+//   MATMUL_OUT_SWIGLU  W = [W1; W3] [2N, K]: Y[m, n] = silu(A[m, n]) * B[m, n], A = X·W1ᵀ, B = X·W3ᵀ (the FFN)
+//   MATMUL_OUT_GATE    Y[m, n] = sigmoid(Z[m, n]) * O[m, n], Z = X·Wᵀ (the attention output gate)
+typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
+
 // Products that share X (e.g. a layer's q, k, v): part p is Y_p[M,N_p] (row stride ldy_p) = X · W_p[N_p,K]ᵀ
-// (+ bias_p, NULL or [N_p] in Y's dtype). The small-M kernels run every part in one launch.
+// (+ bias_p, NULL or [N_p] in Y's dtype). The small-M kernels run every part in one launch. An output op other than
+// MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype.
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
     void *y[MATMUL_MAX_PARTS];
     const void *bias[MATMUL_MAX_PARTS];
     int N[MATMUL_MAX_PARTS], ldy[MATMUL_MAX_PARTS];
+    MatmulOut op = MATMUL_OUT_PLAIN; // what initializers that stop at ldy get
+    const void *o = NULL;            // MATMUL_OUT_GATE: O [M, ldo] in Y's dtype
+    int ldo = 0;
 } MatmulParts;
 
-// The small-M kernels' grids: blocks of `rows` rows of W, part after part.
-static inline unsigned matmul_parts_blocks(const MatmulParts *P, int rows) {
+// Output columns of a block of `rows` rows of W: under SwiGLU a block pairs columns n0.. of W1 (its rows r <
+// rows/2) with the same columns of W3 (rows r >= rows/2), so that both sums of a column meet in one thread.
+__host__ __device__ constexpr int matmul_block_cols(MatmulOut op, int rows) {
+    return op == MATMUL_OUT_SWIGLU ? rows / 2 : rows;
+}
+
+// Row r of a block of R rows of W whose first output column is n0: its output column, and its row of W.
+template <MatmulOut OP, int R>
+__device__ __forceinline__ int matmul_out_col(int n0, int r) {
+    return OP == MATMUL_OUT_SWIGLU && r >= R / 2 ? n0 + r - R / 2 : n0 + r;
+}
+template <MatmulOut OP, int R>
+__device__ __forceinline__ int matmul_w_row(int n0, int r, int N) {
+    return OP == MATMUL_OUT_SWIGLU && r >= R / 2 ? N + n0 + r - R / 2 : n0 + r;
+}
+
+// The small-M kernels' grids: blocks of `cols` output columns, part after part.
+static inline unsigned matmul_parts_blocks(const MatmulParts *P, int cols) {
     unsigned n = 0;
-    for (int p = 0; p < P->n; p++) n += (unsigned)ceil_div(P->N[p], rows);
+    for (int p = 0; p < P->n; p++) n += (unsigned)ceil_div(P->N[p], cols);
     return n;
 }
 
 // The part that block b of such a grid falls in; b becomes its index within that part.
-__device__ __forceinline__ int matmul_block_part(const MatmulParts &P, int rows, int &b) {
+__device__ __forceinline__ int matmul_block_part(const MatmulParts &P, int cols, int &b) {
     int p = 0;
-    for (; p < P.n - 1 && b >= (P.N[p] + rows - 1) / rows; p++) b -= (P.N[p] + rows - 1) / rows;
+    for (; p < P.n - 1 && b >= (P.N[p] + cols - 1) / cols; p++) b -= (P.N[p] + cols - 1) / cols;
     return p;
 }
 
-// Y_p[m, n] = s + bias_p[n].
+// v as a stored TY reads back.
 template <typename TY>
-__device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, int m, int n, float s) {
+__device__ __forceinline__ float matmul_rounded(float v) { return dtype_to_float(dtype_from_float<TY>(v)); }
+
+// Y_p[m, n] = s + bias_p[n], or P's output op of s (and under SwiGLU s3, W3's sum of column n).
+template <typename TY, MatmulOut OP>
+__device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, int m, int n, float s, float s3) {
     if (P.bias[p]) s += dtype_to_float(((const TY *)P.bias[p])[n]);
+    if (OP == MATMUL_OUT_SWIGLU) s = core_swiglu(matmul_rounded<TY>(s), matmul_rounded<TY>(s3));
+    if (OP == MATMUL_OUT_GATE)
+        s = core_sigmoid_gate(matmul_rounded<TY>(s), dtype_to_float(((const TY *)P.o)[(size_t)m * P.ldo + n]));
     ((TY *)P.y[p])[(size_t)m * P.ldy[p] + n] = dtype_from_float<TY>(s);
 }
 
-// Block b takes rows [b' R, b' R + R) of the part it falls in (b' = its index within that part).
-template <typename T, typename TY, int M>
+// wr[r] = the 16 bytes of weights W[row][k ..) of the block's rows r < R (matmul_w_row), zero past N or K. Kept
+// packed until used: unpacked floats held over the loop would cost registers, hence occupancy.
+template <typename T, int R, MatmulOut OP>
+__device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w, int n0, int N, int K, int k) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        wr[r] = matmul_out_col<OP, R>(n0, r) < N && k < K
+                    ? __ldg((const uint4 *)(w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k))
+                    : make_uint4(0, 0, 0, 0);
+}
+
+// Block b takes output columns [b' C, b' C + C) of the part it falls in (b' = its index within that part; C =
+// matmul_block_cols(OP, R)).
+template <typename T, typename TY, int M, MatmulOut OP>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K) {
     constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
+    constexpr int C = matmul_block_cols(OP, R);
     __shared__ float part[WARPS][R * M];
     int b = blockIdx.x;
-    const int p = matmul_block_part(P, R, b);
+    const int p = matmul_block_part(P, C, b);
     const T *w = (const T *)P.w[p];
-    const int N = P.N[p], n0 = b * R, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int N = P.N[p], n0 = b * C, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float acc[R][M] = {};
     uint4 wr[R];
     const int k0 = threadIdx.x * VEC;
-    matmul_gemv_load_rows<T, R>(wr, w, n0, N, K, k0); // before pdl_wait: W is constant in a step
+    matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k0); // before pdl_wait: W is constant in a step
     pdl_enter();
     for (int k = k0; k < K; k += MATMUL_GEMV_THREADS * VEC) {
         float wv[R][VEC], xv[VEC];
-        if (k != k0) matmul_gemv_load_rows<T, R>(wr, w, n0, N, K, k);
+        if (k != k0) matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k);
 #pragma unroll
         for (int r = 0; r < R; r++) matmul_gemv_unpack(wr[r], w, wv[r]);
 #pragma unroll
@@ -204,17 +248,20 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
         }
     __syncthreads();
     int r = threadIdx.x / M, m = threadIdx.x % M;
-    if (threadIdx.x >= R * M || n0 + r >= N) return;
-    float s = 0.f;
+    if (threadIdx.x >= C * M || n0 + r >= N) return;
+    float s = 0.f, s3 = 0.f;
     for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
-    matmul_part_store<TY>(P, p, m, n0 + r, s);
+    if (OP == MATMUL_OUT_SWIGLU)
+        for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
+    matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
 }
 
-template <typename T, typename TY>
+// Every part of P (whose op is OP) for M in 1..8 rows of X.
+template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
-    unsigned grid = matmul_parts_blocks(P, MATMUL_GEMV_ROWS);
+    unsigned grid = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
 #define MATMUL_GEMV_CASE(m) \
-    case m: launch_pdl(matmul_gemv_kernel<T, TY, m>, grid, MATMUL_GEMV_THREADS, 0, s, *P, x, K); break;
+    case m: launch_pdl(matmul_gemv_kernel<T, TY, m, OP>, grid, MATMUL_GEMV_THREADS, 0, s, *P, x, K); break;
     switch (M) {
         MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
@@ -286,37 +333,42 @@ __device__ __forceinline__ uint4 matmul_mma_load_x(const __nv_bfloat16 *p, bool 
     return ok ? __ldg((const uint4 *)p) : make_uint4(0, 0, 0, 0);
 }
 
-// A lane's W chunks of k-blocks kb0 + u WARPS (u < U) for its NT n-tiles.
-template <int U, int NT>
+// A lane's W chunks of k-blocks kb0 + u WARPS (u < U) for its NT n-tiles: block rows 8 j + g (matmul_w_row; under
+// SwiGLU a tile lies in W1 or in W3 as a whole, NT being even).
+template <int U, int NT, MatmulOut OP>
 __device__ __forceinline__ void matmul_mma_load_ws(uint4 (&wv)[U][NT], const __nv_bfloat16 *w, int n0, int N, int K,
                                                    int kb0, int g, int t) {
+    static_assert(OP != MATMUL_OUT_SWIGLU || NT % 2 == 0, "matmul: SwiGLU pairs whole n-tiles of W1 and W3");
+    constexpr int R = 8 * NT;
 #pragma unroll
     for (int u = 0; u < U; u++)
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            int n = n0 + 8 * j + g, k = (kb0 + u * MATMUL_MMA_WARPS) * 32 + 8 * t;
-            wv[u][j] = matmul_mma_load_w(w + (size_t)n * K + k, n < N && k < K);
+            int n = matmul_w_row<OP, R>(n0, 8 * j, N) + g, k = (kb0 + u * MATMUL_MMA_WARPS) * 32 + 8 * t;
+            wv[u][j] = matmul_mma_load_w(w + (size_t)n * K + k, matmul_out_col<OP, R>(n0, 8 * j) + g < N && k < K);
         }
 }
 
-// Block b takes rows [b' R, b' R + R) of the part it falls in (R = MATMUL_MMA_ROWS) for all M <= 16 MT rows of X.
-template <typename TY, int MT>
+// Block b takes output columns [b' C, b' C + C) of the part it falls in (C = matmul_block_cols(OP, R), R =
+// MATMUL_MMA_ROWS) for all M <= 16 MT rows of X.
+template <typename TY, int MT, MatmulOut OP>
 __global__ void __launch_bounds__(MATMUL_MMA_WARPS * 32)
     matmul_mma_kernel(MatmulParts P, const __nv_bfloat16 *x, int M, int K) {
     constexpr int NT = MATMUL_MMA_NT, R = MATMUL_MMA_ROWS, WARPS = MATMUL_MMA_WARPS, U = MATMUL_MMA_UNROLL;
+    constexpr int C = matmul_block_cols(OP, R);
     static_assert(WARPS * 16 * MT * R * sizeof(float) <= 48 * 1024, "matmul: MMA partials exceed shared memory");
     __shared__ float part[WARPS][16 * MT][R]; // [warp][row of X][row of W within the block]
     int b = blockIdx.x;
-    const int p = matmul_block_part(P, R, b);
+    const int p = matmul_block_part(P, C, b);
     const __nv_bfloat16 *w = (const __nv_bfloat16 *)P.w[p];
-    const int N = P.N[p], n0 = b * R, KB = (K + 31) / 32;
+    const int N = P.N[p], n0 = b * C, KB = (K + 31) / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     float acc[MT][NT][4] = {};
     uint4 wv[U][NT];
-    matmul_mma_load_ws<U, NT>(wv, w, n0, N, K, warp, g, t); // before pdl_wait: W is constant in a step
+    matmul_mma_load_ws<U, NT, OP>(wv, w, n0, N, K, warp, g, t); // before pdl_wait: W is constant in a step
     pdl_enter();
     for (int kb0 = warp; kb0 < KB; kb0 += WARPS * U) {
-        if (kb0 != warp) matmul_mma_load_ws<U, NT>(wv, w, n0, N, K, kb0, g, t);
+        if (kb0 != warp) matmul_mma_load_ws<U, NT, OP>(wv, w, n0, N, K, kb0, g, t);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int k = (kb0 + u * WARPS) * 32 + 8 * t; // past K: zero fragments, D = C exactly
@@ -340,21 +392,24 @@ __global__ void __launch_bounds__(MATMUL_MMA_WARPS * 32)
 #pragma unroll
             for (int e = 0; e < 4; e++) part[warp][16 * i + g + 8 * (e / 2)][8 * j + 2 * t + e % 2] = acc[i][j][e];
     __syncthreads();
-    for (int o = threadIdx.x; o < M * R; o += WARPS * 32) {
-        int m = o / R, r = o % R;
+    for (int o = threadIdx.x; o < M * C; o += WARPS * 32) {
+        int m = o / C, r = o % C;
         if (n0 + r >= N) continue;
-        float s = 0.f;
+        float s = 0.f, s3 = 0.f;
         for (int j = 0; j < WARPS; j++) s += part[j][m][r];
-        matmul_part_store<TY>(P, p, m, n0 + r, s);
+        if (OP == MATMUL_OUT_SWIGLU)
+            for (int j = 0; j < WARPS; j++) s3 += part[j][m][r + C];
+        matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
     }
 }
 
-// Every part of P for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY output.
-template <typename TY>
+// Every part of P (whose op is OP) for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY
+// output.
+template <typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
-    unsigned grid = matmul_parts_blocks(P, MATMUL_MMA_ROWS);
+    unsigned grid = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_MMA_ROWS));
 #define MATMUL_MMA_CASE(mt) \
-    case mt: launch_pdl(matmul_mma_kernel<TY, mt>, grid, MATMUL_MMA_WARPS * 32, 0, s, *P, x, M, K); break;
+    case mt: launch_pdl(matmul_mma_kernel<TY, mt, OP>, grid, MATMUL_MMA_WARPS * 32, 0, s, *P, x, M, K); break;
     switch (ceil_div(M, 16)) {
         MATMUL_MMA_CASE(1) MATMUL_MMA_CASE(2) MATMUL_MMA_CASE(3) MATMUL_MMA_CASE(4)
     default: sdm_die("matmul: the MMA kernel takes 1..64 rows, not %d", M);
@@ -382,6 +437,16 @@ static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int K, in
     return parts > 1 && M <= MATMUL_MMA_MAX_M ? MATMUL_KERNEL_MMA : MATMUL_KERNEL_LT;
 }
 
+// P's output op OP (not MATMUL_OUT_PLAIN) by `kernel`, X and Y of one dtype: the only instantiations it needs.
+template <MatmulOut OP>
+static inline void matmul_small_m_op(const MatmulParts *P, MatmulKernel kernel, const void *x, Dtype dtype, int M,
+                                     int K, cudaStream_t s) {
+    typedef __nv_bfloat16 bf;
+    if (kernel == MATMUL_KERNEL_MMA) matmul_mma_run<bf, OP>(P, (const bf *)x, M, K, s);
+    else if (dtype == DT_FP32) matmul_gemv_run<float, float, OP>(P, (const float *)x, M, K, s);
+    else matmul_gemv_run<bf, bf, OP>(P, (const bf *)x, M, K, s);
+}
+
 // X and every W of P, or'ed: 16-byte aligned when its low 4 bits are 0.
 static inline uintptr_t matmul_parts_addr(const MatmulParts *P, const void *x) {
     uintptr_t addr = (uintptr_t)x;
@@ -405,7 +470,11 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
                                        (kernel == MATMUL_KERNEL_MMA && in_type != DT_BF16)))
         sdm_die("matmul: the %s kernel cannot take %d rows of K = %d (%s)", matmul_kernel_name(kernel), M, K,
                 dtype_name(in_type));
-    if (kernel == MATMUL_KERNEL_MMA) {
+    if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
+        sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
+    if (P->op == MATMUL_OUT_SWIGLU) matmul_small_m_op<MATMUL_OUT_SWIGLU>(P, kernel, x, in_type, M, K, s);
+    else if (P->op == MATMUL_OUT_GATE) matmul_small_m_op<MATMUL_OUT_GATE>(P, kernel, x, in_type, M, K, s);
+    else if (kernel == MATMUL_KERNEL_MMA) {
         if (y_type == DT_FP32) matmul_mma_run<float>(P, (const bf *)x, M, K, s);
         else matmul_mma_run<bf>(P, (const bf *)x, M, K, s);
     } else if (kernel == MATMUL_KERNEL_GEMV) {
@@ -443,6 +512,33 @@ static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, cons
     if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
     matmul_parts_run(matmul_small_m_kernel(in_type, M, K, P->n, matmul_parts_addr(P, x)), P, y_type, x, in_type, M, K,
                      s);
+}
+
+// P (one part with an output op, X and Y of one dtype) by the kernel matmul_small_m_kernel picks for its product;
+// returns 0, having done nothing, where that is cuBLASLt.
+static inline int matmul_forward_op(const MatmulParts *P, const void *x, Dtype dtype, int M, int K, cudaStream_t s) {
+    MatmulKernel kernel = matmul_small_m_kernel(dtype, M, K, 1, matmul_parts_addr(P, x));
+    if (kernel == MATMUL_KERNEL_LT) return 0;
+    matmul_parts_run(kernel, P, dtype, x, dtype, M, K, s);
+    return 1;
+}
+
+// H[M,N] = silu(X·W1ᵀ) * (X·W3ᵀ) for W13 = [W1; W3] [2N, K], all of one dtype: the bits of matmul_forward into
+// A|B [M, 2N] followed by swiglu_forward (core/layers.cuh), in one small-M launch (MATMUL_OUT_SWIGLU). Returns 0,
+// having done nothing, when no small-M kernel takes the product: the caller runs those two.
+static inline int matmul_forward_swiglu(void *h, const void *x, const void *w13, Dtype dtype, int M, int N, int K,
+                                        cudaStream_t s) {
+    MatmulParts P = {1, {w13}, {h}, {NULL}, {N}, {N}, MATMUL_OUT_SWIGLU, NULL, 0};
+    return matmul_forward_op(&P, x, dtype, M, K, s);
+}
+
+// OG[M,N] = sigmoid(X·Wᵀ) * O[M,N] (OG, O of row stride N), all of one dtype: the bits of matmul_forward into Z
+// followed by attn_gate_forward (attention/attn_rope_gate.cuh), in one small-M launch (MATMUL_OUT_GATE); returns 0
+// as matmul_forward_swiglu does.
+static inline int matmul_forward_gate(void *og, const void *o, const void *x, const void *w, Dtype dtype, int M,
+                                      int N, int K, cudaStream_t s) {
+    MatmulParts P = {1, {w}, {og}, {NULL}, {N}, {N}, MATMUL_OUT_GATE, o, N};
+    return matmul_forward_op(&P, x, dtype, M, K, s);
 }
 
 // dX[M,K] (=, or += when accumulate) dY[M,N] (row stride lddy) · W[N,K].

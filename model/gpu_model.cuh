@@ -361,14 +361,17 @@ static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const vo
 }
 
 // SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
-// are adjacent in the parameter table); ab and hf [n, F] keep the intermediates.
+// are adjacent in the parameter table); ab and hf [n, F] keep the intermediates when `keep` (training's backward
+// reads them), else a few rows (inference) take the SwiGLU in the GEMM's store, the same bits in hf alone.
 static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, void *ab, void *hf,
-                                  void *y, int n, cudaStream_t st) {
+                                  void *y, int n, int keep, cudaStream_t st) {
     int D = g->D, F = g->F;
-    matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
-    gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
-    swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
-    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
+    if (keep || !matmul_forward_swiglu(hf, x, w->ffn_w13, g->ctype, n, F, D, st)) {
+        matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
+        swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
+    }
     matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, st);
     gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0);
 }
@@ -398,7 +401,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
-        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 0);
+        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 1, 0);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_recomputed_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -659,7 +662,7 @@ static inline void gpu_infer_run(GpuInferState *I, const int *tokens, int b, int
     for (int l = 0; l < g->L; l++) {
         gpu_infer_mixer(I, l, b, n);
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, w->block[l].ffn_norm, g->ctype, n, D, eps, st);
-        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n, st);
+        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n, 0, st);
         residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_next_norm(g, l), g->ctype, n, D, eps, st);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;

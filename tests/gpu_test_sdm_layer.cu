@@ -3,7 +3,8 @@
 //   matmul: forward with bias and row stride, both backward products (overwrite and accumulate), bias column sum;
 //          the small-M forward (decode's GEMV and tensor-core kernels): accuracy, rerun bits, a row's bits
 //          independent of M and of the other rows; products sharing X in one launch (matmul_forward_parts) = one
-//          call each, bit for bit.
+//          call each, bit for bit; the SwiGLU and attention gate in the product's store = the product then their
+//          kernel, bit for bit.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
@@ -18,6 +19,8 @@
 // Tolerances (relative L2 error): fp32 mode 1e-5, bf16 mode 1e-2.
 #include <time.h>
 
+#include "attention/attn_rope_gate.cuh"
+#include "core/layers.cuh"
 #include "core/rng.h"
 #include "sdm/sdm_layer.cuh"
 #include "sdm/sdm_ref.h"
@@ -269,6 +272,66 @@ static void test_matmul_parts(Rng *rng, int fp32, int M) {
     CHECK(same, "matmul_forward_parts (%s, M = %d) differs from one matmul_forward per part", dtype_name(t), M);
     cudaCheck(cudaFree(dx_));
     free(x);
+}
+
+// The output ops folded into the small-M kernels' store: matmul_forward_swiglu (H = silu(X·W1ᵀ) * (X·W3ᵀ), W13 =
+// [W1; W3] [2N, K]) and matmul_forward_gate (OG = sigmoid(X·Wᵀ) * O, W = W13's first N rows) against the two kernels
+// they replace, matmul_forward into A|B [M, 2N] or Z [M, N] then swiglu_forward or attn_gate_forward, bit for bit
+// by the given kernel (matmul_parts_run), or through the model's API (kernel = MATMUL_KERNEL_LT), which must fuse
+// where matmul_small_m_kernel picks a kernel of our own and elsewhere decline (return 0) and leave H / OG unwritten.
+// Products ~ N(0, 1) keep the sigmoids on their steep part. Any departure from the two kernels fails, in thousands
+// of outputs (rates from a host simulation of a, b, z, o ~ N(0, 1)): the op taking the fp32 sums instead of their
+// bf16 roundings moves 34% of bf16 SwiGLU outputs and 10% of gate outputs; in fp32 another expression of the same
+// function (o * sigmoid(z), silu(a) as a / (1 + e^-a)) moves about 25%, another sum order (another kernel) most of
+// them; a wrong W3 row or column, or an output left unwritten (NaN fill), all of them.
+static void test_matmul_out_ops(Rng *rng, MatmulKernel kernel, int fp32, int M, int N, int K) {
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
+    size_t es = dtype_size(t), bytes = (size_t)M * N * es;
+    double *x = hzeros((size_t)M * K), *w = hzeros((size_t)2 * N * K), *o = hzeros((size_t)M * N);
+    fill_normal(rng, x, (size_t)M * K, 1.0);
+    fill_normal(rng, w, (size_t)2 * N * K, 1.0 / sqrt((double)K));
+    fill_normal(rng, o, (size_t)M * N, 1.0);
+    void *dx = dev_upload(x, (size_t)M * K, fp32), *dw = dev_upload(w, (size_t)2 * N * K, fp32);
+    void *d_o = dev_upload(o, (size_t)M * N, fp32), *ab = NULL, *ref = NULL, *fused = NULL;
+    cudaCheck(cudaMalloc(&ab, 2 * bytes)); cudaCheck(cudaMalloc(&ref, bytes)); cudaCheck(cudaMalloc(&fused, bytes));
+    unsigned char *h_ref = (unsigned char *)sdm_malloc(bytes), *h_fused = (unsigned char *)sdm_malloc(bytes);
+    unsigned char *nan_fill = (unsigned char *)sdm_malloc(bytes);
+    memset(nan_fill, 0xFF, bytes);
+    int api = kernel == MATMUL_KERNEL_LT; // through matmul_forward_swiglu / _gate, else by `kernel`
+    MatmulKernel policy = matmul_small_m_kernel(t, M, K, 1, (uintptr_t)dx | (uintptr_t)dw);
+    int expect = !api || policy != MATMUL_KERNEL_LT;
+    const char *kname = matmul_kernel_name(api ? policy : kernel);
+    for (int gate = 0; gate <= 1; gate++) {
+        if (gate) {
+            matmul_forward(ab, t, N, dx, dw, NULL, t, M, N, K, 0);
+            attn_gate_forward(t, (size_t)M * N, ab, d_o, ref, 0);
+        } else {
+            matmul_forward(ab, t, 2 * N, dx, dw, NULL, t, M, 2 * N, K, 0);
+            swiglu_forward(ref, ab, (char *)ab + N * es, 2 * N, t, M, N, 0);
+        }
+        cudaCheck(cudaMemset(fused, 0xFF, bytes)); // NaN in both dtypes
+        MatmulParts P = {1, {dw}, {fused}, {NULL}, {N}, {N}, gate ? MATMUL_OUT_GATE : MATMUL_OUT_SWIGLU, d_o, N};
+        int took = 1;
+        if (!api) matmul_parts_run(kernel, &P, t, dx, t, M, K, 0);
+        else took = gate ? matmul_forward_gate(fused, d_o, dx, dw, t, M, N, K, 0)
+                         : matmul_forward_swiglu(fused, dx, dw, t, M, N, K, 0);
+        cudaCheck(cudaDeviceSynchronize());
+        cudaCheck(cudaMemcpy(h_ref, ref, bytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(h_fused, fused, bytes, cudaMemcpyDeviceToHost));
+        size_t differ = 0;
+        for (size_t i = 0; i < (size_t)M * N; i++)
+            differ += memcmp(h_fused + i * es, (took ? h_ref : nan_fill) + i * es, es) != 0;
+        char what[96];
+        snprintf(what, sizeof what, "matmul %s M=%d N=%d K=%d %s (%s)", gate ? "gate" : "SwiGLU", M, N, K,
+                 dtype_name(t), kname);
+        printf("%s: %s, %zu of %d outputs %s\n", what, took ? "fused" : "declined", differ, M * N,
+               took ? "differ from its two kernels" : "written");
+        CHECK(took == expect, "%s: fused %d, expected %d", what, took, expect);
+        CHECK(differ == 0, "%s: %zu outputs %s", what, differ, took ? "differ from its two kernels" : "written");
+    }
+    void *bufs[] = {dx, dw, d_o, ab, ref, fused};
+    for (int i = 0; i < 6; i++) cudaCheck(cudaFree(bufs[i]));
+    free(x); free(w); free(o); free(h_ref); free(h_fused); free(nan_fill);
 }
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
@@ -745,6 +808,32 @@ int main(int argc, char **argv) {
     test_matmul_small_m(&rng, T, 0, 0, 64, 1037, 2048, 1040, 1);
     test_matmul_small_m(&rng, T, 0, 1, 64, 300, 5632, 300, 0);
     test_matmul_small_m(&rng, MATMUL_KERNEL_LT, 0, 0, 32, 1030, 2048, 1030, 1); // the model's path at 32 rows
+    // the output ops by each kernel of our own: the GEMV's 1, 3, 8 rows in bf16 and fp32, the MMA kernel's 2, 9, 32,
+    // 64 in bf16; N ragged for a block's 2 (GEMV) or 8 (MMA) columns, and the flagship's FFN (N = F = 5632) and gate
+    // (N = 2048) over K = D = 2048; K of 136, 1032, 5624 (multiples of 8, not of 32)
+    const MatmulKernel G = MATMUL_KERNEL_GEMV;
+    for (int fp32 = 0; fp32 <= 1; fp32++) {
+        test_matmul_out_ops(&rng, G, fp32, 1, 45, 136);
+        test_matmul_out_ops(&rng, G, fp32, 1, 5632, 2048);
+        test_matmul_out_ops(&rng, G, fp32, 3, 1037, 1032);
+        test_matmul_out_ops(&rng, G, fp32, 8, 2048, 2048);
+        test_matmul_out_ops(&rng, G, fp32, 8, 13, 5624);
+    }
+    test_matmul_out_ops(&rng, T, 0, 2, 45, 136);
+    test_matmul_out_ops(&rng, T, 0, 9, 45, 136);
+    test_matmul_out_ops(&rng, T, 0, 32, 5632, 2048);
+    test_matmul_out_ops(&rng, T, 0, 32, 1037, 1032);
+    test_matmul_out_ops(&rng, T, 0, 64, 2048, 2048);
+    test_matmul_out_ops(&rng, T, 0, 64, 13, 5624);
+    // ... and through the model's API, which fuses where matmul_small_m_kernel picks a kernel of our own (one bf16 row,
+    // up to 8 fp32 rows) and declines elsewhere (bf16 products of 32 rows, fp32 of 32, 65 rows, rows of 88 bytes)
+    const MatmulKernel A = MATMUL_KERNEL_LT;
+    test_matmul_out_ops(&rng, A, 0, 1, 5632, 2048);
+    test_matmul_out_ops(&rng, A, 1, 8, 2048, 2048);
+    test_matmul_out_ops(&rng, A, 0, 32, 100, 136);
+    test_matmul_out_ops(&rng, A, 1, 32, 100, 136);
+    test_matmul_out_ops(&rng, A, 0, 65, 45, 136);
+    test_matmul_out_ops(&rng, A, 0, 3, 45, 44);
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
