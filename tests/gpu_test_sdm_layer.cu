@@ -301,14 +301,11 @@ static void test_matmul_out_ops(Rng *rng, MatmulKernel kernel, int fp32, int M, 
     MatmulKernel policy = matmul_small_m_kernel(t, M, K, 1, (uintptr_t)dx | (uintptr_t)dw);
     int expect = !api || policy != MATMUL_KERNEL_LT;
     const char *kname = matmul_kernel_name(api ? policy : kernel);
-    for (int gate = 0; gate <= 1; gate++) {
-        if (gate) {
-            matmul_forward(ab, t, N, dx, dw, NULL, t, M, N, K, 0);
-            attn_gate_forward(t, (size_t)M * N, ab, d_o, ref, 0);
-        } else {
-            matmul_forward(ab, t, 2 * N, dx, dw, NULL, t, M, 2 * N, K, 0);
-            swiglu_forward(ref, ab, (char *)ab + N * es, 2 * N, t, M, N, 0);
-        }
+    for (int gate = 0; gate <= 1; gate++) { // the reference: the same kernel's plain product, then the op's kernel
+        MatmulParts plain = {1, {dw}, {ab}, {NULL}, {gate ? N : 2 * N}, {gate ? N : 2 * N}};
+        matmul_parts_run(api ? policy : kernel, &plain, t, dx, t, M, K, 0);
+        if (gate) attn_gate_forward(t, (size_t)M * N, ab, d_o, ref, 0);
+        else swiglu_forward(ref, ab, (char *)ab + N * es, 2 * N, t, M, N, 0);
         cudaCheck(cudaMemset(fused, 0xFF, bytes)); // NaN in both dtypes
         MatmulParts P = {1, {dw}, {fused}, {NULL}, {N}, {N}, gate ? MATMUL_OUT_GATE : MATMUL_OUT_SWIGLU, d_o, N};
         int took = 1;
