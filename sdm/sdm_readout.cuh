@@ -67,17 +67,27 @@ __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
             if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
         }
         size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
+        // every output of the row before any store: a store between them would keep the compiler from issuing the
+        // next element's weight and gate loads early (r might alias them), one memory latency per element
+        float y[NV][4];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + 32 * i;
+            for (int j = 0; j < 4; j++) {
+                int c = 4 * c4 + j;
+                y[i][j] = sdm_f4get(x[i], j);
+                if (c4 >= d4) continue;
+                if (ra.ln)
+                    y[i][j] = (y[i][j] - mean) * rstd * dtype_load(ra.ln_w, c, ra.fp32) +
+                              dtype_load(ra.ln_b, c, ra.fp32);
+                if (ra.gate) y[i][j] *= sdm_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NV; i++) {
             int c4 = lane + 32 * i;
             if (c4 >= d4) continue;
-            for (int j = 0; j < 4; j++) {
-                int c = 4 * c4 + j;
-                float y = sdm_f4get(x[i], j);
-                if (ra.ln) y = (y - mean) * rstd * dtype_load(ra.ln_w, c, ra.fp32) + dtype_load(ra.ln_b, c, ra.fp32);
-                if (ra.gate) y *= sdm_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
-                dtype_store(r, (size_t)p * ra.d + c, y, ra.fp32);
-            }
+            for (int j = 0; j < 4; j++) dtype_store(r, (size_t)p * ra.d + 4 * c4 + j, y[i][j], ra.fp32);
         }
     }
 }
