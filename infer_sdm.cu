@@ -1,6 +1,7 @@
 // infer_sdm.cu: generates text from a checkpoint of a model trained by train_sdm (docs/MODEL.md#generation).
 //
-//   ./infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F] [--max-new N] [--temperature T]
+//   ./infer_sdm CHECKPOINT [--prompt TEXT | --prompt-file F | --prompts F [--prompt-field NAME]] [--max-new N]
+//               [--temperature T]
 //               [--top-p P] [--top-k K] [--seed S] [--batch B] [--no-graph] [--no-pdl] [--fp32]
 //               [--bench]
 //   ./infer_sdm CHECKPOINT --eval SHARDS [--eval-batches N] [--eval-task T] [--out DIR] [--fp32]
@@ -8,8 +9,10 @@
 // CHECKPOINT is a model.bin or a run folder (its newest complete checkpoint). A prompt is BOS + its bytes, cut
 // from the left to leave room for N new tokens in the model's context (data.seq_len of its config). temperature 0
 // is greedy; otherwise top-p, if given, takes precedence over top-k. Generation stops at EOS or after N tokens.
-// With --prompts, every line of F is a prompt, generated B at a time (model/generate.cuh gen_batch). The generated
-// bytes are printed with non-printables escaped, then the speed. --bench times prefill and decode instead.
+// With --prompts, every non-empty line of F is a prompt (of a F.jsonl, the string member NAME, default "prompt", of
+// the JSON object on the line: data/prompts.h), generated B at a time (model/generate.cuh gen_batch). The generated
+// bytes are printed with non-printables escaped as they come (one prompt: token by token; several: each prompt's
+// text when it stops), then the speed. --bench times prefill and decode instead.
 // --eval scores the checkpoint on token shards as train_sdm's evaluation does (model/evaluate.cuh): mean loss, loss
 // by position in the row and recall accuracy by gap, on rows of the training shape (data.batch_size x data.seq_len).
 #include <cuda_profiler_api.h>
@@ -17,6 +20,7 @@
 
 #include "core/config.h"
 #include "data/dataloader.h"
+#include "data/prompts.h"
 #include "model/checkpoint.h"
 #include "model/evaluate.cuh"
 #include "model/generate.cuh"
@@ -24,6 +28,7 @@
 typedef struct {
     const char *checkpoint;                           // the one positional argument
     const char *prompt, *prompt_file, *prompts_file;  // taken as given: a prompt may hold any byte
+    const char *prompt_field;                         // --prompts F.jsonl: the member holding the prompt
     const char *eval, *eval_task, *out;               // eval_task is checked as the key eval.task of the config
     int max_new, top_k, batch, eval_batches, seed;    // numbers and switches: parsed by core/config.h (INFER_FLAGS)
     int fp32, no_graph, no_pdl, bench;
@@ -60,7 +65,9 @@ static void usage(FILE *f) {
                "  CHECKPOINT                         a model.bin, or a run folder (its newest complete checkpoint)\n"
                "  --prompt TEXT                      the prompt (default: empty, i.e. BOS alone)\n"
                "  --prompt-file F                    the prompt is the bytes of file F\n"
-               "  --prompts F                        one prompt per line of F (empty lines skipped), in batches\n"
+               "  --prompts F                        one prompt per line of F (empty lines skipped), in batches;\n"
+               "                                     F.jsonl: one JSON object per line, the prompt its string member\n"
+               "  --prompt-field NAME                --prompts F.jsonl: that member (default: prompt)\n"
                "  --eval SHARDS                      no generation: loss, loss by position and recall accuracy by\n"
                "                                     gap on the token shards SHARDS (globs separated by commas)\n"
                "  --eval-task T                      auto|recall|mqar|copy|none (default: the checkpoint's eval.task)\n"
@@ -73,6 +80,7 @@ static const char **string_option(Options *o, const char *name) {
     if (!strcmp(name, "--prompt")) return &o->prompt;
     if (!strcmp(name, "--prompt-file")) return &o->prompt_file;
     if (!strcmp(name, "--prompts")) return &o->prompts_file;
+    if (!strcmp(name, "--prompt-field")) return &o->prompt_field;
     if (!strcmp(name, "--eval")) return &o->eval;
     if (!strcmp(name, "--eval-task")) return &o->eval_task;
     if (!strcmp(name, "--out")) return &o->out;
@@ -112,6 +120,9 @@ static Options parse_args(int argc, char **argv) {
         sdm_die("--eval scores shards: it takes no prompt and no --bench");
     if (!o.eval && (o.eval_batches || o.eval_task || o.out))
         sdm_die("--eval-batches, --eval-task and --out need --eval");
+    if (o.prompt_field && !(o.prompts_file && prompts_is_jsonl(o.prompts_file)))
+        sdm_die("--prompt-field names the member of a --prompts file ending in .jsonl");
+    if (!o.prompt_field) o.prompt_field = "prompt";
     return o;
 }
 
@@ -146,44 +157,48 @@ static uint8_t *read_file(const char *path, const char *flag, size_t *n) {
     return b;
 }
 
-// The bytes of the prompt (--prompt, --prompt-file) or of the prompts (--prompts), malloc'ed, and their count.
-static uint8_t *read_prompt(const Options *o, size_t *n) {
-    if (o->prompts_file) return read_file(o->prompts_file, "--prompts", n);
-    if (o->prompt_file) return read_file(o->prompt_file, "--prompt-file", n);
-    const char *p = o->prompt ? o->prompt : "";
-    *n = strlen(p);
-    uint8_t *b = (uint8_t *)sdm_malloc(*n);
-    memcpy(b, p, *n);
-    return b;
+// The prompts (malloc'ed; prompts_free): those of the --prompts file (data/prompts.h), or the one of --prompt or
+// --prompt-file (empty: BOS alone). Returns their count; a bad file stops the program with its line and reason.
+static int read_prompts(const Options *o, Prompt **out) {
+    size_t n = 0;
+    uint8_t *text = NULL;
+    if (o->prompts_file) text = read_file(o->prompts_file, "--prompts", &n);
+    else if (o->prompt_file) text = read_file(o->prompt_file, "--prompt-file", &n);
+    if (o->prompts_file) {
+        char err[DATA_ERR_LEN];
+        int count = prompts_split(text, n, prompts_is_jsonl(o->prompts_file), o->prompt_field, o->prompts_file, out,
+                                  err);
+        if (count < 0) sdm_die("--prompts %s", err);
+        free(text);
+        return count;
+    }
+    *out = (Prompt *)sdm_malloc(sizeof(Prompt));
+    if (!text) { // --prompt TEXT, or none
+        const char *p = o->prompt ? o->prompt : "";
+        n = strlen(p);
+        text = (uint8_t *)sdm_malloc(n ? n : 1);
+        memcpy(text, p, n);
+    }
+    (*out)[0].bytes = text;
+    (*out)[0].n = n;
+    return 1;
 }
 
-// The requests of text[n]: the whole text as one prompt, or (by_lines) one per non-empty line, each as tokens of at
-// most max_tokens (gen_prompt_tokens) with room for max_new outputs. Returns the count; everything is malloc'ed.
-static int make_requests(const uint8_t *text, size_t n, int by_lines, int max_tokens, int max_new, GenRequest **req) {
-    int count = 0, cap = 16;
-    *req = (GenRequest *)sdm_calloc((size_t)cap, sizeof(GenRequest));
-    for (size_t start = 0; start < n || (count == 0 && !by_lines);) {
-        const uint8_t *nl = by_lines ? (const uint8_t *)memchr(text + start, '\n', n - start) : NULL;
-        size_t end = nl ? (size_t)(nl - text) : n;
-        if (end > start || !by_lines) {
-            if (count == cap) {
-                *req = (GenRequest *)realloc(*req, sizeof(GenRequest) * (size_t)(cap *= 2));
-                if (!*req) sdm_die("out of host memory for %d prompts", cap);
-            }
-            GenRequest *r = &(*req)[count];
-            int *tokens = (int *)sdm_malloc(sizeof(int) * (size_t)max_tokens);
-            r->P = gen_prompt_tokens(text + start, end - start, max_tokens, tokens);
-            r->prompt = tokens;
-            r->max_new = max_new;
-            r->out = (int *)sdm_malloc(sizeof(int) * (size_t)max_new);
-            if ((size_t)r->P < end - start + 1)
-                printf("prompt %d: cut from %zu to its last %d tokens\n", count, end - start + 1, r->P);
-            count++;
-        }
-        start = end + 1;
+// The requests of prompts[count], each as tokens of at most max_tokens (gen_prompt_tokens) with room for max_new
+// outputs; everything is malloc'ed.
+static GenRequest *make_requests(const Prompt *prompts, int count, int max_tokens, int max_new) {
+    GenRequest *req = (GenRequest *)sdm_calloc((size_t)count, sizeof(GenRequest));
+    for (int i = 0; i < count; i++) {
+        GenRequest *r = &req[i];
+        int *tokens = (int *)sdm_malloc(sizeof(int) * (size_t)max_tokens);
+        r->P = gen_prompt_tokens(prompts[i].bytes, prompts[i].n, max_tokens, tokens);
+        r->prompt = tokens;
+        r->max_new = max_new;
+        r->out = (int *)sdm_malloc(sizeof(int) * (size_t)max_new);
+        if ((size_t)r->P < prompts[i].n + 1)
+            printf("prompt %d: cut from %zu to its last %d tokens\n", i, prompts[i].n + 1, r->P);
     }
-    if (count == 0) sdm_die("--prompts: no prompt (every line is empty)");
-    return count;
+    return req;
 }
 
 #define BENCH_PROMPT 16 // tokens prefilled into each stream (the same prompt, its own seed) before decoding
@@ -262,11 +277,11 @@ static void eval_shards(const Options *o, const Config *cfg, const ModelDesc *m,
 }
 
 int main(int argc, char **argv) {
-    // 1. options, the prompts' bytes, and the checkpoint: its config rebuilds the model description; its
-    //    parameters are fp32
+    // 1. options, the prompts, and the checkpoint: its config rebuilds the model description; its parameters are
+    //    fp32
     Options o = parse_args(argc, argv);
-    size_t n_bytes;
-    uint8_t *text = read_prompt(&o, &n_bytes);
+    Prompt *prompts = NULL;
+    int count = o.eval ? 0 : read_prompts(&o, &prompts);
     char path[1200], err[CKPT_ERR];
     resolve_checkpoint(o.checkpoint, path, sizeof path);
     Config cfg;
@@ -291,7 +306,6 @@ int main(int argc, char **argv) {
         cuda_require_gpu();
         eval_shards(&o, &cfg, m, params, fp32 ? DT_FP32 : DT_BF16, step);
         free(params);
-        free(text);
         free(m);
         return 0;
     }
@@ -304,9 +318,8 @@ int main(int argc, char **argv) {
     g_pdl = !o.no_pdl;
     // 2. the prompts (BOS + bytes, cut from the left to context - max_new tokens), the model on the GPU and an
     //    inference state of one stream per prompt (at most --batch; 32 for --bench) sized for the context
-    GenRequest *req = NULL;
-    int count = make_requests(text, n_bytes, o.prompts_file != NULL, context - o.max_new, o.max_new, &req);
-    free(text);
+    GenRequest *req = make_requests(prompts, count, context - o.max_new, o.max_new);
+    prompts_free(prompts, count);
     GpuModel g;
     gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0);
     gpu_model_set_params(&g, params);
@@ -319,13 +332,7 @@ int main(int argc, char **argv) {
     if (o.bench) {
         bench(&st, context, o.max_new, &sp, (uint64_t)o.seed, !o.no_graph);
     } else {
-        GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph);
-        for (int i = 0; i < count; i++) {
-            if (count == 1) printf("----- generated\n");
-            else printf("----- generated %d\n", i);
-            gen_print_escaped(stdout, req[i].out, req[i].n_new);
-            printf("\n-----\n");
-        }
+        GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph, stdout); // prints as it goes
         printf("%d tokens from %d prompts (%d stopped at EOS); prefill %lld tokens in %.1f ms (%.0f tokens/s); "
                "decode %d steps, %lld tokens at %.1f tokens/s (%.3f ms/step)\n", gs.n_new, count, gs.n_eos,
                gs.n_prefill, 1e3 * gs.prefill_s, gs.n_prefill / gs.prefill_s, gs.n_steps, gs.n_decoded,

@@ -44,21 +44,42 @@ static inline double gen_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-// Request r takes its next token: 1 while it goes on, 0 once it stops (EOS, or max_new tokens).
-static inline int gen_take(GenRequest *r, int tok) {
-    if (tok == TOK_EOS) { r->hit_eos = 1; return 0; }
-    r->out[r->n_new++] = tok;
-    return r->n_new < r->max_new;
+static inline void gen_print_escaped(FILE *f, const int *tokens, int n);
+
+// The header of request `index`'s block of output ("----- generated", with the index when there are several).
+static inline void gen_print_header(FILE *f, int index, int count) {
+    if (count == 1) fputs("----- generated\n", f);
+    else fprintf(f, "----- generated %d\n", index);
+}
+
+// Request r (index of count) takes its next token: 1 while it goes on, 0 once it stops (EOS, or max_new tokens).
+// With echo, output streams there: one request's tokens as they come (its header printed before its prefill), or
+// each of several requests' whole block when it stops.
+static inline int gen_take(GenRequest *r, int tok, FILE *echo, int index, int count) {
+    int more = tok != TOK_EOS;
+    if (more) r->out[r->n_new++] = tok;
+    else r->hit_eos = 1;
+    more = more && r->n_new < r->max_new;
+    if (echo && count == 1 && tok != TOK_EOS) gen_print_escaped(echo, &tok, 1);
+    if (echo && !more) {
+        if (count > 1) {
+            gen_print_header(echo, index, count);
+            gen_print_escaped(echo, r->out, r->n_new);
+        }
+        fputs("\n-----\n", echo);
+    }
+    if (echo) fflush(echo);
+    return more;
 }
 
 // Generate for req[count] on the streams of I (docs/MODEL.md#generation): a request takes a free stream (reset,
 // seeded with seed + its index, prefilled, its first token sampled), all active streams decode together, and a
 // stream that stops leaves the batch at once: the last active stream moves into its place, so the active streams
 // stay 0..n-1 and each batch size n has its own decode graph (use_graph) or eager launches. Each request's draws
-// are those of core/sampling.h with its own Rng, so they do not depend on the batch. Needs
-// P + max_new - 1 <= I->max_tokens when the model has full attention.
+// are those of core/sampling.h with its own Rng, so they do not depend on the batch. echo: NULL, or where the
+// output streams (gen_take). Needs P + max_new - 1 <= I->max_tokens when the model has full attention.
 static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, const SamplingParams *sp,
-                                 uint64_t seed, int use_graph) {
+                                 uint64_t seed, int use_graph, FILE *echo) {
     GenStats st;
     memset(&st, 0, sizeof st);
     gpu_infer_set_sampling(I, sp);
@@ -69,12 +90,13 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
         while (n < I->streams && next < count) {
             GenRequest *r = &req[next];
             r->n_new = r->hit_eos = 0;
+            if (echo && count == 1) gen_print_header(echo, 0, 1);
             gpu_infer_reset(I, n);
             gpu_infer_seed(I, n, seed + (uint64_t)next);
             gpu_infer_prefill_device(I, n, r->prompt, r->P);
             st.n_prefill += r->P;
             slot_req[n] = next++;
-            if (gen_take(r, gpu_infer_sample(I, n))) n++;
+            if (gen_take(r, gpu_infer_sample(I, n), echo, slot_req[n], count)) n++;
         }
         double t1 = gen_now();
         st.prefill_s += t1 - t0;
@@ -83,7 +105,7 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
         st.n_steps++;
         st.n_decoded += n;
         for (int i = n - 1; i >= 0; i--) // downwards: the stream moved into slot i has taken its token already
-            if (!gen_take(&req[slot_req[i]], ids[i])) {
+            if (!gen_take(&req[slot_req[i]], ids[i], echo, slot_req[i], count)) {
                 gpu_infer_move(I, n - 1, i);
                 slot_req[i] = slot_req[--n];
             }
@@ -101,7 +123,7 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
 static inline GenStats gen_run(GpuInferState *I, const int *prompt, int P, int max_new, const SamplingParams *sp,
                                uint64_t seed, int *out) {
     GenRequest r = {prompt, P, max_new, out, 0, 0};
-    return gen_batch(I, &r, 1, sp, seed, 1);
+    return gen_batch(I, &r, 1, sp, seed, 1, NULL);
 }
 
 // Generated tokens as text: printable ASCII, newline and tab as they are; other bytes as \xHH; a backslash as \\;

@@ -389,29 +389,35 @@ static void check_infer_sdm(const float *host) {
     free(got);
     free(expect);
 
-    // --prompts: three prompts (and an empty line) on two streams, each the text of its prompt alone
-    char prompts_file[64];
-    snprintf(prompts_file, sizeof prompts_file, "%s/prompts.txt", dir);
-    FILE *pf = fopen(prompts_file, "w");
-    CHECK(pf != NULL, "cannot write %s", prompts_file);
-    if (pf) {
-        fprintf(pf, "%s\n\n%s\n%s", prompts[0], prompts[1], prompts[2]);
-        fclose(pf);
+    // --prompts: three prompts (and an empty line) on two streams, each the text of its prompt alone; the same as
+    // JSONL (the member "q" among others, one prompt with an escape that decodes to its byte)
+    for (int jsonl = 0; jsonl <= 1; jsonl++) {
+        char prompts_file[64];
+        snprintf(prompts_file, sizeof prompts_file, "%s/prompts.%s", dir, jsonl ? "jsonl" : "txt");
+        FILE *pf = fopen(prompts_file, "w");
+        CHECK(pf != NULL, "cannot write %s", prompts_file);
+        if (pf && jsonl)
+            fprintf(pf, "{\"id\": 1, \"q\": \"%s\"}\n\n{\"q\": \"\\u0061b\", \"x\": [1, {}]}\n"
+                        "{\"q\":\"%s\"}\n", prompts[0], prompts[2]);
+        else if (pf)
+            fprintf(pf, "%s\n\n%s\n%s", prompts[0], prompts[1], prompts[2]);
+        if (pf) fclose(pf);
+        snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompts %s%s --batch 2 --max-new %d --temperature 0 --fp32 2>&1",
+                 run, prompts_file, jsonl ? " --prompt-field q" : "", INFER_MAX_NEW);
+        got = run_command(cmd, &status);
+        printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
+        CHECK(status == 0, "infer_sdm --prompts exited with %d", status);
+        for (int i = 0; i < 3; i++) {
+            char header[32];
+            snprintf(header, sizeof header, "----- generated %d\n", i);
+            expect = expected_block(&I, prompts[i], header);
+            CHECK(strstr(got, expect) != NULL, "infer_sdm --prompts %s: the text of prompt %d differs from its own",
+                  prompts_file, i);
+            free(expect);
+        }
+        free(got);
+        remove(prompts_file);
     }
-    snprintf(cmd, sizeof cmd, "./infer_sdm %s --prompts %s --batch 2 --max-new %d --temperature 0 --fp32 2>&1", run,
-             prompts_file, INFER_MAX_NEW);
-    got = run_command(cmd, &status);
-    printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
-    CHECK(status == 0, "infer_sdm --prompts exited with %d", status);
-    for (int i = 0; i < 3; i++) {
-        char header[32];
-        snprintf(header, sizeof header, "----- generated %d\n", i);
-        expect = expected_block(&I, prompts[i], header);
-        CHECK(strstr(got, expect) != NULL, "infer_sdm --prompts: the text of prompt %d differs from its own", i);
-        free(expect);
-    }
-    free(got);
-    remove(prompts_file);
 
     // --bench on the tiny model prints the prefill and every batch's decode speed
     snprintf(cmd, sizeof cmd, "./infer_sdm %s --bench --max-new %d --fp32 2>&1", run, INFER_MAX_NEW);
@@ -544,7 +550,7 @@ static void generate_requests(GpuInferState *I, const int *tokens, const Samplin
         GenRequest r = {tokens + 2 * i, P[i], max_new[i], out[i], 0, 0};
         req[i] = r;
     }
-    gen_batch(I, req, GEN_REQUESTS, sp, 11, use_graph);
+    gen_batch(I, req, GEN_REQUESTS, sp, 11, use_graph, NULL);
 }
 
 static int same_requests(const GenRequest *a, const GenRequest *b) {

@@ -36,6 +36,13 @@ refused "--prompt-file $tmp/nope" "$tmp/garbage.bin" --prompt-file "$tmp/nope"
 refused "need --eval" "$tmp/garbage.bin" --out "$tmp"
 refused "takes no prompt" "$tmp/garbage.bin" --eval "$tmp/x.bin" --prompt a
 refused "--eval-batches" "$tmp/garbage.bin" --eval "$tmp/x.bin" --eval-batches 0
+# --prompts files are read before the checkpoint: a bad JSONL line is named (file, line), an empty file refused
+printf '{"prompt": "a"}\n{"prompt": 3}\n' > "$tmp/bad.jsonl"
+refused "bad.jsonl: line 2: column 12: the document field is not a string" "$tmp/garbage.bin" --prompts "$tmp/bad.jsonl"
+refused "bad.jsonl: line 1: no \"q\" string field" "$tmp/garbage.bin" --prompts "$tmp/bad.jsonl" --prompt-field q
+printf '\n\n' > "$tmp/empty.txt"
+refused "empty.txt: no prompt" "$tmp/garbage.bin" --prompts "$tmp/empty.txt"
+refused "--prompt-field names" "$tmp/garbage.bin" --prompts "$tmp/empty.txt" --prompt-field q
 # a run folder of 30 checkpoints made in random order (garbage model.bin): the newest, step 3000, is the one read
 many="$tmp/many"
 for s in $(seq 100 100 3000 | shuf); do
