@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build everything for the local GPU, run the GPU tests and the benchmarks, keep the logs
 # under $OUT (or ./gpu_logs), and print a short table last.
-#   scripts/gpu_check.sh [tests|bench|all] [extra make args]
+#   scripts/gpu_check.sh [tests|bench|all|model] [extra make args]
+# model: instead of tests and benches, the whole-model figures of BENCHMARKS.md: the flagship's step profile (8 steps,
+# about 1.5 minutes and a 24 GB checkpoint under $MODEL_RUN, default /tmp/sdm_flagship_check), generation from that
+# checkpoint (infer_sdm --bench: prefill, decode at batch 1, 8, 32) and debug_hybrid's training speed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -12,9 +15,30 @@ jobs=$(nproc 2>/dev/null || echo 4)
   git log -1 --format='commit %h %s'; } \
     2>&1 | tee "$out/machine.txt"
 
-make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda >"$out/build.log" 2>&1
+make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
+
+if [ "$what" = model ]; then
+    run=${MODEL_RUN:-/tmp/sdm_flagship_check}
+    keys="logging.freq=1 checkpoint.eval_every=0 probe_freq=0"
+    rm -rf "$run" "$run.debug" # a run folder with a checkpoint would be resumed
+    ./train_sdm -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=8 $keys run_dir="$run" \
+        >"$out/flagship.log" 2>&1
+    model_rc=$?
+    ./infer_sdm "$run" --bench --max-new 200 >"$out/infer_bench.log" 2>&1 || model_rc=1
+    ./train_sdm -c configs/debug_hybrid.cfg steps=12 checkpoint.dump_every=0 $keys run_dir="$run.debug" \
+        >"$out/debug_hybrid.log" 2>&1 || model_rc=1
+    echo
+    echo "==================== summary ===================="
+    echo "build: exit $build_rc; model runs: exit $model_rc"
+    grep -E '^step +8/' "$out/flagship.log"
+    sed -n '/^  part/,/total/p' "$out/flagship.log"
+    grep -E 'prefill|decode' "$out/infer_bench.log"
+    grep -E '^step +12/' "$out/debug_hybrid.log"
+    [ $build_rc -eq 0 ] && [ $model_rc -eq 0 ]
+    exit
+fi
 
 test_rc=0
 if [ "$what" != bench ]; then
