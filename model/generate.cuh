@@ -60,15 +60,17 @@ static inline int gen_take(GenRequest *r, int tok, FILE *echo, int index, int co
     if (more) r->out[r->n_new++] = tok;
     else r->hit_eos = 1;
     more = more && r->n_new < r->max_new;
-    if (echo && count == 1 && tok != TOK_EOS) gen_print_escaped(echo, &tok, 1);
+    int printed = echo && count == 1 && tok != TOK_EOS;
+    if (printed) gen_print_escaped(echo, &tok, 1);
     if (echo && !more) {
         if (count > 1) {
             gen_print_header(echo, index, count);
             gen_print_escaped(echo, r->out, r->n_new);
         }
         fputs("\n-----\n", echo);
+        printed = 1;
     }
-    if (echo) fflush(echo);
+    if (printed) fflush(echo); // only what was printed: a batch's streams go on silently until each stops
     return more;
 }
 
