@@ -323,17 +323,27 @@ static void usage(void) {
 
 static inline Dtype compute_dtype(const Config *c) { return !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16; }
 
+// What the backward recomputes (model/gpu_model.cuh GM_RECOMPUTE flags).
+static inline int recompute_flags(const Config *c) {
+    return (c->selective_act_ckpt ? GM_RECOMPUTE : 0) | (c->recompute_ffn ? GM_RECOMPUTE_FFN : 0);
+}
+
+static inline const char *recompute_name(const Config *c) {
+    return c->recompute_ffn ? (c->selective_act_ckpt ? "on, FFN W1|W3 too" : "FFN W1|W3 only")
+                            : c->selective_act_ckpt ? "on" : "off";
+}
+
 // --memory: the ledger of a dry-run model (every allocation recorded, none made) for `world` ranks.
 static int print_memory(const Config *c, const ModelDesc *m, int world) {
     g_mem.dry_run = 1;
     GpuModel g;
-    gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, c->selective_act_ckpt);
+    gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, recompute_flags(c));
     AdamWState opt;
     adamw_state_create(&opt, shard_size(m->storage, world));
     char title[3 * CFG_STR];
     snprintf(title, sizeof title, "device memory per GPU: %s, micro-batch %d x %d, %s, %d rank%s, recompute %s",
              c->name, c->batch_size, c->seq_len, c->model_dtype, world, world > 1 ? "s" : "",
-             c->selective_act_ckpt ? "on" : "off");
+             recompute_name(c));
     mem_print(stdout, title);
     printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
     if (world > 1)
@@ -380,7 +390,7 @@ int main(int argc, char **argv) {
     r.batch = (int32_t *)sdm_malloc(sizeof(int32_t) * c->batch_size * (c->seq_len + 1));
     r.inputs = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
-    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, c->selective_act_ckpt);
+    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, recompute_flags(c));
     adamw_state_create(&r.opt, r.dist.shard);
     if (r.dist.rank == 0) {
         const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";

@@ -44,7 +44,7 @@ typedef struct {
     // distributed / precision (docs/MODEL.md#precision)
     char model_dtype[CFG_STR];
     char fsdp_type[CFG_STR];
-    int matmul_allow_tf32, selective_act_ckpt, compile, tp_size;
+    int matmul_allow_tf32, selective_act_ckpt, recompute_ffn, compile, tp_size;
     // model (docs/MODEL.md#config-keys)
     int dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, multiple_of, weight_tying;
     double rope_theta, norm_eps, ffn_dim_multiplier, init_base_std;
@@ -113,6 +113,9 @@ static const CfgField CFG_FIELDS[] = {
      "allow TF32 in fp32 matmuls (refused: sdm.c never uses TF32)"},
     {"distributed.selective_act_ckpt", CFG_BOOL, CFG_OFF(selective_act_ckpt), "false", CFG_ANY, NULL,
      "recompute cheap activations in the backward (memory knob, same results)"},
+    {"distributed.recompute_ffn", CFG_BOOL, CFG_OFF(recompute_ffn), "false", CFG_ANY, NULL,
+     "also recompute the FFN's W1|W3 product in the backward: one layer's [n, 2F] kept instead of every layer's, "
+     "for one more GEMM per layer (memory knob, same results)"},
     {"distributed.compile", CFG_BOOL, CFG_OFF(compile), "false", CFG_ANY, NULL,
      "capture the training step in a CUDA graph (speed knob, same results)"},
     {"distributed.tp_size", CFG_INT, CFG_OFF(tp_size), "1", 1, 1, NULL, "tensor parallelism (refused: must be 1)"},

@@ -9,7 +9,8 @@
 // `train_sdm --memory` breakdown. Selective activation recomputation (distributed.selective_act_ckpt): the norm
 // outputs and the SwiGLU product are kept for one layer only and recomputed in the backward by the forward's
 // kernels, so the step's bits do not change; the layers do the same for their cheap activations (attention gate,
-// SDM readout).
+// SDM readout). distributed.recompute_ffn also recomputes the FFN's W1|W3 product (a GEMM: the largest activation,
+// [n, 2F] a layer, traded for 2 n D 2F FLOPs a layer).
 #ifndef SDM_CORE_GPU_MODEL_CUH
 #define SDM_CORE_GPU_MODEL_CUH
 
@@ -93,6 +94,7 @@ typedef struct {
     Dtype ctype;                 // compute dtype: bf16, or fp32 in the exact mode
     size_t es;                   // its size in bytes
     int recompute;               // selective activation recomputation: xmix, xffn, ffn_h hold one layer
+    int recompute_ffn;           // the FFN's W1|W3 product recomputed too: ffn_ab holds one layer
     long long padded;            // flat parameter storage padded to world shards (core/shard.h)
     // parameters and gradients: flat arrays in the model's table order, and typed views into them
     void *work;                       // compute dtype [padded]: the weights the layers read
@@ -197,6 +199,11 @@ static inline void *gm_recomputed_at(const GpuModel *g, void *stack, int layer, 
     return g->recompute ? stack : gm_at(g, stack, layer, width);
 }
 
+// Layer l's W1|W3 product a|b [n, 2F] (one slice for all layers with recompute_ffn).
+static inline void *gm_ffn_ab_at(const GpuModel *g, int layer) {
+    return gm_at(g, g->ffn_ab, g->recompute_ffn ? 0 : layer, 2 * (size_t)g->F);
+}
+
 // Tensors `second` directly after `first` in layer l (so one GEMM can read both), or die.
 static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *first, const char *second) {
     const ParamSpec *a = model_layer_param(m, l, first), *b = model_layer_param(m, l, second);
@@ -205,8 +212,12 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
                 "multiples of %d)", l, first, second, MODEL_ALIGN);
 }
 
-// The model for micro-batches of B x T tokens, parameters padded to `world` shards, with selective activation
-// recomputation when `recompute`. In a dry run of the ledger (g_mem.dry_run) only the sizes are recorded.
+// What the backward recomputes (gpu_model_create's `recompute`): bit flags.
+#define GM_RECOMPUTE 1     // distributed.selective_act_ckpt: norms, SwiGLU, attention gate, SDM readout
+#define GM_RECOMPUTE_FFN 2 // distributed.recompute_ffn: the FFN's W1|W3 product
+
+// The model for micro-batches of B x T tokens, parameters padded to `world` shards, recomputing in the backward what
+// the GM_RECOMPUTE flags of `recompute` say. In a dry run of the ledger (g_mem.dry_run) only the sizes are recorded.
 static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world,
                                     int recompute) {
     for (int l = 0; l < m->n_layers; l++) {
@@ -230,10 +241,11 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->Vp = (m->vocab + 7) / 8 * 8;
     g->ctype = ctype;
     g->es = dtype_size(g->ctype);
-    g->recompute = recompute;
+    g->recompute = (recompute & GM_RECOMPUTE) != 0;
+    g->recompute_ffn = (recompute & GM_RECOMPUTE_FFN) != 0;
     g->padded = shard_padded(m->storage, world);
     size_t n = (size_t)g->n, D = (size_t)g->D, F = (size_t)g->F, L = (size_t)g->L, P = (size_t)g->padded;
-    size_t Lr = recompute ? 1 : L; // slices of the recomputed stacks
+    size_t Lr = g->recompute ? 1 : L, Lab = g->recompute_ffn ? 1 : L; // slices of the recomputed stacks
 
     matmul_init(); // the cuBLASLt workspace, in the ledger from the start
     g->grads = (float *)device_alloc(MEM_GRADS, P * 4);
@@ -248,7 +260,7 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     g->xffn = device_alloc(MEM_ACTIVATIONS, Lr * n * D * g->es);
     g->rstd_mix = (float *)device_alloc(MEM_ACTIVATIONS, L * n * 4);
     g->rstd_ffn = (float *)device_alloc(MEM_ACTIVATIONS, L * n * 4);
-    g->ffn_ab = device_alloc(MEM_ACTIVATIONS, L * n * 2 * F * g->es);
+    g->ffn_ab = device_alloc(MEM_ACTIVATIONS, Lab * n * 2 * F * g->es);
     g->ffn_h = device_alloc(MEM_ACTIVATIONS, Lr * n * F * g->es);
     g->xfinal = device_alloc(MEM_ACTIVATIONS, n * D * g->es);
     g->rstd_final = (float *)device_alloc(MEM_ACTIVATIONS, n * 4);
@@ -269,15 +281,15 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     int any_sdm = 0;
     for (int l = 0; l < g->L; l++) {
         if (m->kind[l] == LAYER_SDM) any_sdm = 1;
-        else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, recompute));
+        else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, g->recompute));
     }
-    if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, recompute);
+    if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, g->recompute);
     if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max);
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
     for (int l = 0; l < g->L; l++) {
-        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0, recompute, &g->sdm_tmp);
-        else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype, recompute, &g->attn_bw);
+        if (m->kind[l] == LAYER_SDM) g->sdm[l] = sdm_layer_create(&m->sdm, B, T, ctype, 0, g->recompute, &g->sdm_tmp);
+        else g->attn[l] = attn_layer_create(&m->attn[l], B, T, g->ctype, g->recompute, &g->attn_bw);
     }
 }
 
@@ -395,7 +407,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
     gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
     for (int l = 0; l < g->L; l++) {
-        void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D), *ab = gm_at(g, g->ffn_ab, l, 2 * F);
+        void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D), *ab = gm_ffn_ab_at(g, l);
         void *xffn = gm_recomputed_at(g, g->xffn, l, D), *hf = gm_recomputed_at(g, g->ffn_h, l, F);
         gm_mixer_forward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->branch);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
@@ -415,15 +427,26 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
     gm_mark(g, GM_PART_LOSS, 0, gm_bytes(g, 2, n, g->Vp));
 }
 
-// Recomputation: the FFN's input norm and SwiGLU product of layer l (recompute_ffn) or the mixer's input norm,
-// by the forward's kernels on the forward's stored inputs, so the bits are the forward's (rstd is rewritten with
-// the values it holds).
+// Recomputation: what layer l's FFN backward reads (its input norm and SwiGLU product with `recompute`, the W1|W3
+// product with `recompute_ffn`) or the mixer's input norm, by the forward's kernels on the forward's stored inputs
+// and buffers, so the bits are the forward's (rstd is rewritten with the values it holds).
 static inline void gm_recompute_ffn(GpuModel *g, int l) {
     int n = g->n, D = g->D, F = g->F;
-    void *ab = gm_at(g, g->ffn_ab, l, 2 * F);
-    rmsnorm_forward(g->xffn, g->rstd_ffn + (size_t)l * n, gm_at(g, g->hmid, l, D), g->weights.block[l].ffn_norm,
-                    g->ctype, n, D, (float)g->m->norm_eps, 0);
-    swiglu_forward(g->ffn_h, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+    void *ab = gm_ffn_ab_at(g, l);
+    if (g->recompute) {
+        rmsnorm_forward(g->xffn, g->rstd_ffn + (size_t)l * n, gm_at(g, g->hmid, l, D), g->weights.block[l].ffn_norm,
+                        g->ctype, n, D, (float)g->m->norm_eps, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
+    }
+    if (g->recompute_ffn) {
+        matmul_forward(ab, g->ctype, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->weights.block[l].ffn_w13, NULL,
+                       g->ctype, n, 2 * F, D, 0);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
+    }
+    if (g->recompute) {
+        swiglu_forward(g->ffn_h, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
+    }
 }
 
 static inline void gm_recompute_mixer_input(GpuModel *g, int l) {
@@ -448,11 +471,8 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
         const GmBlockWeights *wl = &w->block[l];
         const GmBlockGrads *dl = &d->block[l];
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
-        void *ab = gm_at(g, g->ffn_ab, l, 2 * F), *bb = (char *)ab + F * g->es;
-        if (g->recompute) {
-            gm_recompute_ffn(g, l);
-            gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D) + gm_bytes(g, 3, n, F));
-        }
+        void *ab = gm_ffn_ab_at(g, l), *bb = (char *)ab + F * g->es;
+        if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l);
         matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F,
                                1, 0);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, 0);

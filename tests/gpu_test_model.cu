@@ -222,6 +222,22 @@ static void check_case(const Case *c, const char *dtype) {
     CHECK(acts_on < acts_off, "%s [%s]: recompute keeps %zu bytes of activations, off %zu", c->name, dtype, acts_on,
           acts_off);
     gpu_model_destroy(&gr);
+    // the FFN's W1|W3 product recomputed too (GEMM by GEMM the forward's call), with and without the rest
+    const int ffn_flags[2] = {GM_RECOMPUTE | GM_RECOMPUTE_FFN, GM_RECOMPUTE_FFN};
+    for (int k = 0; k < 2; k++) {
+        size_t acts0 = g_mem.bytes[MEM_ACTIVATIONS];
+        gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, ffn_flags[k]);
+        gpu_model_set_params(&gr, host);
+        double loss_f = step_grads(&gr, tokens, targets);
+        cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
+        size_t acts_f = g_mem.bytes[MEM_ACTIVATIONS] - acts0;
+        printf("  recompute flags %d: loss %.8f, activations %zu bytes\n", ffn_flags[k], loss_f, acts_f);
+        CHECK(loss_f == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: recompute flags %d differ from off",
+              c->name, dtype, ffn_flags[k]);
+        CHECK(acts_f < (k ? acts_off : acts_on), "%s [%s]: recompute flags %d keep %zu bytes of activations", c->name,
+              dtype, ffn_flags[k], acts_f);
+        gpu_model_destroy(&gr);
+    }
 
     // a few AdamW steps on this batch must lower its loss
     AdamWState opt;

@@ -47,6 +47,10 @@ expect "$off" "activations saved for backward" \
     $((model + attn + sdm + (L - 1) * n * (2 * D + F) * es + 6 * n * D * es)) \
     "flagship, off"
 
+# recompute_ffn: the W1|W3 product [n, 2F] kept for one layer instead of L (the largest activation)
+ffn=$(./train_sdm -c configs/sdm_flagship.cfg --memory distributed.recompute_ffn=true)
+expect "$ffn" "activations saved for backward" $((model + attn + sdm - (L - 1) * n * 2 * F * es)) "flagship, recompute_ffn"
+
 # --- debug_hybrid, B=8, T=2048, recompute off (its config) ---------------------------------------------------------
 out=$(./train_sdm -c configs/debug_hybrid.cfg --memory)
 L=8; D=1024; F=2816; n=$((8 * 2048)); P=$n
