@@ -30,7 +30,9 @@ static inline int grad_segment_of(const GradBuckets *gb, const ParamSpec *p) {
 }
 
 // The segments of model m: each block from its first tensor's start to its last one's end, the embedding before,
-// the head after. Dies unless every tensor lies in its segment and the segments follow each other.
+// the head after from the next multiple of MODEL_ALIGN. Each segment starts at such a multiple, so a tensor has in
+// its bucket the alignment it has in the flat array (vector loads, cuBLASLt). Dies unless every tensor lies in its
+// segment and the segments follow each other.
 static inline void grad_buckets_plan(GradBuckets *gb, const ModelDesc *m) {
     int L = m->n_layers;
     memset(gb, 0, sizeof *gb);
@@ -46,7 +48,8 @@ static inline void grad_buckets_plan(GradBuckets *gb, const ModelDesc *m) {
         s->lo = SDM_MIN(s->lo, p->offset);
         s->hi = SDM_MAX(s->hi, p->offset + p->numel);
     }
-    GradSegment embedding = {0, gb->seg[1].lo, GB_EMBEDDING}, head = {gb->seg[L].hi, m->storage, GB_HEAD};
+    long long head_lo = (gb->seg[L].hi + MODEL_ALIGN - 1) / MODEL_ALIGN * MODEL_ALIGN;
+    GradSegment embedding = {0, gb->seg[1].lo, GB_EMBEDDING}, head = {head_lo, m->storage, GB_HEAD};
     gb->seg[0] = embedding;
     gb->seg[L + 1] = head;
     for (int i = 0; i < m->n_params; i++) {

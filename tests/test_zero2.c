@@ -123,8 +123,8 @@ static void count_crossings(const GradBuckets *gb, long long n, int world, int c
     }
 }
 
-// The plan's own properties: consecutive blocks use different buckets, each bucket's size is its largest segment,
-// and dist_reduce_add's walk of a segment (shard_piece_at up to the segment's end) visits each owner once, in rank
+// The plan's own properties: segments start at multiples of MODEL_ALIGN, consecutive blocks use different buckets,
+// each bucket's size is its largest segment, and dist_reduce_add's walk of a segment (shard_piece_at up to the segment's end) visits each owner once, in rank
 // order, with exactly its part.
 static void check_plan(const GradBuckets *gb, long long n, int world) {
     int bad = 0;
@@ -132,6 +132,7 @@ static void check_plan(const GradBuckets *gb, long long n, int world) {
     for (int s = 0; s < gb->n; s++) {
         const GradSegment *seg = &gb->seg[s];
         most[seg->bucket] = SDM_MAX(most[seg->bucket], seg->hi - seg->lo);
+        bad += seg->lo % MODEL_ALIGN != 0;
         if (s > 1 && s < gb->n - 1) bad += seg->bucket == gb->seg[s - 1].bucket;
         long long a = seg->lo;
         for (int q = 0; q < world; q++) {
