@@ -7,14 +7,15 @@
 //   - one micro-batch per rank (grad_acc_steps 1): every rank's shard is bitwise that of the whole gradient world 1
 //     accumulates from the same W micro-batches in rank order, padding and alignment gaps zero. The rest of the step
 //     (the shard's norm, clip, AdamW, all-gather) is ZeRO-1's, which tests/test_zero1.c checks to be world 1's bitwise
-//     from these same shards; so the whole step is world 1's.
+//     from shards of these same bits; so the whole step is world 1's.
 //   - grad_acc_steps 2: the shard is Σ_k fl(Σ_r g[k][r]), micro-batch k summed over the ranks r in rank order, then
 //     accumulated over k: checked bitwise (a deterministic function of the micro-batches). It is not world 1's
 //     sequential sum of the 2W micro-batches, which groups the terms otherwise; both are fp32 sums of the same M = 2W
 //     terms, each within γ(M-1)·Σ|g| of the exact sum (γ(k) = k·u / (1 - k·u), u = 2^-24: the bound for any order of
 //     summation), so they differ by at most 2·γ(M-1)·Σ|g| per element, as checked.
-// Also: consecutive blocks alternate buckets, each bucket is as large as its largest segment, and the pieces
-// dist_reduce_add walks (one ncclReduce per owner) are exactly each owner's part of a segment (shard_overlap).
+// Also: segments start aligned, consecutive blocks alternate buckets, each bucket is as large as its largest segment,
+// and the pieces dist_reduce_add walks (one ncclReduce per owner) are exactly each owner's part of a segment
+// (shard_overlap).
 #include <float.h>
 #include <pthread.h>
 
@@ -58,7 +59,7 @@ static void backward(RankState *st, const float *g) {
     }
 }
 
-// train_step's gradient phase on this rank: the shard zeroed, then acc micro-batches.
+// train_step's gradient phase on this rank: the shard starts zero (run's calloc), then acc micro-batches.
 static void *rank_main(void *arg) {
     RankState *st = (RankState *)arg;
     for (int k = 0; k < st->pb->acc; k++) backward(st, st->pb->grads[k][st->comm.rank]);
@@ -114,7 +115,7 @@ static void toy_model(ModelDesc *md, long long n, Rng *rng) {
     md->n_layers = layer + 1;
 }
 
-// Shard boundaries strictly inside segment s of world W: counts[0] segments crossing one, counts[1] more than one.
+// The plan's segments that cross shard boundaries of world W: counts[0] += those crossing one, counts[1] += more.
 static void count_crossings(const GradBuckets *gb, long long n, int world, int counts[2]) {
     long long shard = shard_size(n, world);
     for (int s = 0; s < gb->n; s++) {
@@ -124,8 +125,8 @@ static void count_crossings(const GradBuckets *gb, long long n, int world, int c
 }
 
 // The plan's own properties: segments start at multiples of MODEL_ALIGN, consecutive blocks use different buckets,
-// each bucket's size is its largest segment, and dist_reduce_add's walk of a segment (shard_piece_at up to the segment's end) visits each owner once, in rank
-// order, with exactly its part.
+// each bucket's size is its largest segment, and dist_reduce_add's walk of a segment (shard_piece_at up to the
+// segment's end) visits each owner once, in rank order, with exactly its part.
 static void check_plan(const GradBuckets *gb, long long n, int world) {
     int bad = 0;
     long long most[GB_BUCKETS] = {0};
