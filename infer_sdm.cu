@@ -256,7 +256,7 @@ static void eval_shards(const Options *o, const Config *cfg, const ModelDesc *m,
     if (o->eval_batches) batches = SDM_MIN(batches, o->eval_batches);
     if (batches < 1) sdm_die("--eval %s: fewer tokens than one batch of %d x %d", o->eval, B, T + 1);
     GpuModel g;
-    gpu_model_create(&g, m, B, T, dt, 1, 0);
+    gpu_model_create(&g, m, B, T, dt, 1, 0, NULL);
     gpu_model_set_params(&g, params);
     int32_t *rows = (int32_t *)sdm_malloc(sizeof(int32_t) * B * (T + 1));
     int *inputs = (int *)sdm_malloc(sizeof(int) * B * T), *targets = (int *)sdm_malloc(sizeof(int) * B * T);
@@ -321,7 +321,7 @@ int main(int argc, char **argv) {
     GenRequest *req = make_requests(prompts, count, context - o.max_new, o.max_new);
     prompts_free(prompts, count);
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+    gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
     gpu_model_set_params(&g, params);
     free(params);
     GpuInferState st;

@@ -6,10 +6,10 @@
 //   ./train_sdm -c configs/sdm_flagship.cfg --memory=8      per-GPU memory of 8 ranks, without a GPU (dry run)
 //
 // Read top to bottom: the run (config, data, the model of model/gpu_model.cuh), one optimizer step (micro-batches,
-// ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without data.train the
-// embedded recall dataset is generated on first use. A run resumes from the newest complete checkpoint in its run_dir.
-// SIGTERM or SIGINT stops it after the current step with a checkpoint (a second one at once); a non-finite loss or
-// gradient norm stops it without one.
+// ZeRO-2 or ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without
+// data.train the embedded recall dataset is generated on first use. A run resumes from the newest complete checkpoint
+// in its run_dir. SIGTERM or SIGINT stops it after the current step with a checkpoint (a second one at once); a
+// non-finite loss or gradient norm stops it without one.
 #include <time.h>
 
 #include "core/config.h"
@@ -115,17 +115,18 @@ static inline void init_params(Run *r) {
 #define STEP_PART_COMM "communication"
 #define ADAMW_BYTES_PER_PARAM (7 * 4)
 
-// One optimizer step: grad_acc_steps micro-batches forward and backward, gradients reduce-scattered over ranks,
-// the global norm clipped, AdamW on this rank's shard (the optimizer holds only that), the updated weights
-// all-gathered. Returns the mean loss.
+// One optimizer step: grad_acc_steps micro-batches forward and backward, the gradients summed over ranks into each
+// rank's shard (ZeRO-2: by the backward, block by block; ZeRO-1: reduce-scattered afterwards), the global norm
+// clipped, AdamW on this rank's shard (the optimizer holds only that), the updated weights all-gathered. Returns the
+// mean loss.
 static inline float train_step(Run *r) {
     GpuModel *g = &r->g;
     AdamWState *o = &r->opt;
     const Config *c = &r->cfg;
     Dist *d = &r->dist;
     int acc = c->grad_acc_steps;
-    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->padded));
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * g->padded, 0);
+    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->n_grads));
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * g->n_grads, 0);
     float loss = 0;
     for (int k = 0; k < acc; k++) {
         next_batch(r, &r->train);
@@ -133,19 +134,23 @@ static inline float train_step(Run *r) {
         gpu_model_backward(g, r->inputs);
         loss += gpu_model_loss(g) / acc;
     }
-    dist_reduce_scatter_grads(d, g->grads, 0);
-    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     long long lo, hi; // this rank's elements of the flat array: element lo is element 0 of the optimizer's arrays
     shard_range(r->m->storage, d->world, d->rank, &lo, &hi);
-    adamw_grad_sumsq(o->sumsq, o->scratch, g->grads + lo, hi - lo, 0);
+    const float *grad = g->grads; // element lo's gradient, summed over ranks
+    if (!g->zero2.dist) {         // whole gradients
+        dist_reduce_scatter_grads(d, g->grads, 0);
+        prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
+        grad += lo;
+    }
+    adamw_grad_sumsq(o->sumsq, o->scratch, grad, hi - lo, 0);
     prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * (hi - lo), 0);
     dist_all_reduce_sum(d, o->sumsq, 1, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
     AdamWHyper hyper = adamw_hyper(c, r->step);
     r->lr = hyper.lr;
-    adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, g->grads + lo, o->m, o->v,
-                       &hyper, o->scale, 0);
+    adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, grad, o->m, o->v, &hyper,
+                       o->scale, 0);
     prof_mark(r->prof, STEP_PART_OPTIM, 0, (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM + g->es), 0);
     dist_all_gather(d, g->work, g->es, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
@@ -333,11 +338,16 @@ static inline const char *recompute_name(const Config *c) {
                             : c->selective_act_ckpt ? "on" : "off";
 }
 
+// ZeRO-2 (sharded gradients) on several ranks unless distributed.fsdp_type = no_shard (ZeRO-1: whole gradients).
+static inline int zero2(const Config *c, int world) { return world > 1 && strcmp(c->fsdp_type, "no_shard") != 0; }
+
 // --memory: the ledger of a dry-run model (every allocation recorded, none made) for `world` ranks.
 static int print_memory(const Config *c, const ModelDesc *m, int world) {
     g_mem.dry_run = 1;
     GpuModel g;
-    gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, recompute_flags(c));
+    Dist layout = dist_layout(0, world, m->storage);
+    gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, recompute_flags(c),
+                     zero2(c, world) ? &layout : NULL);
     AdamWState opt;
     adamw_state_create(&opt, shard_size(m->storage, world));
     char title[3 * CFG_STR];
@@ -346,7 +356,11 @@ static int print_memory(const Config *c, const ModelDesc *m, int world) {
              recompute_name(c));
     mem_print(stdout, title);
     printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
-    if (world > 1)
+    if (zero2(c, world))
+        printf("  (ZeRO-2: the fp32 master weights, AdamW m, v and gradients are each rank's shard, 1/%d of the\n"
+               "   padded array; the gradients add the buckets the backward computes them in, model/grad_buckets.h)\n",
+               world);
+    else if (world > 1)
         printf("  (ZeRO-1: the fp32 master weights and AdamW m, v are each rank's shard, 1/%d of the padded array)\n",
                world);
     return 0;
@@ -390,7 +404,8 @@ int main(int argc, char **argv) {
     r.batch = (int32_t *)sdm_malloc(sizeof(int32_t) * c->batch_size * (c->seq_len + 1));
     r.inputs = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
-    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, recompute_flags(c));
+    gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, recompute_flags(c),
+                     zero2(c, r.dist.world) ? &r.dist : NULL);
     adamw_state_create(&r.opt, r.dist.shard);
     if (r.dist.rank == 0) {
         const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";

@@ -108,7 +108,7 @@ static const CfgField CFG_FIELDS[] = {
     {"distributed.model_dtype", CFG_CHOICE, CFG_OFF(model_dtype), "bf16", CFG_ANY, "bf16|fp32",
      "compute dtype of weights and activations (fp32: exact comparison mode)"},
     {"distributed.fsdp_type", CFG_CHOICE, CFG_OFF(fsdp_type), "full_shard", CFG_ANY, "full_shard|no_shard",
-     "full_shard: optimizer state sharded over ranks (ZeRO-1); no_shard: replicated"},
+     "full_shard: gradients and optimizer state sharded over ranks (ZeRO-2); no_shard: gradients whole (ZeRO-1)"},
     {"distributed.matmul_allow_tf32", CFG_BOOL, CFG_OFF(matmul_allow_tf32), "false", 0, 0, NULL,
      "allow TF32 in fp32 matmuls (refused: sdm.c never uses TF32)"},
     {"distributed.selective_act_ckpt", CFG_BOOL, CFG_OFF(selective_act_ckpt), "false", CFG_ANY, NULL,
@@ -635,7 +635,8 @@ static inline void cfg_print_help(FILE *fp) {
 // yet; none of them changes results. Writes their names, comma separated, into out (empty when none is set).
 static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
     snprintf(out, size, "%s%s%s", c->compile ? "distributed.compile " : "", c->cuda_graph ? "sdm.cuda_graph " : "",
-             strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (optimizer state is sharded) ");
+             strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (gradients whole, optimizer state "
+             "still sharded: ZeRO-1) ");
 }
 
 // Architecture keys: those that change which tensors a model has or what it computes from them, so a checkpoint

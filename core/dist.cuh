@@ -1,20 +1,24 @@
-// core/dist.cuh: data parallelism over GPUs and nodes with NCCL, ZeRO-1 style.
+// core/dist.cuh: data parallelism over GPUs and nodes with NCCL, ZeRO-2 style (or ZeRO-1).
 //
-// Every rank holds the full bf16/fp32 working weights and computes full fp32 gradients on its slice of the batch,
-// already scaled by 1/world through the loss scale. Gradients are reduce-scattered (summed) so that rank r owns the
-// shard of core/shard.h (the flat parameter array padded to world * shard); the rank holds the fp32 master weights
-// and AdamW m, v of that shard only (model/adamw.cuh) and updates them; an all-gather brings the updated weights
-// back to every rank. A checkpoint gathers the shards to rank 0 piece by piece with broadcasts (train_sdm.cu).
-// core/loopback.h has the same collectives for threads of one process, so tests/test_zero1.c checks this arithmetic
-// on the CPU.
+// Every rank holds the full bf16/fp32 working weights and computes fp32 gradients on its slice of the batch, already
+// scaled by 1/world through the loss scale. Rank r owns the shard of core/shard.h (the flat parameter array padded to
+// world * shard): it holds the fp32 master weights and AdamW m, v of that shard only (model/adamw.cuh) and updates
+// them; an all-gather brings the updated weights back to every rank. The gradients reach the owners in one of two
+// ways. ZeRO-2 (distributed.fsdp_type = full_shard): a rank keeps only its shard of the summed gradient; the backward
+// computes each block's gradients into a bucket and, as soon as the block is done, dist_reduce_add sums the bucket
+// over ranks into the owners' shards (model/grad_buckets.h). ZeRO-1 (no_shard): every rank computes whole gradients,
+// reduce-scattered once per step. A checkpoint gathers the shards to rank 0 piece by piece with broadcasts
+// (train_sdm.cu). core/loopback.h has the same collectives for threads of one process, so tests/test_zero1.c and
+// tests/test_zero2.c check this arithmetic on the CPU.
 //
 // Reproducibility: NCCL's reductions are deterministic for a fixed world size and topology, so runs are bitwise
 // repeatable at a given world size. Across world sizes they are not bitwise equal: with 2 ranks a + b is the
 // sequential sum, but for > 2 ranks the ring adds the ranks' gradients in an order that depends on the chunk, so each
 // summed gradient differs from the sequential sum of tests/test_zero1.c by at most (world-1)·2^-24·Σ|g_r| (the
 // standard bound of a sum of world terms in fp32), which AdamW turns into weight differences of the same relative
-// order. In bf16 mode the working copy is the bf16 rounding of the fp32 master, so it may differ by one bf16 ulp
-// (2^-8 relative) where the masters differ at all.
+// order. With grad_acc_steps > 1 the two modes also group the terms differently (ZeRO-1 sums each rank's micro-batches
+// first, ZeRO-2 each micro-batch's ranks): tests/test_zero2.c states the bound. In bf16 mode the working copy is the
+// bf16 rounding of the fp32 master, so it may differ by one bf16 ulp (2^-8 relative) where the masters differ at all.
 // Built without NCCL (SDM_HAVE_NCCL undefined) only world = 1 is accepted, and every collective is a no-op.
 #ifndef SDM_CORE_DIST_CUH
 #define SDM_CORE_DIST_CUH
@@ -40,18 +44,25 @@ typedef struct {
 #endif
 } Dist;
 
+// The layout of rank `rank` of `world` over n parameters, without a communicator: all a dry run of the ledger needs.
+static inline Dist dist_layout(int rank, int world, long long n_params) {
+    Dist d;
+    memset(&d, 0, sizeof d);
+    d.rank = rank;
+    d.world = world;
+    d.n = n_params;
+    d.shard = shard_size(n_params, world);
+    return d;
+}
+
 // Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator. The init file
 // (if any) is removed by boot_exchange_id once every rank has read it. The ledger (core/memory.h) gets the device
 // memory the CUDA context and the communicator take, which no device_alloc sees.
 static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params) {
     char err[BOOT_ERR];
     if (!boot_check(boot, err)) sdm_die("%s", err);
-    memset(d, 0, sizeof *d);
-    d->rank = boot->rank;
-    d->world = boot->world;
+    *d = dist_layout(boot->rank, boot->world, n_params);
     d->local_rank = boot->local_rank;
-    d->n = n_params;
-    d->shard = shard_size(n_params, d->world);
     int devices = 0;
     cudaCheck(cudaGetDeviceCount(&devices));
     if (d->local_rank >= devices) sdm_die("local rank %d but only %d GPUs are visible", d->local_rank, devices);
@@ -88,6 +99,39 @@ static inline void dist_reduce_scatter_grads(Dist *d, float *grads, cudaStream_t
                                     stream));
 #endif
     (void)d, (void)grads, (void)stream;
+}
+
+// y[i] += x[i], i < n: an owner's part of a reduced bucket into its gradient shard.
+__global__ void dist_add_kernel(float *y, const float *x, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] += x[i];
+}
+
+// ZeRO-2: bucket[hi - lo] holds this rank's gradient of the flat range [lo, hi) (hi <= n); the sum over ranks of the
+// part each rank owns is added to that rank's shard ([shard], element 0 = flat element rank*shard). One ncclReduce
+// per owner's piece (the range may cross several shards), grouped, each in place into the owner's bucket (the other
+// ranks' buckets keep their values); then the owner adds its piece, so micro-batches accumulate in the shard.
+// core/loopback.h loop_reduce_add is the same on the CPU.
+static inline void dist_reduce_add(Dist *d, float *bucket, long long lo, long long hi, float *shard,
+                                   cudaStream_t stream) {
+#ifdef SDM_HAVE_NCCL
+    if (d->world > 1) {
+        ncclCheck(ncclGroupStart());
+        ShardPiece p;
+        for (long long a = lo; a < hi; a = p.hi) {
+            p = shard_piece_at(d->n, d->world, hi - a, a); // [a, the end of a's shard or hi)
+            float *piece = bucket + (p.lo - lo);
+            ncclCheck(ncclReduce(piece, piece, (size_t)(p.hi - p.lo), ncclFloat, ncclSum, p.owner, d->comm, stream));
+        }
+        ncclCheck(ncclGroupEnd());
+    }
+#endif
+    long long a, b;
+    shard_overlap(d->n, d->world, d->rank, lo, hi, &a, &b);
+    if (b == a) return;
+    int blocks = (int)SDM_MIN(65536LL, (b - a + 255) / 256);
+    dist_add_kernel<<<blocks, 256, 0, stream>>>(shard + (a - d->rank * d->shard), bucket + (a - lo), b - a);
+    cudaCheckLast();
 }
 
 // params: [world * shard] elements of elem_bytes (4: fp32, 2: bf16); each rank contributes its shard, all receive

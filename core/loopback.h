@@ -1,13 +1,14 @@
 // core/loopback.h: a communicator with the interface of core/dist.cuh's NCCL one (reduce-scatter of fp32 gradients,
-// all-gather of 4- or 2-byte elements, all-reduce sum, broadcast) for `world` ranks that are threads of one process,
-// on host memory. Lets the CPU tests run the ZeRO-1 arithmetic at world sizes 2, 3, 4 without a GPU.
+// ZeRO-2's reduction of a gradient bucket into the owners' shards, all-gather of 4- or 2-byte elements, all-reduce
+// sum, broadcast) for `world` ranks that are threads of one process, on host memory. Lets the CPU tests run the ZeRO-1
+// and ZeRO-2 arithmetic at world sizes 2, 3, 4 without a GPU.
 //
 // Every rank's thread calls each collective in the same order, as with NCCL. A call publishes the rank's buffer,
 // waits for all ranks (barrier), computes this rank's part of the result from the others' buffers, and waits again
 // before returning, so no buffer changes while another rank reads it. Sums run over ranks 0, 1, ..., world-1 in that
 // order (((b0 + b1) + b2) + ...), the order in which one process accumulates its micro-batches: that is what makes
-// world W bitwise equal to world 1 (tests/test_zero1.c). NCCL's ring sums in another order for world > 2 (see
-// core/dist.cuh).
+// world W bitwise equal to world 1 (tests/test_zero1.c, tests/test_zero2.c). NCCL's ring sums in another order for
+// world > 2 (see core/dist.cuh).
 #ifndef SDM_CORE_LOOPBACK_H
 #define SDM_CORE_LOOPBACK_H
 
@@ -70,6 +71,18 @@ static inline void loop_sum(LoopComm *c, float *out, long long off, long long co
 static inline void loop_reduce_scatter_grads(LoopComm *c, float *grads) {
     loop_publish(c, grads);
     loop_sum(c, grads + c->rank * c->shard, c->rank * c->shard, c->shard);
+    loop_done(c);
+}
+
+// ZeRO-2 (dist_reduce_add): bucket[hi - lo] holds this rank's gradient of the flat range [lo, hi) (hi <= n); the sum
+// over ranks of the part each rank owns is added to that rank's shard ([shard], element 0 = flat element
+// rank*shard). As with NCCL's reduce, the owner's bucket takes the sum in place first (no other rank reads that part).
+static inline void loop_reduce_add(LoopComm *c, float *bucket, long long lo, long long hi, float *shard) {
+    long long a, b;
+    shard_overlap(c->n, c->world, c->rank, lo, hi, &a, &b);
+    loop_publish(c, bucket);
+    loop_sum(c, bucket + (a - lo), a - lo, b - a);
+    for (long long i = a; i < b; i++) shard[i - c->rank * c->shard] += bucket[i - lo];
     loop_done(c);
 }
 

@@ -1,4 +1,4 @@
-// core/shard.h: the ZeRO-1 shard arithmetic, plain C, shared by the NCCL communicator (core/dist.cuh), the loopback
+// core/shard.h: the ZeRO shard arithmetic, plain C, shared by the NCCL communicator (core/dist.cuh), the loopback
 // communicator (core/loopback.h), the GPU buffers (model/gpu_model.cuh) and train_sdm's checkpoint gather, so the
 // CPU tests exercise the production layout.
 //
@@ -37,6 +37,17 @@ static inline ShardPiece shard_piece_at(long long n, int world, long long piece,
     long long s = shard_size(n, world), end = (lo / s + 1) * s, hi = lo + piece < end ? lo + piece : end;
     ShardPiece p = {lo, hi < n ? hi : n, lo % s, (int)(lo / s)};
     return p;
+}
+
+// The part [*a, *b) of the flat range [lo, hi) that `rank` owns (*a == *b: none), e.g. the piece of a ZeRO-2
+// gradient bucket that is summed into this rank's shard. One interval: a shard is contiguous.
+static inline void shard_overlap(long long n, int world, int rank, long long lo, long long hi, long long *a,
+                                 long long *b) {
+    long long own_lo, own_hi;
+    shard_range(n, world, rank, &own_lo, &own_hi);
+    *a = lo > own_lo ? lo : own_lo;
+    *b = hi < own_hi ? hi : own_hi;
+    if (*b < *a) *b = *a;
 }
 
 // partial[b] = Σ g[i]² over block b = [b*SHARD_ALIGN, (b+1)*SHARD_ALIGN) of g[0..n) (elements beyond n count as 0),

@@ -4,7 +4,9 @@
 // with the mixers of attention/attention_layer.cuh and sdm/sdm_layer.cuh. Weights and gradients live in flat arrays
 // in the order of the model's parameter table (model/model.h); typed views into them (GmWeights, GmGrads) are built
 // once, so the passes never look a tensor up by name. The fp32 master weights and AdamW state are the optimizer's
-// (model/adamw.cuh AdamWState), owned by the training program.
+// (model/adamw.cuh AdamWState), owned by the training program. With ZeRO-2 a rank keeps only its shard of the
+// gradients: the backward computes them block by block into buckets (model/grad_buckets.h), each summed over the
+// ranks into the owners' shards as soon as its block is done, on a stream of its own beside the backward.
 // Every buffer is allocated through the memory ledger (core/memory.h); a dry run of gpu_model_create is the
 // `train_sdm --memory` breakdown. Selective activation recomputation (distributed.selective_act_ckpt): the norm
 // outputs and the SwiGLU product are kept for one layer only and recomputed in the backward by the forward's
@@ -15,11 +17,13 @@
 #define SDM_CORE_GPU_MODEL_CUH
 
 #include "attention/attention_layer.cuh"
+#include "core/dist.cuh"
 #include "core/layers.cuh"
 #include "core/loss.cuh"
 #include "core/matmul.cuh"
 #include "core/profile.cuh"
 #include "core/sampling.cuh"
+#include "model/grad_buckets.h"
 #include "model/model.h"
 #include "core/shard.h"
 #include "sdm/sdm_infer.cuh"
@@ -85,6 +89,17 @@ typedef struct {
     GmBlockGrads *block;          // [L]
 } GmGrads;
 
+// ZeRO-2 (model/grad_buckets.h): the buckets the backward computes the gradients in, and their reductions into this
+// rank's shard on a stream of their own, beside the backward on the legacy stream.
+typedef struct {
+    Dist *dist;                       // the ranks; NULL: whole gradients (one rank, or ZeRO-1)
+    GradBuckets plan;                 // the segments and the buckets' sizes
+    float *bucket[GB_BUCKETS];        // fp32 [plan.floats[b]]
+    cudaStream_t stream;              // the reductions run here
+    cudaEvent_t computed[GB_BUCKETS]; // bucket b holds a complete segment (recorded by the backward)
+    cudaEvent_t reduced[GB_BUCKETS];  // bucket b's reduction is done: it may be zeroed again
+} GmZero2;
+
 // ------------------------------------------------------------------------------------------------------------------
 // The model on the GPU
 
@@ -98,9 +113,11 @@ typedef struct {
     long long padded;            // flat parameter storage padded to world shards (core/shard.h)
     // parameters and gradients: flat arrays in the model's table order, and typed views into them
     void *work;                       // compute dtype [padded]: the weights the layers read
-    float *grads;                     // fp32 [padded]
+    float *grads;                     // fp32 [n_grads]: the whole gradient, or with ZeRO-2 this rank's shard of it
+    long long n_grads;                // padded, or with ZeRO-2 the shard
     GmWeights weights;                // into work
-    GmGrads grad;                     // into grads
+    GmGrads grad;                     // into grads, or with ZeRO-2 into the buckets
+    GmZero2 zero2;
     // activations saved for the backward (compute dtype unless noted)
     void *h;                          // [L+1][n, D] the residual stream entering block l; h[L] leaves the last
     void *hmid;                       // [L][n, D] after the mixer's residual add
@@ -127,22 +144,36 @@ typedef struct {
     AttnLayerBwd attn_bw;             // the attention layers' backward temporaries, sized for the largest layer
 } GpuModel;
 
-// Tensor `suffix` of layer l (l < 0: a top-level tensor) in the flat array `base` of elements of es bytes; NULL
-// when absent. The table must have it exactly when `present`: a missing or unexpected tensor stops the build.
-template <typename P>
-static inline P gm_tensor(const ModelDesc *m, const void *base, size_t es, int l, const char *suffix, int present) {
+// Where a tensor's values live, for the views: element p->offset of a flat array of es-byte elements ...
+static inline auto gm_in_flat(const void *base, size_t es) {
+    return [=](const ParamSpec *p) { return (const void *)((const char *)base + p->offset * es); };
+}
+
+// ... or, for ZeRO-2's gradients, its place in the bucket of its segment (the segment's first element at element 0).
+static inline auto gm_in_buckets(const GmZero2 *z) {
+    return [=](const ParamSpec *p) {
+        const GradSegment *s = &z->plan.seg[grad_segment_of(&z->plan, p)];
+        return (const void *)(z->bucket[s->bucket] + (p->offset - s->lo));
+    };
+}
+
+// Tensor `suffix` of layer l (l < 0: a top-level tensor) where `place` puts it; NULL when absent. The table must have
+// it exactly when `present`: a missing or unexpected tensor stops the build.
+template <typename P, typename Place>
+static inline P gm_tensor(const ModelDesc *m, Place place, int l, const char *suffix, int present) {
     const ParamSpec *p = l >= 0 ? model_layer_param(m, l, suffix) : model_find(m, suffix);
     if (!p != !present)
         sdm_die("internal: tensor %s of layer %d is %s the parameter table", suffix, l,
                 p ? "unexpected in" : "missing from");
-    return p ? (P)((const char *)base + p->offset * es) : NULL;
+    return p ? (P)place(p) : NULL;
 }
 
-// Block l's views (GmBlockWeights or GmBlockGrads) into `base`. The SDM input weights wk..wg are adjacent in the
-// table (one fused GEMM reads them from wk); the biases each follow an alignment gap, so they are passed one by one.
-template <typename V> static inline V gm_block_view(const ModelDesc *m, int l, const void *base, size_t es) {
+// Block l's views (GmBlockWeights or GmBlockGrads) where `place` puts the tensors. The SDM input weights wk..wg are
+// adjacent in the table (one fused GEMM reads them from wk); the biases each follow an alignment gap, so they are
+// passed one by one.
+template <typename V, typename Place> static inline V gm_block_view(const ModelDesc *m, int l, Place place) {
     typedef decltype(V::ffn_w2) P; // const void * (weights) or float * (gradients)
-    auto at = [&](const char *suffix, int present) { return gm_tensor<P>(m, base, es, l, suffix, present); };
+    auto at = [&](const char *suffix, int present) { return gm_tensor<P>(m, place, l, suffix, present); };
     V v;
     memset(&v, 0, sizeof v);
     v.mixer_norm = at("mixer_norm", 1);
@@ -175,16 +206,16 @@ template <typename V> static inline V gm_block_view(const ModelDesc *m, int l, c
     return v;
 }
 
-// The model's views (GmWeights or GmGrads) into `base`; block: [L] views, filled here.
-template <typename V, typename B>
-static inline V gm_view(const ModelDesc *m, const void *base, size_t es, B *block) {
+// The model's views (GmWeights or GmGrads) where `place` puts the tensors; block: [L] views, filled here.
+template <typename V, typename B, typename Place>
+static inline V gm_view(const ModelDesc *m, Place place, B *block) {
     typedef decltype(V::head) P;
     V v;
-    v.tok_emb = gm_tensor<P>(m, base, es, -1, "tok_emb", 1);
-    v.norm = gm_tensor<P>(m, base, es, -1, "norm", 1);
-    P lm_head = gm_tensor<P>(m, base, es, -1, "lm_head", !m->tied);
+    v.tok_emb = gm_tensor<P>(m, place, -1, "tok_emb", 1);
+    v.norm = gm_tensor<P>(m, place, -1, "norm", 1);
+    P lm_head = gm_tensor<P>(m, place, -1, "lm_head", !m->tied);
     v.head = m->tied ? v.tok_emb : lm_head;
-    for (int l = 0; l < m->n_layers; l++) block[l] = gm_block_view<B>(m, l, base, es);
+    for (int l = 0; l < m->n_layers; l++) block[l] = gm_block_view<B>(m, l, place);
     v.block = block;
     return v;
 }
@@ -212,14 +243,53 @@ static inline void gm_require_adjacent(const ModelDesc *m, int l, const char *fi
                 "multiples of %d)", l, first, second, MODEL_ALIGN);
 }
 
+// The gradients: whole, or with ZeRO-2 over zero2's ranks this rank's shard of them and the buckets the backward
+// computes them in, its reductions' stream and events (none in a dry run).
+static inline void gm_grads_create(GpuModel *g, Dist *zero2) {
+    g->n_grads = zero2 ? zero2->shard : g->padded;
+    g->grads = (float *)device_alloc(MEM_GRADS, g->n_grads * 4);
+    device_zero(g->grads, g->n_grads * 4);
+    GmBlockGrads *block = (GmBlockGrads *)sdm_calloc(g->L, sizeof(GmBlockGrads));
+    if (!zero2) {
+        g->grad = gm_view<GmGrads>(g->m, gm_in_flat(g->grads, 4), block);
+        return;
+    }
+    GmZero2 *z = &g->zero2;
+    z->dist = zero2;
+    grad_buckets_plan(&z->plan, g->m);
+    for (int b = 0; b < GB_BUCKETS; b++) z->bucket[b] = (float *)device_alloc(MEM_GRADS, z->plan.floats[b] * 4);
+    g->grad = gm_view<GmGrads>(g->m, gm_in_buckets(z), block);
+    if (g_mem.dry_run) return;
+    cudaCheck(cudaStreamCreateWithFlags(&z->stream, cudaStreamNonBlocking));
+    for (int b = 0; b < GB_BUCKETS; b++) {
+        cudaCheck(cudaEventCreateWithFlags(&z->computed[b], cudaEventDisableTiming));
+        cudaCheck(cudaEventCreateWithFlags(&z->reduced[b], cudaEventDisableTiming));
+    }
+}
+
+static inline void gm_grads_destroy(GpuModel *g) {
+    GmZero2 *z = &g->zero2;
+    device_free(g->grads);
+    free(g->grad.block);
+    if (!z->dist) return;
+    for (int b = 0; b < GB_BUCKETS; b++) {
+        device_free(z->bucket[b]);
+        cudaCheck(cudaEventDestroy(z->computed[b]));
+        cudaCheck(cudaEventDestroy(z->reduced[b]));
+    }
+    cudaCheck(cudaStreamDestroy(z->stream));
+}
+
 // What the backward recomputes (gpu_model_create's `recompute`): bit flags.
 #define GM_RECOMPUTE 1     // distributed.selective_act_ckpt: norms, SwiGLU, attention gate, SDM readout
 #define GM_RECOMPUTE_FFN 2 // distributed.recompute_ffn: the FFN's W1|W3 product
 
 // The model for micro-batches of B x T tokens, parameters padded to `world` shards, recomputing in the backward what
-// the GM_RECOMPUTE flags of `recompute` say. In a dry run of the ledger (g_mem.dry_run) only the sizes are recorded.
+// the GM_RECOMPUTE flags of `recompute` say; zero2: this rank's communicator when it keeps only its shard of the
+// gradients (ZeRO-2, zero2->world == world), NULL for whole gradients. In a dry run of the ledger (g_mem.dry_run) only
+// the sizes are recorded.
 static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int T, Dtype ctype, int world,
-                                    int recompute) {
+                                    int recompute, Dist *zero2) {
     for (int l = 0; l < m->n_layers; l++) {
         gm_require_adjacent(m, l, "ffn.w1", "ffn.w3");
         for (int i = SDM_P_wk; i < SDM_P_wg; i++) { // the fused input weights
@@ -248,11 +318,10 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
     size_t Lr = g->recompute ? 1 : L, Lab = g->recompute_ffn ? 1 : L; // slices of the recomputed stacks
 
     matmul_init(); // the cuBLASLt workspace, in the ledger from the start
-    g->grads = (float *)device_alloc(MEM_GRADS, P * 4);
+    gm_grads_create(g, zero2);
     g->work = device_alloc(MEM_WEIGHTS, P * g->es);
-    device_zero(g->grads, P * 4);
-    g->weights = gm_view<GmWeights>(m, g->work, g->es, (GmBlockWeights *)sdm_calloc(L, sizeof(GmBlockWeights)));
-    g->grad = gm_view<GmGrads>(m, g->grads, 4, (GmBlockGrads *)sdm_calloc(L, sizeof(GmBlockGrads)));
+    g->weights = gm_view<GmWeights>(m, gm_in_flat(g->work, g->es),
+                                    (GmBlockWeights *)sdm_calloc(L, sizeof(GmBlockWeights)));
 
     g->h = device_alloc(MEM_ACTIVATIONS, (L + 1) * n * D * g->es);
     g->hmid = device_alloc(MEM_ACTIVATIONS, L * n * D * g->es);
@@ -303,9 +372,9 @@ static inline void gpu_model_destroy(GpuModel *g) {
     free(g->sdm);
     free(g->attn);
     free(g->weights.block);
-    free(g->grad.block);
+    gm_grads_destroy(g);
     embedding_backward_plan_destroy(&g->emb_plan);
-    void *bufs[] = {g->grads, g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
+    void *bufs[] = {g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
                     g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses, g->loss, g->tokens, g->targets, g->pred,
                     g->branch, g->dh, g->dffn_h, g->norm_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
@@ -328,6 +397,7 @@ static inline void gpu_model_set_profiler(GpuModel *g, Profiler *prof) {
 #define GM_PART_FFN "FFN GEMMs"
 #define GM_PART_HEAD "LM head"
 #define GM_PART_LOSS "loss"
+#define GM_PART_GRADS "ZeRO-2 buckets: zero, wait"
 
 static inline void gm_mark(const GpuModel *g, const char *part, double flops, double bytes) {
     prof_mark(g->prof, part, flops, bytes, 0);
@@ -455,11 +525,47 @@ static inline void gm_recompute_mixer_input(GpuModel *g, int l) {
                     g->ctype, n, D, (float)g->m->norm_eps, 0);
 }
 
-// Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0.
+// ZeRO-2 (model/grad_buckets.h; no-ops with whole gradients). Segments: 0 the embedding, l + 1 block l, L + 1 the
+// head. Segment s's bucket is zeroed for the backward to compute the segment in, once its last reduction is done.
+static inline void gm_segment_open(GpuModel *g, int s) {
+    GmZero2 *z = &g->zero2;
+    if (!z->dist) return;
+    const GradSegment *seg = &z->plan.seg[s];
+    cudaCheck(cudaStreamWaitEvent(0, z->reduced[seg->bucket], 0));
+    cudaCheck(cudaMemsetAsync(z->bucket[seg->bucket], 0, sizeof(float) * (seg->hi - seg->lo), 0));
+    gm_mark(g, GM_PART_GRADS, 0, 4.0 * (seg->hi - seg->lo));
+}
+
+// Segment s is complete: its bucket is summed over the ranks into their shards on the reductions' stream, while the
+// backward goes on.
+static inline void gm_segment_reduce(GpuModel *g, int s) {
+    GmZero2 *z = &g->zero2;
+    if (!z->dist) return;
+    const GradSegment *seg = &z->plan.seg[s];
+    int b = seg->bucket;
+    cudaCheck(cudaEventRecord(z->computed[b], 0));
+    cudaCheck(cudaStreamWaitEvent(z->stream, z->computed[b], 0));
+    dist_reduce_add(z->dist, z->bucket[b], seg->lo, seg->hi, g->grads, z->stream);
+    cudaCheck(cudaEventRecord(z->reduced[b], z->stream));
+}
+
+// The backward's stream waits for every reduction: the shard is complete, the buckets are free for the next one.
+static inline void gm_segments_join(GpuModel *g) {
+    GmZero2 *z = &g->zero2;
+    if (!z->dist) return;
+    for (int b = 0; b < GB_BUCKETS; b++) cudaCheck(cudaStreamWaitEvent(0, z->reduced[b], 0));
+    gm_mark(g, GM_PART_GRADS, PROF_NA, PROF_NA);
+}
+
+// Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0. With ZeRO-2 they are computed
+// in the buckets and added, summed over ranks, to this rank's shard g->grads, complete when the backward's stream
+// reaches the end of this call.
 static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     const GmWeights *w = &g->weights;
     const GmGrads *d = &g->grad;
     int n = g->n, D = g->D, F = g->F;
+    gm_segment_open(g, 0); // the embedding's bucket, where a tied LM head's gradient goes too
+    gm_segment_open(g, g->L + 1);
     // LM head and final norm
     matmul_backward_weight(d->head, DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n, g->V, D, 1, 0);
     matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, w->head, g->ctype, n, g->V, D, 0, 0);
@@ -467,9 +573,11 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
     rmsnorm_backward(g->dh, d->norm, g->norm_scratch, g->branch, gm_at(g, g->h, g->L, D), w->norm, g->rstd_final,
                      g->ctype, n, D, 0, 0);
     gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, D));
+    gm_segment_reduce(g, g->L + 1);
     for (int l = g->L - 1; l >= 0; l--) {
         const GmBlockWeights *wl = &w->block[l];
         const GmBlockGrads *dl = &d->block[l];
+        gm_segment_open(g, l + 1);
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_ffn_ab_at(g, l), *bb = (char *)ab + F * g->es;
         if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l);
@@ -495,11 +603,14 @@ static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
                          g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
+        gm_segment_reduce(g, l + 1);
     }
     embedding_backward_plan_build(&g->emb_plan, tokens, 0); // on the host
     gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA);
     embedding_backward(d->tok_emb, g->dh, g->ctype, &g->emb_plan, 0);
     gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 1, n, D));
+    gm_segment_reduce(g, 0);
+    gm_segments_join(g);
 }
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.

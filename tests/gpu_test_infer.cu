@@ -63,7 +63,7 @@ static void build_model(Config *cfg, ModelDesc *m, const char *dtype) {
 static ModelDesc *fp32_decode_model(GpuModel *g, Config *cfg, const float *host) {
     ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
     build_model(cfg, m, "fp32");
-    gpu_model_create(g, m, 1, 1, DT_FP32, 1, 0);
+    gpu_model_create(g, m, 1, 1, DT_FP32, 1, 0, NULL);
     gpu_model_set_params(g, host);
     return m;
 }
@@ -163,7 +163,7 @@ static void check_dtype(const char *dtype, const float *host) {
     int tokens[2 * T_SEQ];
     random_tokens(tokens, 2 * T_SEQ, m->vocab, 99);
     GpuModel g;
-    gpu_model_create(&g, m, 1, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+    gpu_model_create(&g, m, 1, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
     gpu_model_set_params(&g, host);
     double *ref = teacher_forced(&g, tokens);
     const int Ps[] = {1, 7, 13, T_SEQ};
@@ -174,7 +174,7 @@ static void check_dtype(const char *dtype, const float *host) {
 
     // two streams, prompts of 5 and 9 tokens, decoded together
     GpuModel g2;
-    gpu_model_create(&g2, m, 2, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+    gpu_model_create(&g2, m, 2, T_SEQ, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
     gpu_model_set_params(&g2, host);
     ref = teacher_forced(&g2, tokens);
     GpuInferState I;
@@ -315,7 +315,7 @@ static void check_infer_eval(const ModelDesc *m, const Config *cfg, const float 
     CHECK(dataloader_open(&dl, glob, cfg->batch_size, SEQ_LEN_CFG, 0, 1, (uint64_t)cfg->seed, 0, (uint32_t)m->vocab,
                           derr) == 0, "%s", derr);
     GpuModel g;
-    gpu_model_create(&g, m, cfg->batch_size, SEQ_LEN_CFG, DT_FP32, 1, 0);
+    gpu_model_create(&g, m, cfg->batch_size, SEQ_LEN_CFG, DT_FP32, 1, 0, NULL);
     gpu_model_set_params(&g, host);
     int B = cfg->batch_size, T = SEQ_LEN_CFG;
     int32_t *rows = (int32_t *)sdm_malloc(sizeof(int32_t) * B * (T + 1));
@@ -370,7 +370,7 @@ static void check_infer_sdm(const float *host) {
 
     // the expected greedy texts, from the same parameters, one prompt at a time
     GpuModel g;
-    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0);
+    gpu_model_create(&g, m, 1, 1, DT_FP32, 1, 0, NULL);
     gpu_model_set_params(&g, host);
     GpuInferState I;
     gpu_infer_create(&I, &g, 1, SEQ_LEN_CFG);
@@ -680,7 +680,7 @@ static void check_pdl(const float *host) {
         ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
         build_model(&cfg, m, fp32 ? "fp32" : "bf16");
         GpuModel g;
-        gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+        gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
         gpu_model_set_params(&g, host);
         GpuInferState I;
         gpu_infer_create(&I, &g, 2, T_SEQ);

@@ -1,8 +1,8 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
 // bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits with selective
-// activation recomputation on; a few AdamW steps that must lower the loss of a fixed batch; and the memory ledger
-// against the device's own count.
+// activation recomputation on; a few AdamW steps that must lower the loss of a fixed batch; ZeRO-2's gradient buckets
+// on one rank; and the memory ledger against the device's own count.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -132,7 +132,7 @@ static void report_forward(const GpuModel *g, double *params, const int *tokens,
 }
 
 static float step_grads(GpuModel *g, const int *tokens, const int *targets) {
-    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->padded));
+    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->n_grads));
     gpu_model_forward(g, tokens, targets, 1.0f / g->n);
     gpu_model_backward(g, tokens);
     cudaCheck(cudaDeviceSynchronize());
@@ -158,6 +158,50 @@ static void check_set_params_in_pieces(GpuModel *g, const float *host, const cha
     free(pieces);
 }
 
+// g's gradients of the batch [n] (downloaded, fp32 [storage]) after one micro-batch (accumulate = 0) or after one
+// more on top of the last.
+static float *micro_batch_grads(GpuModel *g, const int *tokens, const int *targets, int accumulate) {
+    if (accumulate) {
+        gpu_model_forward(g, tokens, targets, 1.0f / g->n);
+        gpu_model_backward(g, tokens);
+    } else {
+        step_grads(g, tokens, targets);
+    }
+    float *f = (float *)sdm_malloc(4 * g->m->storage);
+    cudaCheck(cudaMemcpy(f, g->grads, 4 * g->m->storage, cudaMemcpyDeviceToHost));
+    return f;
+}
+
+// ZeRO-2's buckets (model/grad_buckets.h) on one rank, where the shard is the whole padded array: every gradient the
+// backward writes must land in its segment's bucket and reach the shard, so one micro-batch gives the bits of the
+// whole gradients of g. A second one accumulates in the shard: the same up to the grouping of each element's terms
+// (the embedding's two kernels add to the running sum on one side, to the micro-batch's bucket on the other), a few
+// fp32 roundings of the partial sums.
+static void check_zero2_one_rank(const Case *c, const char *dtype, GpuModel *g, const int *tokens,
+                                 const int *targets) {
+    const ModelDesc *m = g->m;
+    Dist one = dist_layout(0, 1, m->storage);
+    GpuModel z;
+    gpu_model_create(&z, m, c->B, c->T, g->ctype, 1, 0, &one);
+    cudaCheck(cudaMemcpy(z.work, g->work, g->padded * g->es, cudaMemcpyDeviceToDevice));
+    int bad = 0;
+    for (int accumulate = 0; accumulate < 2; accumulate++) {
+        float *whole = micro_batch_grads(g, tokens, targets, accumulate);
+        float *shard = micro_batch_grads(&z, tokens, targets, accumulate);
+        double err = 0, norm = 0;
+        for (long long i = 0; i < m->storage; i++) {
+            err += ((double)shard[i] - whole[i]) * ((double)shard[i] - whole[i]);
+            norm += (double)whole[i] * whole[i];
+        }
+        bad += accumulate ? !(sqrt(err) <= 1e-6 * sqrt(norm)) : memcmp(whole, shard, 4 * m->storage) != 0;
+        free(whole);
+        free(shard);
+    }
+    CHECK(bad == 0, "%s [%s]: ZeRO-2's gradient shard on one rank differs from the whole gradients (%d of 2 "
+          "micro-batches)", c->name, dtype, bad);
+    gpu_model_destroy(&z);
+}
+
 static void check_case(const Case *c, const char *dtype) {
     int fp32 = !strcmp(dtype, "fp32");
     Config cfg;
@@ -178,7 +222,7 @@ static void check_case(const Case *c, const char *dtype) {
     double ref_loss = model_ref_backward(m, params, tokens, targets, c->B, c->T, ref_grads);
 
     GpuModel g;
-    gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1, 0);
+    gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
     gpu_model_set_params(&g, host);
     check_set_params_in_pieces(&g, host, c->name, dtype);
     double loss = step_grads(&g, tokens, targets);
@@ -211,7 +255,7 @@ static void check_case(const Case *c, const char *dtype) {
     // backward gives the same bits, and keeps fewer activations
     size_t acts_off = g_mem.bytes[MEM_ACTIVATIONS];
     GpuModel gr;
-    gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, 1);
+    gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, 1, NULL);
     gpu_model_set_params(&gr, host);
     double loss_r = step_grads(&gr, tokens, targets);
     cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
@@ -226,7 +270,7 @@ static void check_case(const Case *c, const char *dtype) {
     const int ffn_flags[2] = {GM_RECOMPUTE | GM_RECOMPUTE_FFN, GM_RECOMPUTE_FFN};
     for (int k = 0; k < 2; k++) {
         size_t acts0 = g_mem.bytes[MEM_ACTIVATIONS];
-        gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, ffn_flags[k]);
+        gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, ffn_flags[k], NULL);
         gpu_model_set_params(&gr, host);
         double loss_f = step_grads(&gr, tokens, targets);
         cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
@@ -254,6 +298,7 @@ static void check_case(const Case *c, const char *dtype) {
     printf("  20 AdamW steps on one batch: loss %.4f -> %.4f\n", first, last);
     CHECK(last < 0.8 * first, "%s [%s]: 20 AdamW steps took the loss only from %.4f to %.4f", c->name, dtype, first,
           last);
+    check_zero2_one_rank(c, dtype, &g, tokens, targets);
 
     gpu_model_destroy(&g);
     free(bits1);
@@ -288,7 +333,7 @@ static void check_ledger_against_device(void) {
     cudaCheck(cudaDeviceSynchronize());
     size_t used0 = device_used_bytes(), ledger0 = g_mem.live;
     GpuModel g;
-    gpu_model_create(&g, &g_desc, cfg.batch_size, cfg.seq_len, DT_BF16, 1, cfg.selective_act_ckpt);
+    gpu_model_create(&g, &g_desc, cfg.batch_size, cfg.seq_len, DT_BF16, 1, cfg.selective_act_ckpt, NULL);
     step_grads(&g, tokens, targets); // zero weights: a valid step, and every lazy allocation happens
     double used = (double)(device_used_bytes() - used0), ledger = (double)(g_mem.live - ledger0);
     printf("ledger vs device, debug_hybrid after one step: ledger %.3f GiB, device %.3f GiB (%+.1f%%)\n",

@@ -76,14 +76,28 @@ else fail=$((fail + 1)); echo "FAIL: allocations outside the ledger:"; echo "$di
 # --- world size: the breakdown is per GPU and names the ranks --------------------------------------------------------
 out=$(./train_sdm -c configs/debug_hybrid.cfg --memory=8)
 if [[ "$out" == *"8 ranks"* ]]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: --memory=8: $out"; fi
-# ZeRO-1 at 8 ranks: the fp32 master weights and AdamW m, v of one shard (core/shard.h: S / 8 rounded up to 64
-# elements), the working weights and gradients whole (padded to 8 shards)
-out=$(./train_sdm -c configs/sdm_flagship.cfg --memory=8)
+# ZeRO-1 at 8 ranks (distributed.fsdp_type = no_shard): the fp32 master weights and AdamW m, v of one shard
+# (core/shard.h: S / 8 rounded up to 64 elements), the working weights and gradients whole (padded to 8 shards)
+out=$(./train_sdm -c configs/sdm_flagship.cfg --memory=8 distributed.fsdp_type=no_shard)
 S=2039699648; shard=$(( (S + 8 * 64 - 1) / (8 * 64) * 64 ))
-expect "$out" "fp32 master weights" $((4 * shard)) "flagship, 8 ranks"
-expect "$out" "AdamW m, v" $((8 * shard)) "flagship, 8 ranks"
-expect "$out" "working weights" $((2 * 8 * shard)) "flagship, 8 ranks"
-expect "$out" "gradients (fp32)" $((4 * 8 * shard)) "flagship, 8 ranks"
+expect "$out" "fp32 master weights" $((4 * shard)) "flagship, 8 ranks, ZeRO-1"
+expect "$out" "AdamW m, v" $((8 * shard)) "flagship, 8 ranks, ZeRO-1"
+expect "$out" "working weights" $((2 * 8 * shard)) "flagship, 8 ranks, ZeRO-1"
+expect "$out" "gradients (fp32)" $((4 * 8 * shard)) "flagship, 8 ranks, ZeRO-1"
+# ZeRO-2 at 8 ranks (full_shard, the default): the gradients are one shard plus the buckets of model/grad_buckets.h,
+# each as large as its largest segment. Blocks of even index are all SWA: mixer and FFN norms [D], wq, wk, wv, wo
+# [D, D], W1, W3 [F, D], W2 [D, F]. Those of odd index include the SDM blocks, the largest: the rest of S after the
+# 18 SWA blocks, the embedding [V, D], the final norm and the LM head. Embedding bucket [V, D]; head bucket [D] +
+# [V, D] (the blocks end on a multiple of 8).
+out=$(./train_sdm -c configs/sdm_flagship.cfg --memory=8)
+D=2048; F=5632; V=258
+swa=$(( 2 * D + 4 * D * D + 3 * F * D )); sdm=$(( (S - 18 * swa - 2 * V * D - D) / 6 ))
+expect "$out" "gradients (fp32)" $(( 4 * (shard + swa + sdm + V * D + D + V * D) )) "flagship, 8 ranks, ZeRO-2"
+expect "$out" "fp32 master weights" $((4 * shard)) "flagship, 8 ranks, ZeRO-2"
+# sdm_7B at 8 ranks: within the 75 GiB per GPU of issue 10 (the ledger: 72.7 GiB)
+total=$(./train_sdm -c configs/sdm_7B.cfg --memory=8 | grep -F "  total " | awk '{print $(NF-1)}')
+if [ "$total" -le $((75 << 30)) ]; then pass=$((pass + 1))
+else fail=$((fail + 1)); echo "FAIL: sdm_7B at 8 ranks needs $total bytes per GPU, more than 75 GiB"; fi
 err=$(./train_sdm -c configs/debug_hybrid.cfg --memory=0 2>&1 >/dev/null)
 if [[ "$err" == *"world size must be a positive integer"* ]]; then pass=$((pass + 1))
 else fail=$((fail + 1)); echo "FAIL: --memory=0 accepted: $err"; fi
