@@ -86,17 +86,26 @@ static inline void open_data(Run *r) {
         sdm_die("%s", err);
 }
 
-// This rank's shard of a host array [m->storage] into a device array of the optimizer [shard] (its padding stays 0).
-static inline void upload_shard(const Run *r, float *dev, const float *host) {
+// This rank's shard of a host fp32 array [m->storage] into a device array of the optimizer [shard] of dtype t (its
+// padding stays 0), piece by piece through the staging buffer, converted there (bf16 moments: rounded to nearest
+// even, so a value that came from bf16 is restored exactly).
+static inline void upload_shard(const Run *r, void *dev, Dtype t, const float *host) {
     long long lo, hi;
     shard_range(r->m->storage, r->dist.world, r->dist.rank, &lo, &hi);
-    if (hi > lo) cudaCheck(cudaMemcpy(dev, host + lo, sizeof(float) * (hi - lo), cudaMemcpyHostToDevice));
+    long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), r->dist.shard);
+    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
+    for (long long at = 0; at < hi - lo; at += piece) {
+        long long count = SDM_MIN(piece, hi - lo - at);
+        cudaCheck(cudaMemcpy(stage, host + lo + at, sizeof(float) * count, cudaMemcpyHostToDevice));
+        dtype_convert((char *)dev + at * dtype_size(t), t, stage, DT_FP32, count, 0);
+    }
+    device_free(stage);
 }
 
 // The master weights of this rank's shard from host fp32 [m->storage], and the model's whole working copy from the
 // same values.
 static inline void set_params(Run *r, const float *host) {
-    upload_shard(r, r->opt.master, host);
+    upload_shard(r, r->opt.master, DT_FP32, host);
     gpu_model_set_params(&r->g, host);
 }
 
@@ -109,11 +118,11 @@ static inline void init_params(Run *r) {
     free(host);
 }
 
-// Parts of the step profile outside the model (model/gpu_model.cuh names the others). AdamW reads the fp32 weight,
-// gradient, m and v of a parameter and writes weight, m, v and the working copy.
+// Parts of the step profile outside the model (model/gpu_model.cuh names the others). AdamW reads the fp32 weight and
+// gradient and m, v (of `ms` bytes each) of a parameter and writes weight, m, v and the working copy.
 #define STEP_PART_OPTIM "optimizer"
 #define STEP_PART_COMM "communication"
-#define ADAMW_BYTES_PER_PARAM (7 * 4)
+#define ADAMW_BYTES_PER_PARAM(ms) (3 * 4 + 4 * (ms))
 
 // One optimizer step: grad_acc_steps micro-batches forward and backward, the gradients summed over ranks into each
 // rank's shard (ZeRO-2: by the backward, block by block; ZeRO-1: reduce-scattered afterwards), the global norm
@@ -149,9 +158,10 @@ static inline float train_step(Run *r) {
     adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
     AdamWHyper hyper = adamw_hyper(c, r->step);
     r->lr = hyper.lr;
-    adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, grad, o->m, o->v, &hyper,
-                       o->scale, 0);
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM + g->es), 0);
+    adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, grad, o->m, o->v,
+                       o->moment_type, &hyper, o->scale, 0);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0,
+              (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM(dtype_size(o->moment_type)) + g->es), 0);
     dist_all_gather(d, g->work, g->es, 0);
     prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
     r->step++;
@@ -217,11 +227,11 @@ static inline void evaluate(Run *r) {
     if (r->dist.rank == 0) eval_report(&s, r->step, r->cfg.run_dir, r->log);
 }
 
-// An optimizer array, of which every rank holds its shard `dev` [shard], whole on rank 0's host: returns the
-// malloc'ed [m->storage] there, NULL on the other ranks. Piece by piece (core/shard.h) through a staging buffer, so
-// no rank needs a whole-array device buffer: the piece's owner copies it there and broadcasts it, rank 0 copies it
-// out.
-static inline float *gather_to_rank0(Run *r, const float *dev) {
+// An optimizer array, of which every rank holds its shard `dev` [shard] of dtype t, whole in fp32 on rank 0's host:
+// returns the malloc'ed [m->storage] there, NULL on the other ranks. Piece by piece (core/shard.h) through a staging
+// buffer, so no rank needs a whole-array device buffer: the piece's owner converts it to fp32 there (exact from bf16)
+// and broadcasts it, rank 0 copies it out.
+static inline float *gather_to_rank0(Run *r, const void *dev, Dtype t) {
     Dist *d = &r->dist;
     long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), d->shard);
     float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
@@ -230,7 +240,7 @@ static inline float *gather_to_rank0(Run *r, const float *dev) {
     for (long long lo = 0; lo < d->n; lo = p.hi) {
         p = shard_piece_at(d->n, d->world, piece, lo);
         size_t bytes = sizeof(float) * (size_t)(p.hi - p.lo);
-        if (d->rank == p.owner) cudaCheck(cudaMemcpy(stage, dev + p.at, bytes, cudaMemcpyDeviceToDevice));
+        if (d->rank == p.owner) dtype_convert(stage, DT_FP32, dtype_elem_ptr(dev, p.at, t), t, p.hi - p.lo, 0);
         dist_broadcast(d, stage, bytes, p.owner, 0);
         if (host) cudaCheck(cudaMemcpy(host + p.lo, stage, bytes, cudaMemcpyDeviceToHost)); // waits for it
     }
@@ -238,10 +248,12 @@ static inline float *gather_to_rank0(Run *r, const float *dev) {
     return host;
 }
 
-// Gather the sharded state to rank 0 and write a checkpoint there.
+// Gather the sharded state to rank 0 and write a checkpoint there (moments in fp32 whatever optim.moment_dtype, so
+// a run resumes under either setting).
 static inline void save_checkpoint(Run *r) {
     AdamWState *o = &r->opt;
-    float *p = gather_to_rank0(r, o->master), *mm = gather_to_rank0(r, o->m), *vv = gather_to_rank0(r, o->v);
+    float *p = gather_to_rank0(r, o->master, DT_FP32), *mm = gather_to_rank0(r, o->m, o->moment_type);
+    float *vv = gather_to_rank0(r, o->v, o->moment_type);
     if (r->dist.rank != 0) return;
     DataLoaderState ls;
     dataloader_get_state(&r->train, &ls);
@@ -283,8 +295,8 @@ static inline void resume(Run *r) {
                  (unsigned long long)cr.id.step, derr);
     if (!ckpt_all_ranks_ok(&comm, ok, "cannot restore the dataloader position", err)) sdm_die("%s", err);
     set_params(r, cr.params);
-    upload_shard(r, r->opt.m, cr.adam_m);
-    upload_shard(r, r->opt.v, cr.adam_v);
+    upload_shard(r, r->opt.m, r->opt.moment_type, cr.adam_m);
+    upload_shard(r, r->opt.v, r->opt.moment_type, cr.adam_v);
     r->step = (long long)cr.id.step;
     say(r, "resumed from %s/step_%08lld at step %lld\n", r->cfg.run_dir, r->step, r->step);
     ckpt_resume_free(&cr);
@@ -327,6 +339,7 @@ static void usage(void) {
 }
 
 static inline Dtype compute_dtype(const Config *c) { return !strcmp(c->model_dtype, "fp32") ? DT_FP32 : DT_BF16; }
+static inline Dtype moment_dtype(const Config *c) { return !strcmp(c->moment_dtype, "bf16") ? DT_BF16 : DT_FP32; }
 
 // What the backward recomputes (model/gpu_model.cuh GM_RECOMPUTE flags).
 static inline int recompute_flags(const Config *c) {
@@ -349,11 +362,12 @@ static int print_memory(const Config *c, const ModelDesc *m, int world) {
     gpu_model_create(&g, m, c->batch_size, c->seq_len, compute_dtype(c), world, recompute_flags(c),
                      zero2(c, world) ? &layout : NULL);
     AdamWState opt;
-    adamw_state_create(&opt, shard_size(m->storage, world));
-    char title[3 * CFG_STR];
-    snprintf(title, sizeof title, "device memory per GPU: %s, micro-batch %d x %d, %s, %d rank%s, recompute %s",
-             c->name, c->batch_size, c->seq_len, c->model_dtype, world, world > 1 ? "s" : "",
-             recompute_name(c));
+    adamw_state_create(&opt, shard_size(m->storage, world), moment_dtype(c));
+    char title[4 * CFG_STR];
+    snprintf(title, sizeof title,
+             "device memory per GPU: %s, micro-batch %d x %d, %s, %d rank%s, recompute %s, AdamW m, v %s", c->name,
+             c->batch_size, c->seq_len, c->model_dtype, world, world > 1 ? "s" : "", recompute_name(c),
+             c->moment_dtype);
     mem_print(stdout, title);
     printf("  (not in a dry run: the CUDA context and NCCL's buffers, measured at start-up of a real run)\n");
     if (zero2(c, world))
@@ -406,7 +420,7 @@ int main(int argc, char **argv) {
     r.targets = (int *)sdm_malloc(sizeof(int) * c->batch_size * c->seq_len);
     gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, recompute_flags(c),
                      zero2(c, r.dist.world) ? &r.dist : NULL);
-    adamw_state_create(&r.opt, r.dist.shard);
+    adamw_state_create(&r.opt, r.dist.shard, moment_dtype(c));
     if (r.dist.rank == 0) {
         const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";
         mem_print(stdout, title);

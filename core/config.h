@@ -40,7 +40,7 @@ typedef struct {
     // optim (docs/MODEL.md#optimizer)
     double lr, lr_min_ratio, clip, weight_decay, beta1, beta2, adam_eps;
     int warmup, grad_acc_steps;
-    char scheduler[CFG_STR];
+    char scheduler[CFG_STR], moment_dtype[CFG_STR];
     // distributed / precision (docs/MODEL.md#precision)
     char model_dtype[CFG_STR];
     char fsdp_type[CFG_STR];
@@ -104,6 +104,8 @@ static const CfgField CFG_FIELDS[] = {
     {"optim.beta2", CFG_FLOAT, CFG_OFF(beta2), "0.95", 0, 0.999999, NULL, "AdamW beta2"},
     {"optim.eps", CFG_FLOAT, CFG_OFF(adam_eps), "1e-8", CFG_MIN_ADAM_EPS, 1, NULL, "AdamW epsilon"},
     {"optim.grad_acc_steps", CFG_INT, CFG_OFF(grad_acc_steps), "1", 1, 1024, NULL, "micro-batches per step"},
+    {"optim.moment_dtype", CFG_CHOICE, CFG_OFF(moment_dtype), "fp32", CFG_ANY, "fp32|bf16",
+     "storage of AdamW m, v (bf16: half the memory, rounded to nearest even; checkpoints hold fp32 either way)"},
 
     {"distributed.model_dtype", CFG_CHOICE, CFG_OFF(model_dtype), "bf16", CFG_ANY, "bf16|fp32",
      "compute dtype of weights and activations (fp32: exact comparison mode)"},
@@ -559,8 +561,23 @@ static inline int cfg_check_attention(const Config *c, char *err) {
     return 1;
 }
 
+// bf16 AdamW moments (docs/MODEL.md#optimizer) keep 8 significant bits: a step's decay of a moment by beta changes
+// every bf16 value only while 1 - beta >= 2^-8; closer to 1 rounding to nearest undoes it for some values, which stall.
+#define CFG_BF16_MOMENT_MAX_BETA (1.0 - 1.0 / 256)
+
+static inline int cfg_check_moments(const Config *c, char *err) {
+    if (strcmp(c->moment_dtype, "bf16")) return 1;
+    const char *key = c->beta2 > c->beta1 ? "optim.beta2" : "optim.beta1";
+    double beta = SDM_MAX(c->beta1, c->beta2);
+    if (beta <= CFG_BF16_MOMENT_MAX_BETA) return 1;
+    snprintf(err, CFG_ERR, "key '%s': %g is above %.8g with optim.moment_dtype = bf16 (1 - beta below 2^-8: bf16 "
+             "rounding would undo the moment's decay)", key, beta, CFG_BF16_MOMENT_MAX_BETA);
+    return 0;
+}
+
 static inline int cfg_validate(const Config *c, char *err) {
     if (!cfg_check_layers(c, err)) return 0;
+    if (!cfg_check_moments(c, err)) return 0;
     if ((long long)c->batch_size * (c->seq_len + 1) > INT_MAX) {  // a batch of B rows of T+1 tokens is int-indexed
         snprintf(err, CFG_ERR, "keys 'data.batch_size', 'data.seq_len': B*(T+1) = %lld exceeds %d",
                  (long long)c->batch_size * (c->seq_len + 1), INT_MAX);

@@ -1,8 +1,8 @@
-// core/cuda_common.cuh: CUDA / cuBLAS error checking with file:line, the precision vocabulary (core/dtype.cuh), and
-// the deterministic warp and block sums shared by every CUDA module. Every CUDA and cuBLAS call in sdm.c goes through
-// cudaCheck / cublasCheck; kernel launches are followed by cudaCheckLast() so a bad launch is reported where it
-// happened. Programs call cuda_require_gpu() before their first CUDA call, so a machine without a usable GPU gets
-// a plain message rather than the runtime's first error.
+// core/cuda_common.cuh: CUDA / cuBLAS error checking with file:line, the precision vocabulary (core/dtype.cuh) and
+// conversion between its types (dtype_convert), and the deterministic warp and block sums shared by every CUDA
+// module. Every CUDA and cuBLAS call in sdm.c goes through cudaCheck / cublasCheck; kernel launches are followed by
+// cudaCheckLast() so a bad launch is reported where it happened. Programs call cuda_require_gpu() before their first
+// CUDA call, so a machine without a usable GPU gets a plain message rather than the runtime's first error.
 #ifndef SDM_CORE_CUDA_COMMON_CUH
 #define SDM_CORE_CUDA_COMMON_CUH
 
@@ -62,6 +62,26 @@ static inline void device_upload(void *dst, const void *src, size_t bytes) {
 
 static inline void device_zero(void *dst, size_t bytes) {
     if (!g_mem.dry_run) cudaCheck(cudaMemset(dst, 0, bytes));
+}
+
+// out[i] = in[i] for i < n, from dtype `from` to dtype `to` (into bf16: rounded to nearest even; the same dtype: a
+// copy): the working weights from fp32 master weights, and the optimizer's bf16 moments to and from fp32.
+template <typename To, typename From> __global__ void dtype_convert_kernel(To *out, const From *in, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = dtype_from_float<To>(dtype_to_float(in[i]));
+}
+
+static inline void dtype_convert(void *out, Dtype to, const void *in, Dtype from, long long n, cudaStream_t s) {
+    if (n <= 0) return;
+    if (to == from) {
+        cudaCheck(cudaMemcpyAsync(out, in, n * dtype_size(to), cudaMemcpyDeviceToDevice, s));
+        return;
+    }
+    int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
+    DTYPE_DISPATCH(from, "dtype_convert", typedef T From;
+                   DTYPE_DISPATCH(to, "dtype_convert",
+                                  dtype_convert_kernel<T, From><<<blocks, 256, 0, s>>>((T *)out, (const From *)in, n)));
+    cudaCheckLast();
 }
 
 // Device bytes in use now (context, libraries and every allocation), as nvidia-smi counts them.

@@ -1,8 +1,8 @@
 // model/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
 // (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
-// (bf16, or fp32 in the all-fp32 mode); the state they work on (AdamWState). The schedule and the per-step
-// coefficients are host code in core/optim.h. With ZeRO-1 each rank calls adamw_grad_sumsq on its gradient shard,
-// all-reduces the one float, then adamw_clip_scale.
+// (bf16, or fp32 in the all-fp32 mode), its moments m, v stored in fp32 or bf16 (optim.moment_dtype); the state
+// they work on (AdamWState). The schedule and the per-step coefficients are host code in core/optim.h. With ZeRO-1
+// each rank calls adamw_grad_sumsq on its gradient shard, all-reduces the one float, then adamw_clip_scale.
 #ifndef SDM_CORE_ADAMW_CUH
 #define SDM_CORE_ADAMW_CUH
 
@@ -66,31 +66,34 @@ static inline void adamw_clip_scale(float *norm, float *scale, const float *sums
 
 typedef struct {
     long long n;                 // the shard's length: shard_size(storage, world)
-    float *master, *m, *v;       // fp32 [n]
+    float *master;               // fp32 [n]
+    void *m, *v;                 // [n] of moment_type
+    Dtype moment_type;           // fp32, or bf16 (optim.moment_dtype): half the bytes
     float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
     float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
 } AdamWState;
 
-// n zero floats of the ledger's category kind (core/memory.h); a dry run records the size only.
-static inline float *adamw_zeros(MemKind kind, long long n) {
-    float *p = (float *)device_alloc(kind, sizeof(float) * n);
-    device_zero(p, sizeof(float) * n);
+// n zero elements of type t in the ledger's category kind (core/memory.h); a dry run records the size only.
+static inline void *adamw_zeros(MemKind kind, long long n, Dtype t) {
+    void *p = device_alloc(kind, dtype_size(t) * n);
+    device_zero(p, dtype_size(t) * n);
     return p;
 }
 
-static inline void adamw_state_create(AdamWState *o, long long n) {
+static inline void adamw_state_create(AdamWState *o, long long n, Dtype moment_type) {
     o->n = n;
-    o->master = adamw_zeros(MEM_MASTER, n);
-    o->m = adamw_zeros(MEM_ADAMW, n);
-    o->v = adamw_zeros(MEM_ADAMW, n);
-    o->sumsq = adamw_zeros(MEM_SCRATCH, 1);
-    o->norm = adamw_zeros(MEM_SCRATCH, 1);
-    o->scale = adamw_zeros(MEM_SCRATCH, 1);
-    o->scratch = adamw_zeros(MEM_SCRATCH, ADAMW_NORM_SCRATCH);
+    o->master = (float *)adamw_zeros(MEM_MASTER, n, DT_FP32);
+    o->m = adamw_zeros(MEM_ADAMW, n, moment_type);
+    o->v = adamw_zeros(MEM_ADAMW, n, moment_type);
+    o->moment_type = moment_type;
+    o->sumsq = (float *)adamw_zeros(MEM_SCRATCH, 1, DT_FP32);
+    o->norm = (float *)adamw_zeros(MEM_SCRATCH, 1, DT_FP32);
+    o->scale = (float *)adamw_zeros(MEM_SCRATCH, 1, DT_FP32);
+    o->scratch = (float *)adamw_zeros(MEM_SCRATCH, ADAMW_NORM_SCRATCH, DT_FP32);
 }
 
 static inline void adamw_state_destroy(AdamWState *o) {
-    float *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
+    void *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
     for (int i = 0; i < 7; i++) device_free(bufs[i]);
     memset(o, 0, sizeof *o);
 }
@@ -98,30 +101,38 @@ static inline void adamw_state_destroy(AdamWState *o) {
 // ------------------------------------------------------------------------------------------------------------------
 // AdamW
 
-// One element per thread (grid-stride): the update of core/optim.h's AdamWCoeffs with g scaled by *grad_scale.
-template <typename T>
-__global__ void adamw_kernel(float *p, T *work, const float *g, float *m, float *v, long long n, AdamWCoeffs c,
+// One element per thread (grid-stride): the update of core/optim.h's AdamWCoeffs with g scaled by *grad_scale, in
+// fp32 on moments stored as M. With M = bf16 the moments are rounded to nearest even when stored; the update of p
+// uses them before that rounding. bf16 keeps 8 significant bits and fp32's exponent range: v stays >= 0 (rounding
+// keeps the sign), and its relative error of at most 2^-8 moves sqrt(v) + eps by at most 2^-9 relative. A step's
+// decay of a moment by beta changes every bf16 value when 1 - beta >= 2^-8; closer to 1 the rounding undoes it for
+// some values, which then stall, so cfg_validate refuses such betas with bf16 moments (core/config.h).
+template <typename T, typename M>
+__global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, AdamWCoeffs c,
                              const float *grad_scale) {
     float gs = grad_scale ? *grad_scale : 1.0f;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float pi = p[i], mi = m[i], vi = v[i];
+        float pi = p[i], mi = dtype_to_float(m[i]), vi = dtype_to_float(v[i]);
         adamw_element(&pi, &mi, &vi, g[i] * gs, c);
-        m[i] = mi;
-        v[i] = vi;
+        m[i] = dtype_from_float<M>(mi);
+        v[i] = dtype_from_float<M>(vi);
         p[i] = pi;
         if (work) work[i] = dtype_from_float<T>(pi);
     }
 }
 
-// One AdamW update of n elements: p (fp32 master), m, v (fp32 state) in place; work[n] (working copy of work_type,
+// One AdamW update of n elements: p (fp32 master), m, v (moment_type) in place; work[n] (working copy of work_type,
 // may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device float, NULL for 1).
-static inline void adamw_update(float *p, void *work, Dtype work_type, const float *g, float *m, float *v,
-                                long long n, AdamWCoeffs c, const float *grad_scale, cudaStream_t s) {
+static inline void adamw_update(float *p, void *work, Dtype work_type, const float *g, void *m, void *v,
+                                Dtype moment_type, long long n, AdamWCoeffs c, const float *grad_scale,
+                                cudaStream_t s) {
     if (n <= 0) return;
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    DTYPE_DISPATCH(work_type, "adamw_update",
-                 adamw_kernel<T><<<blocks, 256, 0, s>>>(p, (T *)work, g, m, v, n, c, grad_scale));
+    DTYPE_DISPATCH(work_type, "adamw_update", typedef T Work;
+                   DTYPE_DISPATCH(moment_type, "adamw_update",
+                                  adamw_kernel<Work, T><<<blocks, 256, 0, s>>>(p, (Work *)work, g, (T *)m, (T *)v, n,
+                                                                               c, grad_scale)));
     cudaCheckLast();
 }
 
@@ -130,14 +141,16 @@ static inline void adamw_update(float *p, void *work, Dtype work_type, const flo
 // optimizer's shard-sized arrays: their element 0). Only tensor elements are touched (the alignment gaps between
 // tensors stay as they are); adjacent tensors with the same flag are updated by one launch (model_decay_run).
 static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
-                                      Dtype work_type, const float *g, float *m, float *v,
+                                      Dtype work_type, const float *g, void *m, void *v, Dtype moment_type,
                                       const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
     long long a, b;
     int decay, next = 0;
+    size_t ms = dtype_size(moment_type);
     while (model_decay_run(md, lo, hi, &next, &a, &b, &decay)) {
         long long off = a - lo;
-        adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off, m + off,
-                     v + off, b - a, adamw_coeffs(h, decay), grad_scale, s);
+        adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off,
+                     (char *)m + off * ms, (char *)v + off * ms, moment_type, b - a, adamw_coeffs(h, decay),
+                     grad_scale, s);
     }
 }
 

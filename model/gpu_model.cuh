@@ -32,18 +32,6 @@
 // ------------------------------------------------------------------------------------------------------------------
 // Small kernels
 
-// out[i] = in[i] in the compute dtype: the working weights from the fp32 master weights.
-template <typename T> __global__ void gm_cast_kernel(T *out, const float *in, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = dtype_from_float<T>(in[i]);
-}
-
-static inline void gm_cast_to_work(void *out, const float *in, long long n, Dtype dtype, cudaStream_t s) {
-    int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
-    DTYPE_DISPATCH(dtype, "gm_cast_to_work", gm_cast_kernel<T><<<blocks, 256, 0, s>>>((T *)out, in, n));
-    cudaCheckLast();
-}
-
 // pred[i] = argmax_v logits[i, v] (first maximum), one warp per row: the greedy next-token predictions.
 template <typename T> __global__ void gm_argmax_kernel(int *pred, const T *logits, int ld, int V, int n) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -418,7 +406,7 @@ static inline void gpu_model_set_params_in_pieces(GpuModel *g, const float *host
         long long count = SDM_MIN(piece, g->padded - lo), real = SDM_MAX(0LL, SDM_MIN(count, g->m->storage - lo));
         cudaCheck(cudaMemcpy(stage, host + SDM_MIN(lo, g->m->storage), sizeof(float) * real, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemset(stage + real, 0, sizeof(float) * (count - real))); // the padding
-        gm_cast_to_work((char *)g->work + lo * g->es, stage, count, g->ctype, 0);
+        dtype_convert((char *)g->work + lo * g->es, g->ctype, stage, DT_FP32, count, 0);
     }
     device_free(stage);
 }

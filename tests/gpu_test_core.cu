@@ -449,28 +449,29 @@ static int in_tensor(const ModelDesc *md, long long i) {
     return 0;
 }
 
-// Three AdamW steps on [lo, hi) of the table; returns the final p, m, v (fp32) and the working copy (as doubles).
-static void run_adamw(const Mode *mo, const ModelDesc *md, long long lo, long long hi, const double *p0,
+// Three AdamW steps on [lo, hi) of the table with moments stored as mt; returns the final p (fp32), m, v and the
+// working copy (as doubles).
+static void run_adamw(const Mode *mo, Dtype mt, const ModelDesc *md, long long lo, long long hi, const double *p0,
                       const double *grads, const double *scale, const AdamWHyper *hyper, double *p, double *m,
                       double *v, double *work, void **first_bits) {
-    size_t n = (size_t)md->storage, es = dtype_size(mo->dtype);
+    size_t n = (size_t)md->storage, es = dtype_size(mo->dtype), ms = dtype_size(mt);
     float *d_p = (float *)dev_from(p0, n, DT_FP32), *d_g = (float *)dev_alloc(sizeof(float) * n);
-    float *d_m = (float *)dev_alloc(sizeof(float) * n), *d_v = (float *)dev_alloc(sizeof(float) * n);
+    char *d_m = (char *)dev_alloc(ms * n), *d_v = (char *)dev_alloc(ms * n);
     float *d_scale = scale ? (float *)dev_from(scale, 1, DT_FP32) : NULL;
     void *d_work = dev_alloc(n * es);
-    cudaCheck(cudaMemset(d_m, 0, sizeof(float) * n));
-    cudaCheck(cudaMemset(d_v, 0, sizeof(float) * n));
+    cudaCheck(cudaMemset(d_m, 0, ms * n));
+    cudaCheck(cudaMemset(d_v, 0, ms * n));
     for (int t = 0; t < 3; t++) {
         AdamWHyper h = *hyper;
         h.t = t + 1;
         upload(d_g, grads + (size_t)t * n, n, DT_FP32);
         poison(d_work, n * es);
-        adamw_update_model(md, lo, hi, d_p + lo, (char *)d_work + lo * es, mo->dtype, d_g + lo, d_m + lo, d_v + lo,
-                           &h, d_scale, 0);
+        adamw_update_model(md, lo, hi, d_p + lo, (char *)d_work + lo * es, mo->dtype, d_g + lo, d_m + lo * ms,
+                           d_v + lo * ms, mt, &h, d_scale, 0);
     }
     download(p, d_p, n, DT_FP32);
-    download(m, d_m, n, DT_FP32);
-    download(v, d_v, n, DT_FP32);
+    download(m, d_m, n, mt);
+    download(v, d_v, n, mt);
     download(work, d_work, n, mo->dtype);
     first_bits[0] = snapshot(d_p, sizeof(float) * n);
     first_bits[1] = snapshot(d_work, n * es);
@@ -478,39 +479,97 @@ static void run_adamw(const Mode *mo, const ModelDesc *md, long long lo, long lo
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
 }
 
-// AdamW on the elements [lo, total - trim) of the table (a ZeRO-1 shard when lo or trim is not 0).
-static void test_adamw(const Mode *mo, long long lo, long long trim, int with_scale, Rng *r) {
-    ModelDesc *md = &g_model;
-    build_table(md);
-    long long hi = md->storage - trim;
-    size_t n = (size_t)md->storage, range = (size_t)(hi - lo);
-    printf("adamw %s elements [%lld, %lld) of %zu, grad scale %s, 3 steps\n", mo->name, lo, hi, n,
-           with_scale ? "0.37" : "none");
-    AdamWHyper hyper = {0.1, 0.1, 0.9, 0.95, 1e-8, 0}; // a large lr so the updates are far above rounding
-    double scale = 0.37;
-    double *p0 = host_doubles(n), *grads = host_doubles(3 * n), *p = host_doubles(n), *m = host_doubles(n);
-    double *v = host_doubles(n), *work = host_doubles(n), *rp = host_doubles(n), *rm = host_doubles(n);
-    double *rv = host_doubles(n), *g = host_doubles(n), *dp = host_doubles(n), *rdp = host_doubles(n);
-    fill_normal(p0, n, r, 0, 1);
-    fill_normal(grads, 3 * n, r, 0, 1);
-    round_to(p0, n, DT_FP32);
-    round_to(grads, 3 * n, DT_FP32);
+// x rounded to fp32, then to the nearest bf16, ties to even, by integer arithmetic on the bits (not cuda_bf16.h's
+// conversion, which the kernel uses); *tie: the fp32 value was halfway between two bf16 values.
+static double bf16_nearest_even(double x, int *tie) {
+    float f = (float)x;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    *tie = (u & 0xFFFFu) == 0x8000u;
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
-    // reference: each tensor's part of [lo, hi) with its decay flag
+// An AdamW case's moments: fp32; bf16 from normal inputs; bf16 from inputs on a grid where every moment is exact in
+// fp32 before its rounding (below), so the kernel and the reference round the same values.
+typedef enum { MOMENTS_FP32, MOMENTS_BF16, MOMENTS_BF16_EXACT } MomentCase;
+static const char *const MOMENT_CASE_NAMES[3] = {"fp32 moments", "bf16 moments", "bf16 moments, exact grid"};
+
+// Tolerances of m, v and of the master update. fp32: fp32 arithmetic against double. bf16: the reference rounds its
+// double m, v to bf16 after each step where the kernel rounds its fp32 ones, so the two differ only where those
+// straddle a rounding boundary. They differ by ~2e-7 relative (mostly the fp32 coefficient 1 - 0.9f), a bf16 step is
+// 2^-8..2^-7 relative, so about one element in 2e4 rounds the other way per step, by one step (<= 2^-7), and keeps
+// differing after: some 20 of the 1.1e5 elements after 3 steps, a relative error of about
+// sqrt(20 / 1.1e5) * 2^-7 = 1e-4 in m, v and the update (a CPU emulation of the kernel gives 2e-5 to 6e-5; rounding
+// toward zero instead, up to a step on every element, gives 7e-3 in m, v). Exact grid: the same bits, and fp32
+// arithmetic in the update of p.
+static const double MOMENT_TOL[3] = {1e-5, 1e-3, 0.0}, MASTER_TOL[3] = {1e-5, 1e-3, 1e-5};
+
+// The exact grid: beta1 = 7/8, beta2 = 15/16, grad scale 1/2 and gradients ±k/64 with k in [16, 127], so the scaled
+// gradient is k/128 (7 bits). m grows by at most 3 bits below its last bit per step (m_1 = g/8 has bits down to
+// 2^-10, m_3 before rounding down to 2^-16, and |m| < 1): exact in fp32's 24 bits for these 3 steps. v >= g_t^2 / 16
+// >= 2^-10, so a stored v has bits down to 2^-17 and 15/16 of it down to 2^-21, below 1: exact at every step. Both
+// sides hold the exact value, so a rounding other than to nearest even, or no rounding, gives other bits; with only a
+// few bits below bf16's 8, ties are common (tens of thousands in a case of 1.1e5 elements).
+static void grid_gradients(double *g, size_t n, Rng *r) {
+    for (size_t i = 0; i < n; i++) g[i] = (rng_uniform(r) < 0.5 ? -1 : 1) * (double)(16 + rng_below(r, 112)) / 64;
+}
+
+// The reference of run_adamw: ref_adamw_step on each tensor's part of [lo, hi) with its decay flag, gradients times
+// scale (or 1); with bf16 moments m, v are rounded after each step, as the kernel stores them. Returns the ties.
+static long long ref_adamw(const ModelDesc *md, long long lo, long long hi, const double *p0, const double *grads,
+                           const double *scale, const AdamWHyper *hyper, Dtype mt, double *rp, double *rm,
+                           double *rv) {
+    size_t n = (size_t)md->storage;
+    double *g = host_doubles(n);
+    long long ties = 0;
     memcpy(rp, p0, sizeof(double) * n);
     for (int t = 0; t < 3; t++) {
-        AdamWHyper h = hyper;
+        AdamWHyper h = *hyper;
         h.t = t + 1;
-        for (size_t i = 0; i < n; i++) g[i] = grads[(size_t)t * n + i] * (with_scale ? (double)(float)scale : 1.0);
+        for (size_t i = 0; i < n; i++) g[i] = grads[(size_t)t * n + i] * (scale ? (double)(float)*scale : 1.0);
         for (int i = 0; i < md->n_params; i++) {
             const ParamSpec *ps = &md->params[i];
             long long a = SDM_MAX(lo, ps->offset), b = SDM_MIN(hi, ps->offset + ps->numel);
             if (a < b) ref_adamw_step(rp + a, rm + a, rv + a, g + a, (size_t)(b - a), &h, ps->decay);
         }
+        for (long long i = lo; i < hi && mt == DT_BF16; i++) {
+            int tie_m, tie_v;
+            rm[i] = bf16_nearest_even(rm[i], &tie_m);
+            rv[i] = bf16_nearest_even(rv[i], &tie_v);
+            ties += tie_m + tie_v;
+        }
     }
+    free(g);
+    return ties;
+}
+
+// AdamW on the elements [lo, total - trim) of the table (a ZeRO-1 shard when lo or trim is not 0).
+static void test_adamw(const Mode *mo, MomentCase mc, long long lo, long long trim, int with_scale, Rng *r) {
+    ModelDesc *md = &g_model;
+    build_table(md);
+    long long hi = md->storage - trim;
+    size_t n = (size_t)md->storage, range = (size_t)(hi - lo);
+    int exact = mc == MOMENTS_BF16_EXACT;
+    Dtype mt = mc == MOMENTS_FP32 ? DT_FP32 : DT_BF16;
+    double scale = exact ? 0.5 : 0.37;
+    printf("adamw %s, %s, elements [%lld, %lld) of %zu, grad scale %s, 3 steps\n", mo->name, MOMENT_CASE_NAMES[mc],
+           lo, hi, n, with_scale ? (exact ? "0.5" : "0.37") : "none");
+    // a large lr so the updates are far above rounding
+    AdamWHyper hyper = {0.1, 0.1, exact ? 0.875 : 0.9, exact ? 0.9375 : 0.95, 1e-8, 0};
+    double *p0 = host_doubles(n), *grads = host_doubles(3 * n), *p = host_doubles(n), *m = host_doubles(n);
+    double *v = host_doubles(n), *work = host_doubles(n), *rp = host_doubles(n), *rm = host_doubles(n);
+    double *rv = host_doubles(n), *dp = host_doubles(n), *rdp = host_doubles(n);
+    fill_normal(p0, n, r, 0, 1);
+    if (exact) grid_gradients(grads, 3 * n, r);
+    else fill_normal(grads, 3 * n, r, 0, 1);
+    round_to(p0, n, DT_FP32);
+    round_to(grads, 3 * n, DT_FP32);
+    long long ties = ref_adamw(md, lo, hi, p0, grads, with_scale ? &scale : NULL, &hyper, mt, rp, rm, rv);
 
     void *bits1[2], *bits2[2];
-    run_adamw(mo, md, lo, hi, p0, grads, with_scale ? &scale : NULL, &hyper, p, m, v, work, bits1);
+    run_adamw(mo, mt, md, lo, hi, p0, grads, with_scale ? &scale : NULL, &hyper, p, m, v, work, bits1);
     for (size_t i = 0; i < n; i++) dp[i] = p[i] - p0[i], rdp[i] = rp[i] - p0[i];
     int gaps_ok = 1; // alignment gaps between tensors: never written (the working copy there stays poisoned)
     for (size_t i = 0; i < n; i++)
@@ -519,20 +578,26 @@ static void test_adamw(const Mode *mo, long long lo, long long trim, int with_sc
             work[i] = rp[i];
         }
     report_true("alignment gaps untouched", gaps_ok);
-    report("master update p - p0 (fp32)", dp, rdp, n, 1e-5);
-    report("first moment m (fp32)", m + lo, rm + lo, range, 1e-5);
-    report("second moment v (fp32)", v + lo, rv + lo, range, 1e-5);
-    report("working copy", work + lo, rp + lo, range, mo->tol);
+    report("master update p - p0 (fp32)", dp, rdp, n, MASTER_TOL[mc]);
+    report(mt == DT_FP32 ? "first moment m (fp32)" : "first moment m (bf16)", m + lo, rm + lo, range, MOMENT_TOL[mc]);
+    report(mt == DT_FP32 ? "second moment v (fp32)" : "second moment v (bf16)", v + lo, rv + lo, range,
+           MOMENT_TOL[mc]);
+    if (exact) {
+        char what[160];
+        snprintf(what, sizeof what, "ties to even reached (%lld ties)", ties);
+        report_true(what, ties > 0);
+    }
+    report("working copy", work + lo, rp + lo, range, SDM_MAX(mo->tol, MASTER_TOL[mc]));
     int outside_ok = 1;
     for (size_t i = 0; i < n; i++)
         if ((long long)i < lo || (long long)i >= hi) outside_ok &= p[i] == p0[i] && m[i] == 0 && v[i] == 0;
     report_true("elements outside [lo, hi) untouched", outside_ok);
-    run_adamw(mo, md, lo, hi, p0, grads, with_scale ? &scale : NULL, &hyper, p, m, v, work, bits2);
+    run_adamw(mo, mt, md, lo, hi, p0, grads, with_scale ? &scale : NULL, &hyper, p, m, v, work, bits2);
     int same = !memcmp(bits1[0], bits2[0], sizeof(float) * n) && !memcmp(bits1[1], bits2[1], n * dtype_size(mo->dtype));
     report_true("determinism (master and working copy bitwise equal)", same);
 
     for (int i = 0; i < 2; i++) free(bits1[i]), free(bits2[i]);
-    double *hbufs[] = {p0, grads, p, m, v, work, rp, rm, rv, g, dp, rdp};
+    double *hbufs[] = {p0, grads, p, m, v, work, rp, rm, rv, dp, rdp};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) free(hbufs[i]);
 }
 
@@ -608,9 +673,12 @@ int main(void) {
         test_swiglu(mo, 37, 2056, &r);
         test_cross_entropy(mo, 1031, 258, 264, &r);
         test_cross_entropy(mo, 257, 50000, 50000, &r);
-        test_adamw(mo, 0, 0, 0, &r);
-        test_adamw(mo, 517, 1, 1, &r);      // starts inside tok_emb, ends inside the last A_log
-        test_adamw(mo, 37002, 1000, 1, &r); // starts inside a no-decay run, ends inside ffn.w1
+        test_adamw(mo, MOMENTS_FP32, 0, 0, 0, &r);
+        test_adamw(mo, MOMENTS_FP32, 517, 1, 1, &r);      // starts inside tok_emb, ends inside the last A_log
+        test_adamw(mo, MOMENTS_FP32, 37002, 1000, 1, &r); // starts inside a no-decay run, ends inside ffn.w1
+        test_adamw(mo, MOMENTS_BF16, 517, 1, 1, &r);      // optim.moment_dtype = bf16
+        test_adamw(mo, MOMENTS_BF16_EXACT, 0, 0, 1, &r);
+        test_adamw(mo, MOMENTS_BF16_EXACT, 37002, 1000, 1, &r);
     }
     // The RMSNorm cases above reach every path: scalar (a width not a multiple of the vector, and too wide a row in
     // fp32; bf16 rows of up to 8192 take the vector path), one and two vectors per thread.

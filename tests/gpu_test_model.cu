@@ -1,8 +1,8 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
 // bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits with selective
-// activation recomputation on; a few AdamW steps that must lower the loss of a fixed batch; ZeRO-2's gradient buckets
-// on one rank; and the memory ledger against the device's own count.
+// activation recomputation on; a few AdamW steps (fp32 and bf16 moments) that must lower the loss of a fixed batch;
+// ZeRO-2's gradient buckets on one rank; and the memory ledger against the device's own count.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -283,21 +283,26 @@ static void check_case(const Case *c, const char *dtype) {
         gpu_model_destroy(&gr);
     }
 
-    // a few AdamW steps on this batch must lower its loss
-    AdamWState opt;
-    adamw_state_create(&opt, g.padded);
-    cudaCheck(cudaMemcpy(opt.master, host, 4 * m->storage, cudaMemcpyHostToDevice));
-    AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
-    double first = loss2, last = loss2;
-    for (int s = 1; s <= 20; s++) {
-        hyper.t = s;
-        adamw_update_model(m, 0, m->storage, opt.master, g.work, g.ctype, g.grads, opt.m, opt.v, &hyper, NULL, 0);
-        last = step_grads(&g, tokens, targets);
+    // a few AdamW steps on this batch must lower its loss, with fp32 and with bf16 moments (optim.moment_dtype)
+    for (int k = 0; k < 2; k++) {
+        Dtype moments = k ? DT_BF16 : DT_FP32;
+        AdamWState opt;
+        adamw_state_create(&opt, g.padded, moments);
+        cudaCheck(cudaMemcpy(opt.master, host, 4 * m->storage, cudaMemcpyHostToDevice));
+        gpu_model_set_params(&g, host);
+        AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
+        double first = step_grads(&g, tokens, targets), last = first;
+        for (int s = 1; s <= 20; s++) {
+            hyper.t = s;
+            adamw_update_model(m, 0, m->storage, opt.master, g.work, g.ctype, g.grads, opt.m, opt.v, moments, &hyper,
+                               NULL, 0);
+            last = step_grads(&g, tokens, targets);
+        }
+        adamw_state_destroy(&opt);
+        printf("  20 AdamW steps on one batch, %s moments: loss %.4f -> %.4f\n", dtype_name(moments), first, last);
+        CHECK(last < 0.8 * first, "%s [%s]: 20 AdamW steps with %s moments took the loss only from %.4f to %.4f",
+              c->name, dtype, dtype_name(moments), first, last);
     }
-    adamw_state_destroy(&opt);
-    printf("  20 AdamW steps on one batch: loss %.4f -> %.4f\n", first, last);
-    CHECK(last < 0.8 * first, "%s [%s]: 20 AdamW steps took the loss only from %.4f to %.4f", c->name, dtype, first,
-          last);
     check_zero2_one_rank(c, dtype, &g, tokens, targets);
 
     gpu_model_destroy(&g);

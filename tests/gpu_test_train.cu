@@ -1,7 +1,9 @@
 // tests/gpu_test_train.cu: train_sdm end to end on a tiny model, as a user runs it (README.md#checkpoints):
 //   (a) SIGTERM during training: the step under way finishes, its checkpoint is written, the exit status is 0;
 //   (b) a restart with the same run_dir resumes from that checkpoint and goes on;
-//   (c) a restart with another architecture key is refused, naming the key with both values.
+//   (c) a restart with another architecture key is refused, naming the key with both values;
+//   (d) with bf16 AdamW moments (optim.moment_dtype) the checkpoint holds them in fp32, every one a bf16 value; a run
+//       resumed from it continues bit for bit as the uninterrupted run, and one with fp32 moments resumes from it too.
 // (A second signal's immediate exit is tested in tests/test_stop_signal.c: here it would race the checkpoint.)
 // Needs ./train_sdm (make train_sdm); run from the repository root. The embedded dataset is generated on first use.
 #include <signal.h>
@@ -73,6 +75,32 @@ static int run(const char *run_dir, const char *extra, const char *log, char **o
     return status;
 }
 
+// Counts the AdamW moments of a checkpoint's state.bin (model/checkpoint.h: header, m, v, loader record) that are not
+// 0 and those that are not bf16 values (fp32 bits below bf16's set); 0 when the file cannot be read.
+static int count_moments(const char *step_dir, long long *nonzero, long long *not_bf16) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/state.bin", step_dir);
+    FILE *f = fopen(path, "rb");
+    CkptHeader h;
+    int ok = f && fread(&h, sizeof h, 1, f) == 1;
+    *nonzero = *not_bf16 = 0;
+    for (uint64_t i = 0; ok && i < 2 * h.n_params; i++) {
+        uint32_t bits;
+        ok = fread(&bits, sizeof bits, 1, f) == 1;
+        *nonzero += (bits & 0x7FFFFFFFu) != 0;
+        *not_bf16 += (bits & 0xFFFFu) != 0;
+    }
+    if (f) fclose(f);
+    return ok;
+}
+
+// The two files exist and have the same bytes.
+static int same_file(const char *a, const char *b) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "cmp -s %s %s", a, b);
+    return system(cmd) == 0;
+}
+
 int main(void) {
     if (access("./train_sdm", X_OK) != 0) {
         CHECK(0, "./train_sdm not found: run `make train_sdm` and this test from the repository root");
@@ -117,7 +145,41 @@ int main(void) {
           out);
     free(out);
 
-    char cmd[256];
+    // (d) bf16 moments: 4 steps with checkpoints at 2 and 4; the same from a copy of step 2, under bf16 and fp32
+    char bf16[128], again[128], fp32[128], ck[192], ck_again[192], cmd[1024];
+    long long nonzero, not_bf16;
+    snprintf(bf16, sizeof bf16, "%s/bf16", dir);
+    snprintf(again, sizeof again, "%s/bf16_resumed", dir);
+    snprintf(fp32, sizeof fp32, "%s/fp32_resumed", dir);
+    status = run(bf16, "steps=4 checkpoint.dump_every=2 optim.moment_dtype=bf16", log, &out);
+    snprintf(ck, sizeof ck, "%s/step_00000004", bf16);
+    int readable = count_moments(ck, &nonzero, &not_bf16);
+    printf("(d) bf16 moments: exit %d; step 4 holds %lld moments not 0, %lld not bf16 values\n", status, nonzero,
+           not_bf16);
+    CHECK(status == 0 && readable && nonzero > 0 && not_bf16 == 0,
+          "(d) bf16 run: exit %d, %lld moments not 0, %lld not bf16 values:\n%s", status, nonzero, not_bf16, out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s %s && cp -r %s/step_00000002 %s && cp -r %s/step_00000002 %s", again, fp32,
+             bf16, again, bf16, fp32);
+    CHECK(system(cmd) == 0, "(d) %s failed", cmd);
+    status = run(again, "steps=4 checkpoint.dump_every=2 optim.moment_dtype=bf16", log, &out);
+    snprintf(ck, sizeof ck, "%s/step_00000004/state.bin", bf16);
+    snprintf(ck_again, sizeof ck_again, "%s/step_00000004/state.bin", again);
+    int same = same_file(ck, ck_again);
+    printf("(d) resumed at step 2 with bf16 moments: exit %d, step 4 state.bin %s\n", status,
+           same ? "the same" : "DIFFERS");
+    CHECK(status == 0 && strstr(out, "at step 2") && same, "(d) bf16 resume: exit %d, state %s:\n%s", status,
+          same ? "same" : "differs", out);
+    free(out);
+    status = run(fp32, "steps=4 checkpoint.dump_every=2 optim.moment_dtype=fp32", log, &out);
+    snprintf(ck, sizeof ck, "%s/step_00000004", fp32);
+    readable = count_moments(ck, &nonzero, &not_bf16);
+    printf("(d) resumed at step 2 with fp32 moments: exit %d; step 4 holds %lld moments not bf16 values\n", status,
+           not_bf16);
+    CHECK(status == 0 && strstr(out, "at step 2") && readable && not_bf16 > 0, "(d) fp32 resume: exit %d, %lld moments "
+          "not bf16 values:\n%s", status, not_bf16, out);
+    free(out);
+
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("note: could not remove %s\n", dir);
     return test_summary();

@@ -143,6 +143,28 @@ static void test_errors(void) {
     CHECK(strstr(err, "'--bogus'") != NULL, "message '%s' does not name the flag", err);
 }
 
+// optim.moment_dtype: fp32 by default, bf16 on request, nothing else; bf16 only with betas whose decay bf16 keeps
+// (1 - beta >= 2^-8, model/adamw.cuh), fp32 with any.
+static void test_moment_dtype(void) {
+    char err[CFG_ERR] = "";
+    Config c;
+    char *plain[] = {(char *)"test", (char *)"-c", (char *)"configs/debug_sdm.cfg"};
+    CHECK(cfg_from_args(&c, 3, plain, err) && !strcmp(c.moment_dtype, "fp32"), "default moment dtype '%s' (%s)",
+          c.moment_dtype, err);
+    char *bf16[] = {(char *)"test", (char *)"-c", (char *)"configs/debug_sdm.cfg", (char *)"optim.moment_dtype=bf16",
+                    (char *)"optim.beta2=0.99609375"};
+    CHECK(cfg_from_args(&c, 5, bf16, err) && !strcmp(c.moment_dtype, "bf16"), "bf16 moments, beta2 = 1 - 2^-8: '%s' "
+          "(%s)", c.moment_dtype, err);
+    expect_error(SMALL "model.attn_at = all\noptim.moment_dtype = fp16\n",
+                 "test_config_bad.cfg:6: key 'optim.moment_dtype': 'fp16' is not one of fp32|bf16");
+    expect_error(SMALL "model.attn_at = all\noptim.moment_dtype = bf16\noptim.beta2 = 0.999\n",
+                 "key 'optim.beta2': 0.999 is above 0.99609375 with optim.moment_dtype = bf16");
+    expect_error(SMALL "model.attn_at = all\noptim.moment_dtype = bf16\noptim.beta1 = 0.997\n",
+                 "key 'optim.beta1': 0.997 is above");
+    char *fp32[] = {(char *)"test", (char *)"-c", (char *)"configs/debug_sdm.cfg", (char *)"optim.beta2=0.999"};
+    CHECK(cfg_from_args(&c, 4, fp32, err), "fp32 moments refuse beta2 = 0.999: %s", err);
+}
+
 static void write_text(const char *path, const char *text, size_t n) {
     FILE *fp = fopen(path, "wb");
     if (!fp || fwrite(text, 1, n, fp) != n || fclose(fp) != 0) sdm_die("cannot write %s", path);
@@ -278,6 +300,7 @@ int main(void) {
     test_shipped_configs();
     test_dump_round_trip();
     test_errors();
+    test_moment_dtype();
     test_edge_cases();
     test_sdm_description();
     test_init();

@@ -41,6 +41,13 @@ expect "$out" "SDM banks + saved state" $(( 6 * (4 * 2 * 65536 * 1024 * 2 + save
 expect "$out" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 4 )) "flagship (once, not per layer)"
 expect "$out" "cuBLAS workspace" $((32 << 20)) flagship
 
+# bf16 AdamW moments (optim.moment_dtype): m and v at 2 bytes each, nothing else changes
+bf=$(./train_sdm -c configs/sdm_flagship.cfg --memory optim.moment_dtype=bf16)
+expect "$bf" "AdamW m, v" $((4 * S)) "flagship, bf16 moments"
+expect "$bf" "fp32 master weights" $((4 * S)) "flagship, bf16 moments"
+total=$(printf '%s\n' "$out" | grep -F "  total " | awk '{print $(NF-1)}')
+expect "$bf" "total" $((total - 4 * S)) "flagship, bf16 moments"
+
 # recompute off: every layer keeps its two norm outputs and its SwiGLU product, every SDM layer its readout [n, D]
 off=$(./train_sdm -c configs/sdm_flagship.cfg --memory distributed.selective_act_ckpt=false)
 expect "$off" "activations saved for backward" \
@@ -98,6 +105,8 @@ expect "$out" "fp32 master weights" $((4 * shard)) "flagship, 8 ranks, ZeRO-2"
 total=$(./train_sdm -c configs/sdm_7B.cfg --memory=8 | grep -F "  total " | awk '{print $(NF-1)}')
 if [ "$total" -le $((75 << 30)) ]; then pass=$((pass + 1))
 else fail=$((fail + 1)); echo "FAIL: sdm_7B at 8 ranks needs $total bytes per GPU, more than 75 GiB"; fi
+out=$(./train_sdm -c configs/sdm_flagship.cfg --memory=8 optim.moment_dtype=bf16 distributed.fsdp_type=no_shard)
+expect "$out" "AdamW m, v" $((4 * shard)) "flagship, 8 ranks, ZeRO-1, bf16 moments"
 err=$(./train_sdm -c configs/debug_hybrid.cfg --memory=0 2>&1 >/dev/null)
 if [[ "$err" == *"world size must be a positive integer"* ]]; then pass=$((pass + 1))
 else fail=$((fail + 1)); echo "FAIL: --memory=0 accepted: $err"; fi
