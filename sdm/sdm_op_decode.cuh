@@ -34,6 +34,8 @@ template <int V> __device__ __forceinline__ void sdm_decode_sum_warps(float (*pa
     __syncthreads(); // part is reused
 }
 
+__device__ __forceinline__ void sdm_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Step (4)'s new value of a bank row x (V values) with decay a = exp(gamma), weight kp and delta, as stored.
 template <typename Tb>
 __device__ __forceinline__ uint4 sdm_decode_written(uint4 x, float a, float kp, const float *delta) {
@@ -64,6 +66,14 @@ __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOp
         int k = w + NW * m;
         ws[m] = k < sh.W ? wslot[k] : 0;
         rs[m] = k < sh.R ? rslot[k] : 0;
+    }
+    // every held row on its way to L2 now (a prefetch holds no register: short of them, the compiler issues the read
+    // rows' loads only after the retrieval, where a random bank row's latency cost ~5,000 cycles on an H200)
+#pragma unroll
+    for (int m = 0; m < E; m++) {
+        int k = w + NW * m;
+        if (active && k < sh.W) sdm_prefetch_l2(M + (size_t)ws[m] * sh.d);
+        if (active && k < sh.R) sdm_prefetch_l2(M + (size_t)rs[m] * sh.d);
     }
 #pragma unroll
     for (int m = 0; m < E; m++) {

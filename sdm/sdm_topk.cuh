@@ -63,16 +63,15 @@ __global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int H, SdmG
 #define SDM_TOPK_WARPS_MAX 4
 #define SDM_TOPK_THREADS 512        // threads of the block kernel
 #define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its ranks of kept sub-keys cost up to n^2)
-// Largest P for the block kernel. Its block is one SM's (~100 registers a thread), so P problems take about
+// Largest P for the block kernel. Its block fills an SM (512 threads of 80-100 registers), so P problems take about
 // ceil(P / 132) times its latency, while the warp kernel's first wave (~2000 problems) takes ~38 us whatever P: on
-// the H200 (bench_sdm_layer 3 prints both over P) the two crossed between 256 and 1024 problems (31 vs 35 us at 256,
-// 121 vs 37 at 1024, before the histogram atomics were merged per digit). Training (P = 32768) stays on the warp
-// kernel; decode batches of up to 128 streams of 2 heads take the block kernel.
+// the H200 (bench_sdm_layer 3 prints both over P; 0b9d593) 30.8 vs 35.1 us at 256 problems, 60.3 vs 35.5 at 512.
+// Training (P = 32768) stays on the warp kernel; decode batches of up to 128 streams of 2 heads take the block one.
 #ifndef SDM_TOPK_BLOCK_MAX_P // -D to move the threshold when measuring
 #define SDM_TOPK_BLOCK_MAX_P 256
 #endif
 #define SDM_TOPK_JOBS 2 // write and read addressing
-#define SDM_TOPK_MISC 32 // ints of the block kernel's misc region
+#define SDM_TOPK_MISC 48 // ints of the block kernel's misc region
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
 
@@ -89,7 +88,7 @@ typedef struct {
     int key_dim4;                             // sum of factor widths rounded up to multiples of 4 (block kernel)
     // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, kept keys [key_dim], candidates
     // [cap], selected keys [k]; u32 sub-key ords [key_dim4], table [n_table], table scores [n_table]; int histograms
-    // [3][SDM_MAX_FACTORS][256], misc [SDM_TOPK_MISC]
+    // [2][SDM_MAX_FACTORS][256], misc [SDM_TOPK_MISC]
     int off_kept, off_cand, off_sel, off_ords, off_tab, off_rval, off_hist, off_misc;
     size_t smem_block;                        // total (bytes)
     int block_ok;                             // the block kernel supports this plan
@@ -150,7 +149,7 @@ static inline void sdm_topk_block_layout(SdmTopkPlan *pl) {
     pl->off_ords = (int)o;  o += 4 * (size_t)pl->key_dim4;
     pl->off_tab = (int)o;   o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
     pl->off_rval = (int)o;  o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
-    pl->off_hist = (int)o;  o += 4 * (size_t)3 * SDM_MAX_FACTORS * 256;
+    pl->off_hist = (int)o;  o += 4 * (size_t)2 * SDM_MAX_FACTORS * 256;
     pl->off_misc = (int)o;  o += 4 * (size_t)SDM_TOPK_MISC;
     pl->smem_block = o;
 }
@@ -293,20 +292,22 @@ __device__ __forceinline__ int sdm_block_chunk0(int c0) {
 }
 
 // The kth[s]-th largest value (with multiplicity) thr[s] of each set s < n_sets, and ge[s] = #{values >= thr[s]}, by
-// the whole block (v written before a barrier): the radix select of sdm_warp_kth_largest for all sets at once, one
-// barrier per pass. Every warp picks the digits itself from the pass's histograms (integer counts: deterministic),
-// and three histogram buffers hist [3][SDM_MAX_FACTORS][256] rotate: the pass numbered q (*pass, counted over
-// calls) fills buffer q % 3, which must be zero, and clears buffer (q + 1) % 3, which the warps last read after the
-// barrier of pass q - 2, so before the barrier of pass q - 1.
+// the whole block (v written before a barrier): the radix select of sdm_warp_kth_largest for all sets at once. Per
+// pass, the histograms (integer counts: deterministic), a barrier, warp s picks set s's digit into pick [3 s .. 3 s
+// + 3) (every warp picking for itself made a pass cost ~2,800 cycles), a barrier. Two histogram buffers hist
+// [2][SDM_MAX_FACTORS][256] alternate: the pass numbered q (*pass, counted over calls) fills buffer q % 2, which
+// must be zero, and clears the other, which the warps last read before the second barrier of pass q - 1.
 __device__ __forceinline__ void sdm_block_radix_select(const uint32_t *v, int n_sets, const int *off, const int *n,
-                                                       const int *kth, int *hist, int *pass, uint32_t *thr, int *ge) {
-    const int lane = threadIdx.x & 31, nb = SDM_MAX_FACTORS * 256;
+                                                       const int *kth, int *hist, int *pick, int *pass, uint32_t *thr,
+                                                       int *ge) {
+    static_assert(SDM_MAX_FACTORS <= SDM_TOPK_THREADS / 32, "a warp per set");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nb = SDM_MAX_FACTORS * 256;
     uint32_t mask = 0;
     int k[SDM_MAX_FACTORS];
 #pragma unroll
     for (int s = 0; s < SDM_MAX_FACTORS; s++) { thr[s] = 0; k[s] = kth[s]; ge[s] = 0; }
     for (int shift = 24; shift >= 0; shift -= 8, (*pass)++) {
-        int *h = hist + (*pass % 3) * nb, *next = hist + ((*pass + 1) % 3) * nb;
+        int *h = hist + (*pass % 2) * nb, *next = hist + ((*pass + 1) % 2) * nb;
         for (int i = threadIdx.x; i < nb; i += SDM_TOPK_THREADS) next[i] = 0;
 #pragma unroll
         for (int s = 0, c0 = 0; s < SDM_MAX_FACTORS; s++) {
@@ -319,13 +320,21 @@ __device__ __forceinline__ void sdm_block_radix_select(const uint32_t *v, int n_
             c0 += (n[s] + 31) / 32;
         }
         __syncthreads();
+        if (warp < n_sets) {
+            int kw = 0;
+#pragma unroll
+            for (int s = 0; s < SDM_MAX_FACTORS; s++)
+                if (s == warp) kw = k[s];
+            int3 d = sdm_radix_pick(h + warp * 256, kw, lane);
+            if (lane == 0) { pick[3 * warp] = d.x; pick[3 * warp + 1] = d.y; pick[3 * warp + 2] = d.z; }
+        }
+        __syncthreads();
 #pragma unroll
         for (int s = 0; s < SDM_MAX_FACTORS; s++) {
             if (s >= n_sets) break;
-            int3 d = sdm_radix_pick(h + s * 256, k[s], lane);
-            thr[s] |= (uint32_t)d.x << shift;
-            k[s] -= d.y;
-            if (shift == 0) ge[s] = kth[s] - k[s] + d.z; // the values above thr, then those equal to it
+            thr[s] |= (uint32_t)pick[3 * s] << shift;
+            k[s] -= pick[3 * s + 1];
+            if (shift == 0) ge[s] = kth[s] - k[s] + pick[3 * s + 2]; // the values above thr, then those equal to it
         }
         mask |= 255u << shift;
     }
@@ -532,7 +541,7 @@ __global__ void sdm_topk_forward_kernel(const __grid_constant__ SdmTopkArgs a) {
 // counting the kept keys above it (4 threads a key), tau by a radix select of the table scores, the candidates' and
 // the selected slots' order by counting too (8 threads a key). With a.gates, job 0's blocks also form their
 // problem's gates and values (sdm_unpack_kernel's work) and take g from them: the whole addressing in one launch.
-__global__ void __launch_bounds__(SDM_TOPK_THREADS) sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
+__global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
     static_assert(SDM_TOPK_THREADS >= 256 && SDM_TOPK_THREADS % 32 == 0, "a thread per selected key (k < 256)");
     const int job = blockIdx.x / a.P, p = blockIdx.x % a.P, tok = p / a.H, h = p % a.H;
@@ -547,11 +556,11 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS) sdm_topk_block_kernel(const 
     uint32_t *rval = (uint32_t *)(sm + pl.off_rval);
     int *hist = (int *)(sm + pl.off_hist), *misc = (int *)(sm + pl.off_misc);
     // misc: kept counters [SDM_MAX_FACTORS], candidate counter, g of the problem, the softmax norm (8-byte aligned),
-    // block sums [nw]
-    int *kcnt = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 4;
+    // block sums [nw], radix picks [3 SDM_MAX_FACTORS]
+    int *kcnt = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 4, *pick = red + nw;
     float *gp_s = (float *)(misc + SDM_MAX_FACTORS + 1);
     float2 *norm_s = (float2 *)(misc + SDM_MAX_FACTORS + 2);
-    static_assert(SDM_MAX_FACTORS % 2 == 0 && SDM_MAX_FACTORS + 4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC,
+    static_assert(SDM_MAX_FACTORS % 2 == 0 && 4 * SDM_MAX_FACTORS + 4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC,
                   "misc layout");
 
     // 0. before the wait, constant data only: the table; zero histograms and counters
@@ -595,7 +604,7 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS) sdm_topk_block_kernel(const 
     //    min(k, n_f) sub-keys and every tie of the last one
     uint32_t thr[SDM_MAX_FACTORS];
     int m[SDM_MAX_FACTORS], pass = 0;
-    sdm_block_radix_select(ords, F, off4, n, kth, hist, &pass, thr, m);
+    sdm_block_radix_select(ords, F, off4, n, kth, hist, pick, &pass, thr, m);
 
     // 3. the kept keys (o << 32 | i), compacted per factor in any order at kofs[f], then each one's rank among its
     //    factor's: sorted[rank] = key, the descending order of the warp kernel's bitonic sort
@@ -641,7 +650,7 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS) sdm_topk_block_kernel(const 
     int zero[SDM_MAX_FACTORS] = {0}, n_tab[SDM_MAX_FACTORS] = {pl.n_table}, k1[SDM_MAX_FACTORS] = {k};
     uint32_t tau_s[SDM_MAX_FACTORS];
     int ge_s[SDM_MAX_FACTORS];
-    sdm_block_radix_select(rval, 1, zero, n_tab, k1, hist, &pass, tau_s, ge_s);
+    sdm_block_radix_select(rval, 1, zero, n_tab, k1, hist, pick, &pass, tau_s, ge_s);
     const uint32_t tau = tau_s[0];
     const int n_ge = ge_s[0];
 
