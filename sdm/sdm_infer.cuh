@@ -28,7 +28,6 @@ static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int 
     I.rows = SDM_MAX(max_tokens, streams);
     I.L = sdm_layer_setup(s, 1, I.rows, ctype, 0);
     sdm_layer_alloc_forward(&I.L);
-    sdm_layer_use_side_stream(&I.L);
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
     I.L.saved = device_alloc(MEM_SCRATCH, I.saved_bytes);
     I.banks = device_alloc(MEM_SDM_SAVED, (size_t)streams * sdm_bank_bytes(s));

@@ -1,5 +1,5 @@
 // sdm/sdm_layer.cuh: the SDM layer on the GPU around the memory op (docs/SDM.md#layer-overview): the fused input
-// projection, gates and values, the calls to the top-k addressing (sdm/sdm_topk.cuh), the bank copy from M0
+// projection, the calls to the addressing (gates, values, top-k: sdm/sdm_topk.cuh), the bank copy from M0
 // (sdm/sdm_bank.cuh), the memory op (sdm/sdm_op.cuh) and the readout (sdm/sdm_readout.cuh), then the output
 // projection; the training API (sdm_layer_create / forward / backward). Inference state: sdm/sdm_infer.cuh.
 // Layout follows sdm/sdm_ref.h and sdm/sdm_op.h: token-major [B,T,H,...] per-token per-head arrays; a "problem"
@@ -23,24 +23,10 @@
 #include "sdm/sdm_topk.cuh"
 
 // =================================================================================================================
-// Gates and values from the fused projection (docs/SDM.md#gates), one block per token:
-//   v[tok, :] = z[tok, col_v : col_v + D] in fp32 (the op's input), g = -exp(A_log) softplus(a + dt_bias),
-//   beta = sigmoid(c), with a = z[tok, col_a + h], c = z[tok, col_c + h].
+// The values' gradient: dz[tok, col_v : col_v + D] = dv[tok, :] (the op's value gradient into the fused projection's
+// gradient). The gates and values themselves come with the addressing (sdm/sdm_topk.cuh).
 // =================================================================================================================
 
-__global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int col_v, int col_a, int col_c, int D, int H,
-                              const void *A_log, const void *dt_bias, float *v, float *g, float *beta) {
-    pdl_enter();
-    size_t tok = blockIdx.x, row = tok * ldz;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) v[tok * D + i] = dtype_load(z, row + col_v + i, fp32);
-    for (int h = threadIdx.x; h < H; h += blockDim.x) {
-        float a = dtype_load(z, row + col_a + h, fp32), c = dtype_load(z, row + col_c + h, fp32);
-        g[tok * H + h] = -expf(dtype_load(A_log, h, fp32)) * sdm_softplus(a + dtype_load(dt_bias, h, fp32));
-        beta[tok * H + h] = sdm_sigmoid(c);
-    }
-}
-
-// dz[tok, col_v : col_v + D] = dv[tok, :] (the op's value gradient into the fused projection's gradient)
 __global__ void sdm_pack_dv_kernel(const float *dv, void *dz, bool fp32, int ldz, int col_v, int D) {
     size_t tok = blockIdx.x;
     for (int i = threadIdx.x; i < D; i += blockDim.x) dtype_store(dz, tok * ldz + col_v + i, dv[tok * D + i], fp32);
@@ -116,8 +102,6 @@ typedef struct {
     SdmLayerTemps tmp;   // training: the layer's own temporaries, or shared ones (owns_tmp = 0)
     int owns_tmp;
     Profiler *prof;      // NULL: not profiled
-    cudaStream_t side;   // NULL, or a stream for the read top-k (sdm_layer_use_side_stream)
-    cudaEvent_t fork, join; // ordering between the caller's stream and `side`
 } SdmLayer;
 
 // NULL when the GPU layer supports the configuration, else the reason.
@@ -236,11 +220,6 @@ static inline void sdm_layer_destroy(SdmLayer *L) {
                     sdm_layer_r_is_temp(L) ? NULL : L->r, L->saved};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) device_free(bufs[i]);
     if (L->owns_tmp) sdm_layer_temps_destroy(&L->tmp);
-    if (L->side) {
-        cudaCheck(cudaStreamDestroy(L->side));
-        cudaCheck(cudaEventDestroy(L->fork));
-        cudaCheck(cudaEventDestroy(L->join));
-    }
     sdm_topk_plan_free(&L->tw);
     sdm_topk_plan_free(&L->tr);
     memset(L, 0, sizeof(*L));
@@ -270,14 +249,6 @@ static inline const char *sdm_layer_stage_work(const SdmLayer *L, int ev, double
     case SDM_EV_F_READOUT: *bytes = BT * D * (4 + cs); return SDM_PART_READOUT; // fp32 readings in, r out
     default: *bytes = BT * D * 3 * 4; return SDM_PART_READOUT;               // readings and dr in, dr out (fp32)
     }
-}
-
-// Run the read top-k on a stream of its own, beside the gates and the write top-k (it needs only z). Each top-k
-// problem is one warp's work, so at decode's few problems the two kernels are latency-bound and overlap fully.
-static inline void sdm_layer_use_side_stream(SdmLayer *L) {
-    cudaCheck(cudaStreamCreateWithFlags(&L->side, cudaStreamNonBlocking));
-    cudaCheck(cudaEventCreateWithFlags(&L->fork, cudaEventDisableTiming));
-    cudaCheck(cudaEventCreateWithFlags(&L->join, cudaEventDisableTiming));
 }
 
 static inline void sdm_layer_mark(SdmLayer *L, int ev, cudaStream_t s) {
@@ -326,30 +297,24 @@ static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, c
     }
 }
 
-// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then the gates, values and both
-// top-k selections with their weights, for the L->B * L->T tokens of x [B,T,D].
-static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
+// The gates, values and both top-k selections with their weights from the fused projection L->z, for the
+// L->B * L->T tokens (one launch at decode: sdm/sdm_topk.cuh).
+static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st) {
     const SdmDims *s = &L->s;
-    int BT = L->B * L->T, H = s->heads, P = BT * H, D = s->dim;
-    bool f32 = L->ctype == DT_FP32;
+    SdmGates gates = {p->A_log, p->dt_bias, L->col_v, L->col_a, L->col_c, s->dim, L->v, L->g, L->beta};
+    SdmTopkJob jobs[2] = {
+        {&L->tw, L->col_zk, {L->wslot, L->kappa, NULL, L->gamma, L->g, s->key_weighted_decay, s->write_scale}},
+        {&L->tr, L->col_zq, {L->rslot, L->rho, NULL, NULL, NULL, 0, s->read_scale}}};
+    sdm_topk_forward(jobs, 2, L->z, L->ctype, L->ldz, s->heads, L->B * L->T * s->heads, &gates, st);
+}
+
+// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select, for the
+// L->B * L->T tokens of x [B,T,D].
+static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
+    int BT = L->B * L->T, D = L->s.dim;
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
-    cudaStream_t rs = st; // the read top-k's stream
-    if (L->side) {
-        cudaCheck(cudaEventRecord(L->fork, st));
-        cudaCheck(cudaStreamWaitEvent(L->side, L->fork, 0));
-        rs = L->side;
-    }
-    sdm_topk_forward(&L->tr, L->z, L->ctype, L->ldz, L->col_zq, H, P, s->read_scale, NULL, 0, L->rslot, L->rho, NULL,
-                     NULL, rs);
-    launch_pdl(sdm_unpack_kernel, BT, 256, 0, st, L->z, f32, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
-               p->dt_bias, L->v, L->g, L->beta);
-    sdm_topk_forward(&L->tw, L->z, L->ctype, L->ldz, L->col_zk, H, P, s->write_scale, L->g, s->key_weighted_decay,
-                     L->wslot, L->kappa, NULL, L->gamma, st);
-    if (L->side) {
-        cudaCheck(cudaEventRecord(L->join, L->side));
-        cudaCheck(cudaStreamWaitEvent(st, L->join, 0));
-    }
+    sdm_layer_select(L, p, st);
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);
 }
 

@@ -29,6 +29,9 @@ template <> struct SdmBankVec<float> {
         x[2] = __uint_as_float(r.z);
         x[3] = __uint_as_float(r.w);
     }
+    __device__ static uint4 pack(const float *x) {
+        return make_uint4(__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]), __float_as_uint(x[3]));
+    }
     __device__ static void load(const float *p, float *x) {
         float4 a = *(const float4 *)p;
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
@@ -46,12 +49,13 @@ template <> struct SdmBankVec<__nv_bfloat16> {
         const __nv_bfloat162 *h = (const __nv_bfloat162 *)&a;
         for (int i = 0; i < 4; i++) { float2 f = __bfloat1622float2(h[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
     }
-    __device__ static void store(__nv_bfloat16 *p, const float *x) {
+    __device__ static uint4 pack(const float *x) {
         uint4 a;
         __nv_bfloat162 *h = (__nv_bfloat162 *)&a;
         for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-        *(uint4 *)p = a;
+        return a;
     }
+    __device__ static void store(__nv_bfloat16 *p, const float *x) { *(uint4 *)p = pack(x); }
 };
 
 // 8 consecutive elements of a row of T (16 or 32 bytes; p 16-byte aligned)

@@ -13,8 +13,15 @@
 // of steps (1)-(5) of docs/SDM.md#the-recurrence, so the W + R rows of a stream are fetched by all warps at once
 // rather than by one thread in turn (at small batch the step is bound by memory latency, not bandwidth). Partial
 // sums meet in shared memory and are added in warp order (deterministic). The W slots of a token are distinct, so
-// the warps' writes never touch a row twice; a barrier makes them visible to the reads of step (5).
+// the warps' writes never touch a row twice.
+// Latency: each warp loads the indices and weights of its first SDM_DECODE_HELD write and read entries, then all
+// their rows at once, before any write, and keeps them (16 bytes a lane each): the write reuses the retrieved row,
+// and a read of a row this token writes takes the written value from the row it read and delta, rounded to the
+// bank dtype as the store rounds it: the bits of reading it back after the write, without waiting for the write.
+// So one step costs two dependent memory latencies (indices, then rows) where a load after each phase cost five.
+// Entries beyond the held ones (W or R above WARPS * HELD) load their rows in turn, reads after a barrier.
 #define SDM_DECODE_WARPS 16
+#define SDM_DECODE_HELD 4
 
 // r = the sum over the block's warps of each warp's r (same columns), in warp order; part: __shared__ scratch.
 template <int V> __device__ __forceinline__ void sdm_decode_sum_warps(float (*part)[32 * V], float *r) {
@@ -27,49 +34,121 @@ template <int V> __device__ __forceinline__ void sdm_decode_sum_warps(float (*pa
     __syncthreads(); // part is reused
 }
 
+__device__ __forceinline__ void sdm_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Step (4)'s new value of a bank row x (V values) with decay a = exp(gamma), weight kp and delta, as stored.
+template <typename Tb>
+__device__ __forceinline__ uint4 sdm_decode_written(uint4 x, float a, float kp, const float *delta) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    float y[V];
+    SdmBankVec<Tb>::unpack(x, y);
+    for (int i = 0; i < V; i++) y[i] = fmaf(a, y[i], kp * delta[i]);
+    return SdmBankVec<Tb>::pack(y);
+}
+
 template <typename Tb>
 __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank,
                                                                           float *out) {
-    constexpr int V = SdmBankVec<Tb>::V;
-    __shared__ float part[SDM_DECODE_WARPS][32 * V];
+    constexpr int V = SdmBankVec<Tb>::V, E = SDM_DECODE_HELD, NW = SDM_DECODE_WARPS;
+    __shared__ float part[NW][32 * V];
     pdl_enter();
-    const int s = blockIdx.y, w = threadIdx.x >> 5, col = (blockIdx.x * 32 + (threadIdx.x & 31)) * V;
-    const bool active = col < sh.d; // inactive threads still meet the barriers
-    Tb *M = bank + (size_t)s * sh.N * sh.d;
-    const size_t ow = (size_t)s * sh.W, orr = (size_t)s * sh.R;
+    const int s = blockIdx.y, w = threadIdx.x >> 5, lane = threadIdx.x & 31, col = (blockIdx.x * 32 + lane) * V;
+    const bool active = col < sh.d; // inactive lanes still meet the barriers and ballots
+    Tb *M = bank + (size_t)s * sh.N * sh.d + col;
+    const int *wslot = in.wslot + (size_t)s * sh.W, *rslot = in.rslot + (size_t)s * sh.R;
+    const float *kappa = in.kappa + (size_t)s * sh.W, *gamma = in.gamma + (size_t)s * sh.W;
+    const float *rho = in.rho + (size_t)s * sh.R;
+    // the held entries k = w + NW m (m < E): slots, then every row at once (all before any write)
+    int ws[E], rs[E];
+    uint4 xw[E], xr[E];
+#pragma unroll
+    for (int m = 0; m < E; m++) {
+        int k = w + NW * m;
+        ws[m] = k < sh.W ? wslot[k] : 0;
+        rs[m] = k < sh.R ? rslot[k] : 0;
+    }
+    // every held row on its way to L2 now (a prefetch holds no register: short of them, the compiler issues the read
+    // rows' loads only after the retrieval, where a random bank row's latency cost ~5,000 cycles on an H200)
+#pragma unroll
+    for (int m = 0; m < E; m++) {
+        int k = w + NW * m;
+        if (active && k < sh.W) sdm_prefetch_l2(M + (size_t)ws[m] * sh.d);
+        if (active && k < sh.R) sdm_prefetch_l2(M + (size_t)rs[m] * sh.d);
+    }
+#pragma unroll
+    for (int m = 0; m < E; m++) {
+        int k = w + NW * m;
+        if (active && k < sh.W) xw[m] = *(const uint4 *)(M + (size_t)ws[m] * sh.d);
+        if (active && k < sh.R) xr[m] = *(const uint4 *)(M + (size_t)rs[m] * sh.d);
+    }
+    // while the rows arrive: beta, the values, and the write entry of each held read row that this token writes
+    // (slots are distinct: one at most)
+    float bt = in.beta[s], vv[V];
+    for (int i = 0; i < V; i++) vv[i] = active ? in.v[(size_t)s * sh.d + col + i] : 0.f;
+    int hit[E];
+#pragma unroll
+    for (int m = 0; m < E; m++) hit[m] = -1;
+    for (int i0 = 0; i0 < sh.W; i0 += 32) {
+        int sl = i0 + lane < sh.W ? wslot[i0 + lane] : -1;
+#pragma unroll
+        for (int m = 0; m < E; m++) {
+            unsigned b = __ballot_sync(0xffffffffu, w + NW * m < sh.R && sl == rs[m]);
+            if (b) hit[m] = i0 + __ffs(b) - 1;
+        }
+    }
     float r[V], x[V];
     for (int i = 0; i < V; i++) r[i] = 0.f;
+#pragma unroll
+    for (int m = 0; m < E; m++) { // (1)-(2): retrieval from the decayed rows
+        int k = w + NW * m;
+        if (!active || k >= sh.W) break;
+        SdmBankVec<Tb>::unpack(xw[m], x);
+        float g = kappa[k] * expf(gamma[k]);
+        for (int i = 0; i < V; i++) r[i] = fmaf(g, x[i], r[i]);
+    }
 #pragma unroll 4
-    for (int k = w; active && k < sh.W; k += SDM_DECODE_WARPS) { // (1)-(2): retrieval from the decayed rows
-        SdmBankVec<Tb>::load(M + (size_t)in.wslot[ow + k] * sh.d + col, x);
-        float g = in.kappa[ow + k] * expf(in.gamma[ow + k]);
+    for (int k = w + NW * E; active && k < sh.W; k += NW) {
+        SdmBankVec<Tb>::load(M + (size_t)wslot[k] * sh.d, x);
+        float g = kappa[k] * expf(gamma[k]);
         for (int i = 0; i < V; i++) r[i] = fmaf(g, x[i], r[i]);
     }
     sdm_decode_sum_warps<V>(part, r);
-    if (active) {
-        float bt = in.beta[s];
-        const float *vv = in.v + (size_t)s * sh.d + col;
-        for (int i = 0; i < V; i++) r[i] = bt * (vv[i] - r[i]); // (3) r now holds delta
+    for (int i = 0; i < V; i++) r[i] = bt * (vv[i] - r[i]); // (3) r now holds delta
+#pragma unroll
+    for (int m = 0; m < E; m++) { // (4) write
+        int k = w + NW * m;
+        if (!active || k >= sh.W) break;
+        *(uint4 *)(M + (size_t)ws[m] * sh.d) = sdm_decode_written<Tb>(xw[m], expf(gamma[k]), kappa[k], r);
     }
 #pragma unroll 4
-    for (int k = w; active && k < sh.W; k += SDM_DECODE_WARPS) { // (4) write
-        Tb *row = M + (size_t)in.wslot[ow + k] * sh.d + col;
-        SdmBankVec<Tb>::load(row, x);
-        float a = expf(in.gamma[ow + k]), kp = in.kappa[ow + k];
-        for (int i = 0; i < V; i++) x[i] = fmaf(a, x[i], kp * r[i]);
-        SdmBankVec<Tb>::store(row, x);
+    for (int k = w + NW * E; active && k < sh.W; k += NW) {
+        Tb *row = M + (size_t)wslot[k] * sh.d;
+        *(uint4 *)row = sdm_decode_written<Tb>(*(const uint4 *)row, expf(gamma[k]), kappa[k], r);
     }
-    __syncthreads(); // every write lands before any read
-    for (int i = 0; i < V; i++) r[i] = 0.f;
+    // (5) read after the write: a held row that this token writes takes its written value
+    float o[V];
+    for (int i = 0; i < V; i++) o[i] = 0.f;
+#pragma unroll
+    for (int m = 0; m < E; m++) {
+        int k = w + NW * m;
+        if (!active || k >= sh.R) break;
+        uint4 row = hit[m] < 0 ? xr[m] : sdm_decode_written<Tb>(xr[m], expf(gamma[hit[m]]), kappa[hit[m]], r);
+        SdmBankVec<Tb>::unpack(row, x);
+        float g = rho[k];
+        for (int i = 0; i < V; i++) o[i] = fmaf(g, x[i], o[i]);
+    }
+    if (sh.R > NW * E) {
+        __syncthreads(); // every write lands before the rows read from memory
 #pragma unroll 4
-    for (int k = w; active && k < sh.R; k += SDM_DECODE_WARPS) { // (5) read after the write
-        SdmBankVec<Tb>::load(M + (size_t)in.rslot[orr + k] * sh.d + col, x);
-        float g = in.rho[orr + k];
-        for (int i = 0; i < V; i++) r[i] = fmaf(g, x[i], r[i]);
+        for (int k = w + NW * E; active && k < sh.R; k += NW) {
+            SdmBankVec<Tb>::load(M + (size_t)rslot[k] * sh.d, x);
+            float g = rho[k];
+            for (int i = 0; i < V; i++) o[i] = fmaf(g, x[i], o[i]);
+        }
     }
-    sdm_decode_sum_warps<V>(part, r);
+    sdm_decode_sum_warps<V>(part, o);
     if (active && w == 0)
-        for (int i = 0; i < V; i += 4) SdmBankVec<float>::store(out + (size_t)s * sh.d + col + i, r + i);
+        for (int i = 0; i < V; i += 4) SdmBankVec<float>::store(out + (size_t)s * sh.d + col + i, o + i);
 }
 
 static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream) {

@@ -11,9 +11,9 @@
 
 // =================================================================================================================
 // Readout (docs/SDM.md#readout) over rows p = token*H + h of width d: rn = LayerNorm_d(o) (shared weight/bias) or o;
-// r = sigmoid(zG) * rn or rn. One warp per row (lane L owns the float4 column groups L, L+32, ...), each warp
-// walking a fixed contiguous range of rows, so the LayerNorm weight/bias gradients are per-warp partial sums
-// [n_warps, d] that a deterministic column sum adds afterwards.
+// r = sigmoid(zG) * rn or rn. Forward: one block per row. Backward: one warp per row (lane L owns the float4 column
+// groups L, L+32, ...), each warp walking a fixed contiguous range of rows, so the LayerNorm weight/bias gradients
+// are per-warp partial sums [n_warps, d] that a deterministic column sum adds afterwards.
 // =================================================================================================================
 
 #define SDM_RO_WARPS_PER_BLOCK 4
@@ -37,58 +37,67 @@ __device__ __forceinline__ float sdm_f4get(const float4 &v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
+// The LayerNorm statistics of a row by one warp, lane L holding the row's float4 column groups L + 32 i in x[i]
+// (zeros past d / 4): the lane's sums over i in order, then the butterfly (biased variance).
 template <int NV>
-__global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
-    sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o, void *r, float *ln_mean, float *ln_rstd) {
-    pdl_enter();
-    int warp = blockIdx.x * SDM_RO_WARPS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (warp >= ra.n_warps) return;
-    int d4 = ra.d / 4, p0 = warp * ra.rows_per_warp, p1 = min(ra.P, p0 + ra.rows_per_warp);
-    for (int p = p0; p < p1; p++) {
-        const float *orow = o + (size_t)p * ra.d;
-        float4 x[NV];
+__device__ __forceinline__ void sdm_ln_stats(const float4 *x, int lane, int d4, int d, float eps, float *mean,
+                                             float *rstd) {
+    float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < NV; i++) {
-            int c4 = lane + 32 * i;
-            x[i] = c4 < d4 ? sdm_ld4(orow + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    for (int i = 0; i < NV; i++) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
+    *mean = core_warp_sum(sum) / d;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+        if (lane + 32 * i < d4)
+            for (int j = 0; j < 4; j++) q += (sdm_f4get(x[i], j) - *mean) * (sdm_f4get(x[i], j) - *mean);
+    *rstd = 1.0f / sqrtf(core_warp_sum(q) / d + eps);
+}
+
+// Forward, one block of 32 NV threads per row p: thread (warp i, lane L) owns the float4 column group L + 32 i, the
+// group that lane L of one warp per row holds in its i-th register, so warp 0 forms the LayerNorm statistics from the
+// groups in shared memory with that warp's arithmetic (sdm_ln_stats). Every load of the row (readings, LayerNorm
+// weight and bias, gate) is issued before any is used: one memory latency, where one warp walking the row's 32 groups
+// in turn waited on its scalar weight and gate loads (8 us for decode's two rows). The LayerNorm's affine step is one
+// fma for every element (the warp-per-row kernel's compiled code fused it for some elements and not others, so its
+// fp32 outputs differ from these by an ulp in about a quarter of the elements; its bf16 outputs matched).
+template <int NV>
+__global__ void __launch_bounds__(32 * NV)
+    sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o, void *r, float *ln_mean, float *ln_rstd) {
+    __shared__ float4 xs[32 * NV];
+    __shared__ float2 stats;
+    pdl_enter();
+    const int p = blockIdx.x, i = threadIdx.x >> 5, lane = threadIdx.x & 31, c4 = threadIdx.x, d4 = ra.d / 4;
+    const bool in = c4 < d4;
+    size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
+    float4 x = in ? sdm_ld4(o + (size_t)p * ra.d + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float w[4], b[4], zg[4];
+    for (int j = 0; j < 4; j++) {
+        int c = 4 * c4 + j;
+        w[j] = in && ra.ln ? dtype_load(ra.ln_w, c, ra.fp32) : 1.0f;
+        b[j] = in && ra.ln ? dtype_load(ra.ln_b, c, ra.fp32) : 0.0f;
+        zg[j] = in && ra.gate ? dtype_load(ra.z, zrow + c, ra.fp32) : 0.0f;
+    }
+    xs[c4] = x;
+    __syncthreads();
+    if (i == 0) {
         float mean = 0.0f, rstd = 1.0f;
         if (ra.ln) {
-            float sum = 0.0f;
+            float4 xl[NV];
 #pragma unroll
-            for (int i = 0; i < NV; i++) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
-            mean = core_warp_sum(sum) / ra.d;
-            float q = 0.0f;
-#pragma unroll
-            for (int i = 0; i < NV; i++)
-                if (lane + 32 * i < d4)
-                    for (int j = 0; j < 4; j++) q += (sdm_f4get(x[i], j) - mean) * (sdm_f4get(x[i], j) - mean);
-            rstd = 1.0f / sqrtf(core_warp_sum(q) / ra.d + ra.eps);
+            for (int g = 0; g < NV; g++) xl[g] = xs[lane + 32 * g];
+            sdm_ln_stats<NV>(xl, lane, d4, ra.d, ra.eps, &mean, &rstd);
             if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
         }
-        size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
-        // every output of the row before any store: a store between them would keep the compiler from issuing the
-        // next element's weight and gate loads early (r might alias them), one memory latency per element
-        float y[NV][4];
-#pragma unroll
-        for (int i = 0; i < NV; i++) {
-            int c4 = lane + 32 * i;
-            for (int j = 0; j < 4; j++) {
-                int c = 4 * c4 + j;
-                y[i][j] = sdm_f4get(x[i], j);
-                if (c4 >= d4) continue;
-                if (ra.ln)
-                    y[i][j] = (y[i][j] - mean) * rstd * dtype_load(ra.ln_w, c, ra.fp32) +
-                              dtype_load(ra.ln_b, c, ra.fp32);
-                if (ra.gate) y[i][j] *= sdm_sigmoid(dtype_load(ra.z, zrow + c, ra.fp32));
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < NV; i++) {
-            int c4 = lane + 32 * i;
-            if (c4 >= d4) continue;
-            for (int j = 0; j < 4; j++) dtype_store(r, (size_t)p * ra.d + 4 * c4 + j, y[i][j], ra.fp32);
-        }
+        if (lane == 0) stats = make_float2(mean, rstd);
+    }
+    __syncthreads();
+    if (!in) return;
+    for (int j = 0; j < 4; j++) {
+        float y = sdm_f4get(x, j);
+        if (ra.ln) y = fmaf((y - stats.x) * stats.y, w[j], b[j]);
+        if (ra.gate) y *= sdm_sigmoid(zg[j]);
+        dtype_store(r, (size_t)p * ra.d + 4 * c4 + j, y, ra.fp32);
     }
 }
 
@@ -180,7 +189,12 @@ __global__ void __launch_bounds__(32 * SDM_RO_WARPS_PER_BLOCK)
 
 static inline void sdm_readout_forward(const SdmReadoutArgs *ra, const float *o, void *r, float *ln_mean,
                                        float *ln_rstd, cudaStream_t st) {
-    SDM_RO_DISPATCH(sdm_readout_forward_kernel, *ra, st, o, r, ln_mean, ln_rstd);
+    int nv = ra->d <= 128 ? 1 : ra->d <= 256 ? 2 : ra->d <= 512 ? 4 : ra->d <= 1024 ? 8 : 16; // float4 groups / 32
+    void (*kernel)(SdmReadoutArgs, const float *, void *, float *, float *) =
+        nv == 1 ? sdm_readout_forward_kernel<1> : nv == 2 ? sdm_readout_forward_kernel<2> :
+        nv == 4 ? sdm_readout_forward_kernel<4> : nv == 8 ? sdm_readout_forward_kernel<8> :
+        sdm_readout_forward_kernel<16>;
+    launch_pdl(kernel, ra->P, 32 * nv, 0, st, *ra, o, r, ln_mean, ln_rstd);
 }
 
 // ...and, with the LayerNorm, d ln_w and d ln_b (accumulated) as column sums of the per-warp partials.

@@ -1,18 +1,43 @@
 // sdm/sdm_topk.cuh: the SDM layer's addressing on the GPU (docs/SDM.md#gates, docs/SDM.md#product-key-addressing,
-// docs/SDM.md#tie-rule, docs/SDM.md#key-weighted-decay, docs/SDM.md#layer-chain-rule). Forward: for every problem p =
-// token*H + h, the product-key scores of its K = sum of factor widths columns of the fused projection z [tokens, ldz]
-// (bf16 or fp32), the k best slots by the exact radix top-k, sorted by ascending slot: slot [P,k] int32, weight [P,k] =
-// softmax(scale * score) fp32, optionally score [P,k] and the write decays gamma [P,k]. Backward: the softmax backward
-// and the routing of each score's gradient to its sub-key entries, written as the K-wide block of dz, and for writes
-// the gate gradients (key-weighted decay, a, c) into dz and the fp32 per-token gate terms gate_grad [tokens, 3H]. One
-// warp per problem (many problems: training, prefill) or one block per problem (few: decode); integer histograms and
-// counts only: deterministic, and the two forward kernels agree bit for bit.
+// docs/SDM.md#tie-rule, docs/SDM.md#key-weighted-decay, docs/SDM.md#layer-chain-rule). Forward (sdm_topk_forward):
+// the gates and values of every token, and for each of one or two jobs (the write and the read addressing, one launch)
+// and every problem p = token*H + h, the product-key scores of its K = sum of factor widths columns of the fused
+// projection z [tokens, ldz] (bf16 or fp32), the k best slots by the exact radix top-k, sorted by ascending slot:
+// slot [P,k] int32, weight [P,k] = softmax(scale * score) fp32, optionally score [P,k] and the write decays gamma
+// [P,k]. Backward: the softmax backward and the routing of each score's gradient to its sub-key entries, written as
+// the K-wide block of dz, and for writes the gate gradients (key-weighted decay, a, c) into dz and the fp32 per-token
+// gate terms gate_grad [tokens, 3H]. One warp per problem (many problems: training, prefill) or one block per problem
+// (few: decode, where the block kernel also forms the gates, so that the whole addressing is one launch); integer
+// histograms and counts only: deterministic, and the two forward kernels agree bit for bit.
 #ifndef SDM_SDM_TOPK_CUH
 #define SDM_SDM_TOPK_CUH
 
 #include "core/cuda_common.cuh"
 #include "sdm/sdm_common.cuh"
 #include "sdm/sdm_dims.h"
+
+// =================================================================================================================
+// Gates and values (docs/SDM.md#gates) of every token: v[tok, :] = z[tok, col_v : col_v + D] in fp32 (the op's
+// input), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(c), with a = z[tok, col_a + h], c = z[tok, col_c + h].
+// Written by sdm_unpack_kernel (one block per token) before the warp kernel, or by the block kernel's write problems.
+// =================================================================================================================
+
+typedef struct {
+    const void *A_log, *dt_bias; // [H] compute dtype
+    int col_v, col_a, col_c, D;  // columns of z; model width
+    float *v, *g, *beta;         // [tokens, D], [tokens, H], [tokens, H]
+} SdmGates;
+
+__global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int H, SdmGates gt) {
+    pdl_enter();
+    size_t tok = blockIdx.x, row = tok * ldz;
+    for (int i = threadIdx.x; i < gt.D; i += blockDim.x) gt.v[tok * gt.D + i] = dtype_load(z, row + gt.col_v + i, fp32);
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        float a = dtype_load(z, row + gt.col_a + h, fp32), c = dtype_load(z, row + gt.col_c + h, fp32);
+        gt.g[tok * H + h] = sdm_gate_decay(a, dtype_load(gt.A_log, h, fp32), dtype_load(gt.dt_bias, h, fp32));
+        gt.beta[tok * H + h] = sdm_sigmoid(c);
+    }
+}
 
 // =================================================================================================================
 // Product-key top-k (docs/SDM.md#tie-rule), the selection of sdm_pk_topk_ref:
@@ -31,19 +56,22 @@
 // Two kernels compute the same integer quantities (kept lists, tau, the selected keys in the same order) and share
 // the softmax: one warp per problem (sdm_topk_forward_kernel: the serial steps of one warp bound its latency, ~38 us
 // on the flagship shape) and one block of SDM_TOPK_THREADS threads per problem (sdm_topk_block_kernel), which the
-// launcher takes for small P (decode).
+// launcher takes for small P (decode). Either kernel runs one or two jobs (plans, score columns and outputs) over
+// the same problems in one launch: blocks [j * per_job, (j + 1) * per_job) do job j.
 // =================================================================================================================
 
 #define SDM_TOPK_WARPS_MAX 4
-#define SDM_TOPK_THREADS 256        // threads of the block kernel: one per radix histogram bin
-#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its per-factor ranking costs n^2 / 256)
-// Largest P for the block kernel. Counted on the flagship shape (H200, 132 SMs): a block costs ~2 us of one SM's
-// issue (mostly the per-factor ranking), so P problems take ~max(5 us, P * 2 us / 132), while the warp kernel's first
-// wave (~2000 problems) takes ~38 us whatever P: the two cross near P ~ 2500; 1024 leaves a factor 2 for error
-// (bench_sdm_layer 3 prints both kernels over P). Training (P = 32768) stays on the warp kernel.
+#define SDM_TOPK_THREADS 512        // threads of the block kernel
+#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its ranks of kept sub-keys cost up to n^2)
+// Largest P for the block kernel. Its block fills an SM (512 threads of 80-100 registers), so P problems take about
+// ceil(P / 132) times its latency, while the warp kernel's first wave (~2000 problems) takes ~38 us whatever P: on
+// the H200 (bench_sdm_layer 3 prints both over P; 0b9d593) 30.8 vs 35.1 us at 256 problems, 60.3 vs 35.5 at 512.
+// Training (P = 32768) stays on the warp kernel; decode batches of up to 128 streams of 2 heads take the block one.
 #ifndef SDM_TOPK_BLOCK_MAX_P // -D to move the threshold when measuring
-#define SDM_TOPK_BLOCK_MAX_P 1024
+#define SDM_TOPK_BLOCK_MAX_P 256
 #endif
+#define SDM_TOPK_JOBS 2 // write and read addressing
+#define SDM_TOPK_MISC 48 // ints of the block kernel's misc region
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
 
@@ -58,7 +86,11 @@ typedef struct {
     size_t smem_per_warp;                     // shared memory per warp (bytes)
     int warps;                                // problems per block
     int key_dim4;                             // sum of factor widths rounded up to multiples of 4 (block kernel)
-    size_t smem_block;                        // shared memory of the block kernel (bytes)
+    // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, kept keys [key_dim], candidates
+    // [cap], selected keys [k]; u32 sub-key ords [key_dim4], table [n_table], table scores [n_table]; int histograms
+    // [2][SDM_MAX_FACTORS][256], misc [SDM_TOPK_MISC]
+    int off_kept, off_cand, off_sel, off_ords, off_tab, off_rval, off_hist, off_misc;
+    size_t smem_block;                        // total (bytes)
     int block_ok;                             // the block kernel supports this plan
     int path;                                 // SdmTopkPath: AUTO picks by P; tests and benches force one
 } SdmTopkPlan;
@@ -72,6 +104,26 @@ typedef struct {
     int kwd;
     float scale; // weight = softmax(scale * score)
 } SdmTopkOut;
+
+// One selection over the P problems: its plan, the first score column of head 0 in z, its outputs.
+typedef struct {
+    const SdmTopkPlan *pl;
+    int col0;
+    SdmTopkOut out;
+} SdmTopkJob;
+
+// What a launch of either forward kernel reads (a __grid_constant__ parameter: no copy per thread).
+typedef struct {
+    SdmTopkPlan pl[SDM_TOPK_JOBS];
+    int col0[SDM_TOPK_JOBS];
+    SdmTopkOut out[SDM_TOPK_JOBS];
+    const void *z;
+    bool fp32;
+    int ldz, H, P, per_job; // per_job: blocks per job
+    int warps;              // warp kernel: problems per block, and the bytes of shared memory of each
+    size_t warp_smem;
+    SdmGates gates;         // gates.g != NULL: the block kernel's write problems (job 0) form the gates
+} SdmTopkArgs;
 
 static inline int sdm_next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
 
@@ -87,12 +139,19 @@ static inline int sdm_topk_table_fill(const int *dims, int F, int f, int prod, u
     return n;
 }
 
-// Block kernel shared memory: u64 sorted [sort_total], cand [cap], sel [k] (padded to 16 bytes); u32 sub-key ords
-// [key_dim4], their ranks [key_dim4], table copy [n_table], table scores [n_table], histograms [2][256], misc [32].
-#define SDM_TOPK_MISC 32
-static inline size_t sdm_topk_block_smem(const SdmTopkPlan *pl) {
-    size_t u64 = (size_t)pl->sort_total + pl->cap + pl->k;
-    return 8 * (u64 + (u64 & 1)) + 4 * (2 * (size_t)pl->key_dim4 + 2 * (size_t)pl->n_table + 512 + SDM_TOPK_MISC);
+// The block kernel's shared-memory layout of plan pl (see SdmTopkPlan); regions 16-byte aligned.
+static inline void sdm_topk_block_layout(SdmTopkPlan *pl) {
+    size_t o = 8 * (size_t)pl->sort_total;
+    pl->off_kept = (int)o;  o += 8 * (size_t)pl->key_dim;
+    pl->off_cand = (int)o;  o += 8 * (size_t)pl->cap;
+    pl->off_sel = (int)o;   o += 8 * (size_t)pl->k;
+    o = (o + 15) & ~(size_t)15;
+    pl->off_ords = (int)o;  o += 4 * (size_t)pl->key_dim4;
+    pl->off_tab = (int)o;   o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
+    pl->off_rval = (int)o;  o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
+    pl->off_hist = (int)o;  o += 4 * (size_t)2 * SDM_MAX_FACTORS * 256;
+    pl->off_misc = (int)o;  o += 4 * (size_t)SDM_TOPK_MISC;
+    pl->smem_block = o;
 }
 
 static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
@@ -128,7 +187,7 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
     if (pl.smem_per_warp > 200 * 1024)
         sdm_die("top-k: factor widths too large for shared memory (%zu bytes per problem)", pl.smem_per_warp);
     pl.warps = (int)SDM_MAX(1, SDM_MIN(SDM_TOPK_WARPS_MAX, (96 * 1024) / pl.smem_per_warp));
-    pl.smem_block = sdm_topk_block_smem(&pl);
+    sdm_topk_block_layout(&pl);
     pl.block_ok = pl.sort_max <= SDM_TOPK_BLOCK_MAX_N && pl.smem_block <= 200 * 1024;
     return pl;
 }
@@ -152,6 +211,37 @@ __device__ void sdm_warp_bitonic_sort_desc(unsigned long long *a, int n, int lan
         }
 }
 
+// A radix pass's 256-bin histogram keeps digit d at sdm_hist_bin(d), transposed (d % 8 major), so that the lanes of
+// sdm_radix_pick, each reading 8 consecutive digits, read 32 consecutive words at a time: no bank conflicts (the
+// plain layout had 8-way conflicts, which made the block kernel's passes, where every warp reads the histogram,
+// cost ~4,500 cycles each).
+__device__ __forceinline__ int sdm_hist_bin(uint32_t d) { return (int)((d & 7u) * 32u + (d >> 3)); }
+
+// One pass of a radix select by one warp (every lane gets the same): from the 256-bin histogram of the pass's digit,
+// the digit of the k-th largest value (.x), how many values lie in the bins above it (.y) and in its bin (.z).
+// Lane L owns digits 255 - 8L - j (j = 0..7): lanes in descending digit order.
+__device__ int3 sdm_radix_pick(const int *hist, int k, int lane) {
+    int c[8], own = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) { c[j] = hist[sdm_hist_bin(255 - 8 * lane - j)]; own += c[j]; }
+    int incl = own;
+    for (int o = 1; o < 32; o <<= 1) {
+        int t = __shfl_up_sync(SDM_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    int excl = incl - own;
+    int src = __ffs(__ballot_sync(SDM_FULL_MASK, excl < k && k <= incl)) - 1;
+    int digit = 0, above = 0, in_bin = 0, acc = excl;
+    bool found = false;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (!found && acc + c[j] >= k) { digit = 255 - 8 * lane - j; above = acc; in_bin = c[j]; found = true; }
+        acc += c[j];
+    }
+    return make_int3(__shfl_sync(SDM_FULL_MASK, digit, src), __shfl_sync(SDM_FULL_MASK, above, src),
+                     __shfl_sync(SDM_FULL_MASK, in_bin, src));
+}
+
 // The k-th largest (with multiplicity) of v[i * stride], i < n, by one warp: radix select on 8-bit digits from the
 // top, with a 256-bin histogram in shared memory (integer counts: order-independent, deterministic).
 __device__ uint32_t sdm_warp_kth_largest(const uint32_t *v, int stride, int n, int k, int *hist, int lane) {
@@ -161,32 +251,13 @@ __device__ uint32_t sdm_warp_kth_largest(const uint32_t *v, int stride, int n, i
         __syncwarp();
         for (int i = lane; i < n; i += 32) {
             uint32_t x = v[(size_t)i * stride];
-            if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1);
+            if ((x & mask) == prefix) atomicAdd(&hist[sdm_hist_bin((x >> shift) & 255u)], 1);
         }
         __syncwarp();
-        // lane L owns digits 255 - 8L - j (j = 0..7): lanes in descending digit order
-        int c[8], own = 0;
-#pragma unroll
-        for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; own += c[j]; }
-        int incl = own;
-        for (int o = 1; o < 32; o <<= 1) {
-            int t = __shfl_up_sync(SDM_FULL_MASK, incl, o);
-            if (lane >= o) incl += t;
-        }
-        int excl = incl - own;
-        int src = __ffs(__ballot_sync(SDM_FULL_MASK, excl < k && k <= incl)) - 1;
-        int digit = 0, above = 0, acc = excl;
-        bool found = false;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            if (!found && acc + c[j] >= k) { digit = 255 - 8 * lane - j; above = acc; found = true; }
-            acc += c[j];
-        }
-        digit = __shfl_sync(SDM_FULL_MASK, digit, src);
-        above = __shfl_sync(SDM_FULL_MASK, above, src);
-        prefix |= (uint32_t)digit << shift;
+        int3 d = sdm_radix_pick(hist, k, lane);
+        prefix |= (uint32_t)d.x << shift;
         mask |= 255u << shift;
-        k -= above;
+        k -= d.y;
         __syncwarp();
     }
     return prefix;
@@ -204,62 +275,69 @@ __device__ int sdm_block_sum_int(int v, int *red) {
     return t;
 }
 
-// hist[d] += 1 for every lane with in (all 32 lanes call it): the lanes sharing the first counted lane's digit add
-// with one atomic (in the high digits most values share one bin, and a warp's same-address atomics serialise).
+// Digit d's bin += 1 for every lane with in (all 32 lanes call it): one atomic per distinct digit of the warp (in the
+// high digits most values of a block share a bin or two, and same-address atomics serialise: one per lane made a
+// radix pass of the block kernel cost ~3,000 cycles).
 __device__ __forceinline__ void sdm_hist_add(int *hist, bool in, uint32_t d) {
-    unsigned act = __ballot_sync(SDM_FULL_MASK, in);
-    if (!act) return;
-    int lane = threadIdx.x & 31, lead = __ffs(act) - 1;
-    uint32_t d0 = __shfl_sync(SDM_FULL_MASK, d, lead);
-    unsigned same = __ballot_sync(SDM_FULL_MASK, in && d == d0);
-    if (lane == lead) atomicAdd(&hist[d0], __popc(same));
-    else if (in && d != d0) atomicAdd(&hist[d], 1);
+    unsigned peers = __match_any_sync(SDM_FULL_MASK, in ? d : 256u);
+    if (in && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[sdm_hist_bin(d)], __popc(peers));
 }
 
-// The k-th largest (with multiplicity) of v[0..n) by the block (SDM_TOPK_THREADS threads; v written before the call):
-// the radix select of sdm_warp_kth_largest with thread t scanning bin 255 - t. hist [2][256]: a pass clears the next
-// pass's histogram during its scan, three barriers per pass. sc [SDM_TOPK_THREADS / 32 + 2].
-__device__ uint32_t sdm_block_kth_largest(const uint32_t *v, int n, int k, int *hist, int *sc) {
-    static_assert(SDM_TOPK_THREADS == 256, "one thread per histogram bin");
-    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = SDM_TOPK_THREADS / 32;
-    uint32_t prefix = 0, mask = 0;
-    hist[t] = 0;
-    __syncthreads();
-    for (int shift = 24, b = 0; shift >= 0; shift -= 8, b ^= 256) {
-        for (int i0 = warp * 32; i0 < n; i0 += SDM_TOPK_THREADS) {
-            uint32_t x = i0 + lane < n ? v[i0 + lane] : 0u;
-            sdm_hist_add(hist + b, i0 + lane < n && (x & mask) == prefix, (x >> shift) & 255u);
+// The block kernel spreads the values of up to SDM_MAX_FACTORS sets (value i of set s at v[off[s] + i], i < n[s]) over
+// its warps in chunks of 32, chunk c (counted over all sets in order) to warp c % warps: the first i of this warp's
+// chunks in the set whose first chunk is c0 (step SDM_TOPK_THREADS).
+__device__ __forceinline__ int sdm_block_chunk0(int c0) {
+    const int nw = SDM_TOPK_THREADS / 32;
+    return ((int)(threadIdx.x >> 5) - c0 % nw + nw) % nw * 32;
+}
+
+// The kth[s]-th largest value (with multiplicity) thr[s] of each set s < n_sets, and ge[s] = #{values >= thr[s]}, by
+// the whole block (v written before a barrier): the radix select of sdm_warp_kth_largest for all sets at once. Per
+// pass, the histograms (integer counts: deterministic), a barrier, warp s picks set s's digit into pick [3 s .. 3 s
+// + 3) (every warp picking for itself made a pass cost ~2,800 cycles), a barrier. Two histogram buffers hist
+// [2][SDM_MAX_FACTORS][256] alternate: the pass numbered q (*pass, counted over calls) fills buffer q % 2, which
+// must be zero, and clears the other, which the warps last read before the second barrier of pass q - 1.
+__device__ __forceinline__ void sdm_block_radix_select(const uint32_t *v, int n_sets, const int *off, const int *n,
+                                                       const int *kth, int *hist, int *pick, int *pass, uint32_t *thr,
+                                                       int *ge) {
+    static_assert(SDM_MAX_FACTORS <= SDM_TOPK_THREADS / 32, "a warp per set");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nb = SDM_MAX_FACTORS * 256;
+    uint32_t mask = 0;
+    int k[SDM_MAX_FACTORS];
+#pragma unroll
+    for (int s = 0; s < SDM_MAX_FACTORS; s++) { thr[s] = 0; k[s] = kth[s]; ge[s] = 0; }
+    for (int shift = 24; shift >= 0; shift -= 8, (*pass)++) {
+        int *h = hist + (*pass % 2) * nb, *next = hist + ((*pass + 1) % 2) * nb;
+        for (int i = threadIdx.x; i < nb; i += SDM_TOPK_THREADS) next[i] = 0;
+#pragma unroll
+        for (int s = 0, c0 = 0; s < SDM_MAX_FACTORS; s++) {
+            if (s >= n_sets) break;
+            for (int i0 = sdm_block_chunk0(c0); i0 < n[s]; i0 += SDM_TOPK_THREADS) {
+                int i = i0 + lane;
+                uint32_t x = i < n[s] ? v[off[s] + i] : 0u;
+                sdm_hist_add(h + s * 256, i < n[s] && (x & mask) == thr[s], (x >> shift) & 255u);
+            }
+            c0 += (n[s] + 31) / 32;
         }
         __syncthreads();
-        int c = hist[b + 255 - t], incl = c;
-        hist[(b ^ 256) + t] = 0;
-        for (int o = 1; o < 32; o <<= 1) {
-            int u = __shfl_up_sync(SDM_FULL_MASK, incl, o);
-            if (lane >= o) incl += u;
+        if (warp < n_sets) {
+            int kw = 0;
+#pragma unroll
+            for (int s = 0; s < SDM_MAX_FACTORS; s++)
+                if (s == warp) kw = k[s];
+            int3 d = sdm_radix_pick(h + warp * 256, kw, lane);
+            if (lane == 0) { pick[3 * warp] = d.x; pick[3 * warp + 1] = d.y; pick[3 * warp + 2] = d.z; }
         }
-        if (lane == 31) sc[warp] = incl;
         __syncthreads();
-        int excl = incl - c;
-        for (int w = 0; w < warp; w++) excl += sc[w];
-        if (excl < k && k <= excl + c) { sc[nw] = 255 - t; sc[nw + 1] = excl; }
-        __syncthreads();
-        prefix |= (uint32_t)sc[nw] << shift;
+#pragma unroll
+        for (int s = 0; s < SDM_MAX_FACTORS; s++) {
+            if (s >= n_sets) break;
+            thr[s] |= (uint32_t)pick[3 * s] << shift;
+            k[s] -= pick[3 * s + 1];
+            if (shift == 0) ge[s] = kth[s] - k[s] + pick[3 * s + 2]; // the values above thr, then those equal to it
+        }
         mask |= 255u << shift;
-        k -= sc[nw + 1];
     }
-    return prefix;
-}
-
-// #{j in [a, b) : o[j] > x}; a % 4 == 0 and o 16-byte aligned: 128-bit loads, every thread of a warp at the same
-// address (broadcast).
-__device__ __forceinline__ int sdm_count_gt(const uint32_t *o, int a, int b, uint32_t x) {
-    int c = 0, j = a;
-    for (; j + 4 <= b; j += 4) {
-        uint4 q = *(const uint4 *)(o + j);
-        c += (q.x > x) + (q.y > x) + (q.z > x) + (q.w > x);
-    }
-    for (; j < b; j++) c += o[j] > x;
-    return c;
 }
 
 // Key of the grid point with sorted positions pos[f]: ord(float32 score) << 32 | (digit_sum * N + slot).
@@ -281,7 +359,6 @@ __device__ __forceinline__ unsigned long long sdm_grid_key(const SdmTopkPlan &pl
         }
     return ((unsigned long long)sdm_f2ord(v) << 32) | (dsum * (uint32_t)pl.N + slot);
 }
-
 // Positions of table entry pk (one byte per factor).
 __device__ __forceinline__ void sdm_table_pos(uint32_t pk, int *pos) {
 #pragma unroll
@@ -338,12 +415,10 @@ __device__ float2 sdm_topk_softmax_norm(const unsigned long long *sel, int k, fl
     return make_float2(mx, core_warp_sum(sum));
 }
 
-// Writes selected key sel[j] of problem p at its rank by slot among sel_slot[0..k) (ascending slots); norm from
-// sdm_topk_softmax_norm, gp = g[p] (writes) or unused.
-__device__ __forceinline__ void sdm_topk_emit(const SdmTopkOut &o, int k, const unsigned long long *sel,
-                                              const int *sel_slot, int j, int p, float2 norm, float gp) {
-    int slot = sel_slot[j], pos = 0;
-    for (int i = 0; i < k; i++) pos += sel_slot[i] < slot;
+// Writes selected key sel[j] (slot `slot`) of problem p at position pos, its rank among the k selected slots (ascending
+// slots); norm from sdm_topk_softmax_norm, gp = g[p] (writes) or unused.
+__device__ __forceinline__ void sdm_topk_emit(const SdmTopkOut &o, int k, const unsigned long long *sel, int j,
+                                              int slot, int pos, int p, float2 norm, float gp) {
     float e = sdm_ord2f((uint32_t)(sel[j] >> 32));
     float w = expf(o.scale * (e - norm.x)) / norm.y;
     size_t at = (size_t)p * k + pos;
@@ -353,20 +428,22 @@ __device__ __forceinline__ void sdm_topk_emit(const SdmTopkOut &o, int k, const 
     if (o.gamma) o.gamma[at] = o.kwd ? gp * w : gp;
 }
 
-// One warp per problem p = token*H + h: scores are z[token*ldz + col0 + h*K + (factor blocks)].
-__global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P,
-                                        SdmTopkOut out) {
+// One warp per problem p = token*H + h of job blockIdx.x / per_job: scores are
+// z[token*ldz + col0 + h*K + (factor blocks)]. Reads g (writes) from a.out: the gates are formed before it.
+__global__ void sdm_topk_forward_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ unsigned char sdm_topk_smem[];
     pdl_enter();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int p = blockIdx.x * pl.warps + warp;
-    if (p >= P) return;
-    unsigned long long *sorted = (unsigned long long *)(sdm_topk_smem + warp * pl.smem_per_warp);
+    const int job = blockIdx.x / a.per_job, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const SdmTopkPlan &pl = a.pl[job];
+    const SdmTopkOut &out = a.out[job];
+    int p = (blockIdx.x % a.per_job) * a.warps + warp;
+    if (p >= a.P) return;
+    unsigned long long *sorted = (unsigned long long *)(sdm_topk_smem + warp * a.warp_smem);
     unsigned long long *raw = sorted + pl.sort_total, *cand = raw + pl.sort_max, *sel = cand + pl.cap;
     uint32_t *rval = (uint32_t *)(sel + pl.k);
     int *hist = (int *)(rval + pl.n_table);
     const int k = pl.k;
-    size_t zrow = (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * pl.key_dim;
+    size_t zrow = (size_t)(p / a.H) * a.ldz + a.col0[job] + (size_t)(p % a.H) * pl.key_dim;
 
     // 1. per factor: the kept sub-keys (score >= the min(k, n_f)-th largest, so every tie of the last one stays),
     //    then sorted descending (ties: larger sub-key index first). Keys: ord(score) << 32 | sub-key index.
@@ -375,7 +452,7 @@ __global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32
     for (int f = 0, off = 0, soff = 0; f < pl.F; off += pl.dims[f], soff += pl.sort_len[f], f++) {
         int n = pl.dims[f];
         for (int i = lane; i < n; i += 32)
-            raw[i] = ((unsigned long long)sdm_f2ord(dtype_load(z, zrow + off + i, fp32)) << 32) | (uint32_t)i;
+            raw[i] = ((unsigned long long)sdm_f2ord(dtype_load(a.z, zrow + off + i, a.fp32)) << 32) | (uint32_t)i;
         __syncwarp();
         // the high words of the little-endian keys are the scores
         uint32_t t = sdm_warp_kth_largest((const uint32_t *)raw + 1, 2, n, min(k, n), hist, lane);
@@ -451,88 +528,140 @@ __global__ void sdm_topk_forward_kernel(SdmTopkPlan pl, const void *z, bool fp32
     for (int j = lane; j < k; j += 32) sel_slot[j] = (int)((uint32_t)sel[j] % (uint32_t)pl.N);
     __syncwarp();
     float gp = out.gamma ? out.g[p] : 0.0f;
-    for (int j = lane; j < k; j += 32) sdm_topk_emit(out, k, sel, sel_slot, j, p, norm, gp);
+    for (int j = lane; j < k; j += 32) {
+        int pos = 0;
+        for (int i = 0; i < k; i++) pos += sel_slot[i] < sel_slot[j];
+        sdm_topk_emit(out, k, sel, j, sel_slot[j], pos, p, norm, gp);
+    }
 }
 
-// One block of SDM_TOPK_THREADS threads per problem, the same results as sdm_topk_forward_kernel: every phase spread
-// over the block, the per-factor radix select and bitonic sort replaced by ranks (one pass over the factor's
-// scores per sub-key, no barriers), the candidates' ranks one thread each (n_c <= cap <= 256 = threads).
-__global__ void __launch_bounds__(SDM_TOPK_THREADS)
-    sdm_topk_block_kernel(SdmTopkPlan pl, const void *z, bool fp32, int ldz, int col0, int H, int P, SdmTopkOut out) {
+// One block of SDM_TOPK_THREADS threads per problem p = blockIdx.x % P of job blockIdx.x / P, the results of
+// sdm_topk_forward_kernel bit for bit, every phase spread over the block with a barrier or two: the factors'
+// thresholds by one radix select over all factors, each kept sub-key's place in its factor's sorted order by
+// counting the kept keys above it (4 threads a key), tau by a radix select of the table scores, the candidates' and
+// the selected slots' order by counting too (8 threads a key). With a.gates, job 0's blocks also form their
+// problem's gates and values (sdm_unpack_kernel's work) and take g from them: the whole addressing in one launch.
+__global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
-    pdl_enter();
-    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, p = blockIdx.x, k = pl.k, nw = SDM_TOPK_THREADS / 32;
-    unsigned long long *sorted = (unsigned long long *)sdm_topk_bsmem, *cand = sorted + pl.sort_total;
-    unsigned long long *sel = cand + pl.cap;
-    uint32_t *ords = (uint32_t *)(sorted + ((pl.sort_total + pl.cap + k + 1) & ~1)); // 16-byte aligned
-    int *rnk = (int *)ords + pl.key_dim4;
-    uint32_t *tab = (uint32_t *)rnk + pl.key_dim4, *rval = tab + pl.n_table;
-    int *hist = (int *)rval + pl.n_table, *misc = hist + 512;
-    // misc: radix scan [nw + 2], block sums [nw], kept counts [F], candidate count, kept thresholds [F], norm
-    int *sc = misc, *red = sc + nw + 2, *mf = red + nw, *nc = mf + SDM_MAX_FACTORS;
-    uint32_t *tf = (uint32_t *)nc + 1;
-    float2 *norm_s = (float2 *)(misc + SDM_TOPK_MISC - 2); // 8-byte aligned: every region before has an even size
-    static_assert(2 * (SDM_TOPK_THREADS / 32) + 3 + 2 * SDM_MAX_FACTORS <= SDM_TOPK_MISC - 2, "misc too small");
-    size_t zrow = (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * pl.key_dim;
-    float gp = out.gamma ? out.g[p] : 0.0f; // loaded early: its latency overlaps the selection
+    static_assert(SDM_TOPK_THREADS >= 256 && SDM_TOPK_THREADS % 32 == 0, "a thread per selected key (k < 256)");
+    const int job = blockIdx.x / a.P, p = blockIdx.x % a.P, tok = p / a.H, h = p % a.H;
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = SDM_TOPK_THREADS / 32;
+    const SdmTopkPlan &pl = a.pl[job];
+    const SdmTopkOut &out = a.out[job];
+    const int k = pl.k, F = pl.F;
+    unsigned char *sm = sdm_topk_bsmem;
+    unsigned long long *sorted = (unsigned long long *)sm, *kept = (unsigned long long *)(sm + pl.off_kept);
+    unsigned long long *cand = (unsigned long long *)(sm + pl.off_cand), *sel = (unsigned long long *)(sm + pl.off_sel);
+    uint32_t *ords = (uint32_t *)(sm + pl.off_ords), *tab = (uint32_t *)(sm + pl.off_tab);
+    uint32_t *rval = (uint32_t *)(sm + pl.off_rval);
+    int *hist = (int *)(sm + pl.off_hist), *misc = (int *)(sm + pl.off_misc);
+    // misc: kept counters [SDM_MAX_FACTORS], candidate counter, g of the problem, the softmax norm (8-byte aligned),
+    // block sums [nw], radix picks [3 SDM_MAX_FACTORS]
+    int *kcnt = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 4, *pick = red + nw;
+    float *gp_s = (float *)(misc + SDM_MAX_FACTORS + 1);
+    float2 *norm_s = (float2 *)(misc + SDM_MAX_FACTORS + 2);
+    static_assert(SDM_MAX_FACTORS % 2 == 0 && 4 * SDM_MAX_FACTORS + 4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC,
+                  "misc layout");
 
-    // 1. the sub-key ords (o_i = ord(score i), each factor's row 16-byte aligned) and the table, then per factor the
-    //    descending position of key (o_i, i) among the n keys: rank_i = #{j : o_j > o_i} + #{j > i : o_j == o_i};
-    //    t_f = the o of rank min(k, n) - 1, and the kept sub-keys (o >= t_f) are a prefix of that order:
-    //    sorted[rank_i] = key_i, as the warp kernel's radix select + bitonic sort. Loops over i0 are warp-uniform.
+    // 0. before the wait, constant data only: the table; zero histograms and counters
     for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) tab[r] = pl.table[r];
-    if (t < SDM_MAX_FACTORS) mf[t] = 0;
-    if (t == 0) *nc = 0;
-    for (int f = 0, off = 0, o4 = 0; f < pl.F; off += pl.dims[f], o4 += (pl.dims[f] + 3) & ~3, f++)
-        for (int i = t; i < pl.dims[f]; i += SDM_TOPK_THREADS)
-            ords[o4 + i] = sdm_f2ord(dtype_load(z, zrow + off + i, fp32));
-    __syncthreads();
-    for (int f = 0, o4 = 0; f < pl.F; o4 += (pl.dims[f] + 3) & ~3, f++) {
-        const int n = pl.dims[f];
-        const uint32_t *o = ords + o4;
-        for (int i0 = warp * 32; i0 < n; i0 += SDM_TOPK_THREADS) {
-            int i = i0 + lane, hi = min(i0 + 32, n);
-            if (i >= n) continue;
-            uint32_t x = o[i];
-            // j < i0: o_j > x; j >= hi (all > i): o_j >= x, i.e. o_j > x - 1 unless x = 0; the warp's own 32 exactly
-            int r = sdm_count_gt(o, 0, i0, x) + (x ? sdm_count_gt(o, hi, n, x - 1) : n - hi);
-            for (int j = i0; j < hi; j++) r += o[j] > x || (o[j] == x && j > i);
-            rnk[o4 + i] = r;
-            if (r == min(k, n) - 1) tf[f] = x;
-        }
+    for (int i = t; i < SDM_MAX_FACTORS * 256; i += SDM_TOPK_THREADS) hist[i] = 0;
+    if (t <= SDM_MAX_FACTORS) kcnt[t] = 0; // and ccnt
+    pdl_enter();
+
+    // 1. the sub-key ords (o_i = ord(score i), factor f's row at off4[f]); g (and the gates, values) of the problem
+    int n[SDM_MAX_FACTORS], kth[SDM_MAX_FACTORS], off4[SDM_MAX_FACTORS], soff[SDM_MAX_FACTORS];
+#pragma unroll
+    for (int f = 0, o4 = 0, so = 0; f < SDM_MAX_FACTORS; f++) {
+        n[f] = f < F ? pl.dims[f] : 0;
+        kth[f] = min(k, n[f]);
+        off4[f] = o4;
+        soff[f] = so;
+        o4 += (n[f] + 3) & ~3;
+        so += f < F ? pl.sort_len[f] : 0;
     }
-    __syncthreads();
-    for (int f = 0, o4 = 0, soff = 0; f < pl.F; o4 += (pl.dims[f] + 3) & ~3, soff += pl.sort_len[f], f++)
-        for (int i0 = warp * 32; i0 < pl.dims[f]; i0 += SDM_TOPK_THREADS) {
-            int i = i0 + lane;
-            bool keep = i < pl.dims[f] && ords[o4 + i] >= tf[f];
-            if (keep) sorted[soff + rnk[o4 + i]] = ((unsigned long long)ords[o4 + i] << 32) | (uint32_t)i;
-            int c = __reduce_add_sync(SDM_FULL_MASK, keep);
-            if (lane == 0) atomicAdd(&mf[f], c);
+    size_t zrow = (size_t)tok * a.ldz, zk = zrow + a.col0[job] + (size_t)h * pl.key_dim;
+#pragma unroll
+    for (int f = 0, off = 0; f < SDM_MAX_FACTORS; off += n[f], f++)
+        for (int i = t; i < n[f]; i += SDM_TOPK_THREADS)
+            ords[off4[f] + i] = sdm_f2ord(dtype_load(a.z, zk + off + i, a.fp32));
+    if (job == 0 && a.gates.g) {
+        const SdmGates &gt = a.gates;
+        int d = gt.D / a.H;
+        for (int i = t; i < d; i += SDM_TOPK_THREADS)
+            gt.v[(size_t)tok * gt.D + h * d + i] = dtype_load(a.z, zrow + gt.col_v + h * d + i, a.fp32);
+        if (t == 0) {
+            float g = sdm_gate_decay(dtype_load(a.z, zrow + gt.col_a + h, a.fp32), dtype_load(gt.A_log, h, a.fp32),
+                                     dtype_load(gt.dt_bias, h, a.fp32));
+            gt.g[p] = g;
+            gt.beta[p] = sdm_sigmoid(dtype_load(a.z, zrow + gt.col_c + h, a.fp32));
+            *gp_s = g;
         }
+    } else if (t == 0) *gp_s = out.gamma ? out.g[p] : 0.0f;
     __syncthreads();
-    int m[SDM_MAX_FACTORS];
+
+    // 2. per factor the threshold t_f = the min(k, n_f)-th largest o and the kept count m_f = #{o >= t_f}: the best
+    //    min(k, n_f) sub-keys and every tie of the last one
+    uint32_t thr[SDM_MAX_FACTORS];
+    int m[SDM_MAX_FACTORS], pass = 0;
+    sdm_block_radix_select(ords, F, off4, n, kth, hist, pick, &pass, thr, m);
+
+    // 3. the kept keys (o << 32 | i), compacted per factor in any order at kofs[f], then each one's rank among its
+    //    factor's: sorted[rank] = key, the descending order of the warp kernel's bitonic sort
+    int kofs[SDM_MAX_FACTORS], M = 0;
     unsigned long long G = 1;
 #pragma unroll
     for (int f = 0; f < SDM_MAX_FACTORS; f++) {
-        m[f] = f < pl.F ? mf[f] : 1;
-        G *= (unsigned long long)m[f];
+        kofs[f] = M;
+        if (f < F) { M += m[f]; G *= (unsigned long long)m[f]; }
+        else m[f] = 1;
     }
+#pragma unroll
+    for (int f = 0, c0 = 0; f < SDM_MAX_FACTORS; c0 += (n[f] + 31) / 32, f++)
+        for (int i0 = sdm_block_chunk0(c0); i0 < n[f]; i0 += SDM_TOPK_THREADS) {
+            int i = i0 + lane;
+            uint32_t x = i < n[f] ? ords[off4[f] + i] : 0u;
+            bool keep = i < n[f] && x >= thr[f];
+            unsigned b = __ballot_sync(SDM_FULL_MASK, keep);
+            int base = lane == 0 && b ? atomicAdd(&kcnt[f], __popc(b)) : 0;
+            base = __shfl_sync(SDM_FULL_MASK, base, 0);
+            if (keep) kept[kofs[f] + base + __popc(b & ((1u << lane) - 1))] = ((unsigned long long)x << 32) | i;
+        }
+    __syncthreads();
+    for (int e0 = 0; e0 < M; e0 += SDM_TOPK_THREADS / 4) {
+        int e = e0 + (t >> 2), q = t & 3, lo = 0, hi = 0, so = 0;
+#pragma unroll
+        for (int f = 0; f < SDM_MAX_FACTORS; f++)
+            if (f < F && e >= kofs[f]) { lo = kofs[f]; hi = kofs[f] + m[f]; so = soff[f]; }
+        unsigned long long key = e < M ? kept[e] : 0ull;
+        int r = 0;
+#pragma unroll 4
+        for (int i = lo + q; e < M && i < hi; i += 4) r += kept[i] > key;
+        r += __shfl_xor_sync(SDM_FULL_MASK, r, 1);
+        r += __shfl_xor_sync(SDM_FULL_MASK, r, 2);
+        if (e < M && q == 0) sorted[so + r] = key;
+    }
+    __syncthreads();
 
-    // 2. score the table points inside the kept grid (0 = outside); 3. tau = the k-th largest table score
+    // 4. score the table points inside the kept grid (0 = outside); tau = the k-th largest table score, n_ge = the
+    //    table points scoring >= tau
     for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) rval[r] = sdm_table_score(pl, sorted, m, tab[r]);
-    uint32_t tau = sdm_block_kth_largest(rval, pl.n_table, k, hist, sc);
-    int n_ge = 0;
-    for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) n_ge += rval[r] >= tau;
-    n_ge = sdm_block_sum_int(n_ge, red);
+    __syncthreads();
+    int zero[SDM_MAX_FACTORS] = {0}, n_tab[SDM_MAX_FACTORS] = {pl.n_table}, k1[SDM_MAX_FACTORS] = {k};
+    uint32_t tau_s[SDM_MAX_FACTORS];
+    int ge_s[SDM_MAX_FACTORS];
+    sdm_block_radix_select(rval, 1, zero, n_tab, k1, hist, pick, &pass, tau_s, ge_s);
+    const uint32_t tau = tau_s[0];
+    const int n_ge = ge_s[0];
 
     if (n_ge < pl.cap || G <= (unsigned long long)pl.cap) {
-        // 4a. the candidates in any order (slots from a shared counter, one atomic per warp), ranks fix sel
+        // 5a. the n_ge candidates in any order (slots from a shared counter, one atomic per warp), then each one's
+        //     rank among them: sel[rank] = key for the k best
         for (int r0 = warp * 32; r0 < pl.n_table; r0 += SDM_TOPK_THREADS) {
             int r = r0 + lane;
             bool take = r < pl.n_table && rval[r] >= tau;
             unsigned b = __ballot_sync(SDM_FULL_MASK, take);
-            int base = lane == 0 && b ? atomicAdd(nc, __popc(b)) : 0;
+            int base = lane == 0 && b ? atomicAdd(ccnt, __popc(b)) : 0;
             base = __shfl_sync(SDM_FULL_MASK, base, 0);
             if (take) {
                 int pos[SDM_MAX_FACTORS];
@@ -541,15 +670,19 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS)
             }
         }
         __syncthreads();
-        int n_c = *nc;
-        if (t < n_c) {
-            unsigned long long key = cand[t];
-            int rank = 0;
-            for (int j = 0; j < n_c; j++) rank += cand[j] > key;
-            if (rank < k) sel[rank] = key;
+        for (int c0 = 0; c0 < n_ge; c0 += SDM_TOPK_THREADS / 8) {
+            int c = c0 + (t >> 3), q = t & 7;
+            unsigned long long key = c < n_ge ? cand[c] : 0ull;
+            int r = 0;
+#pragma unroll 4
+            for (int j = q; c < n_ge && j < n_ge; j += 8) r += cand[j] > key;
+            r += __shfl_xor_sync(SDM_FULL_MASK, r, 1);
+            r += __shfl_xor_sync(SDM_FULL_MASK, r, 2);
+            r += __shfl_xor_sync(SDM_FULL_MASK, r, 4);
+            if (c < n_ge && q == 0 && r < k) sel[r] = key;
         }
     } else {
-        // 4b. heavy ties: exact threshold over the whole kept grid, then the k keys above it in grid order (as the
+        // 5b. heavy ties: exact threshold over the whole kept grid, then the k keys above it in grid order (as the
         //     warp kernel: the order of sel sets the bits of the softmax sum)
         unsigned long long x = sdm_grid_kth_key<SDM_TOPK_THREADS>(pl, sorted, m, G, red);
         for (unsigned long long base = 0, n_c = 0; base < G; base += SDM_TOPK_THREADS) {
@@ -570,7 +703,7 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS)
     }
     __syncthreads();
 
-    // 5. softmax (warp 0, as the warp kernel), order by ascending slot, write out
+    // 6. softmax (warp 0, as the warp kernel); each selected key's place among the slots (8 threads a key), write out
     int *sel_slot = (int *)rval; // the table scores are no longer needed
     if (t < k) sel_slot[t] = (int)((uint32_t)sel[t] % (uint32_t)pl.N);
     if (warp == 0) {
@@ -578,24 +711,54 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS)
         if (lane == 0) *norm_s = nm;
     }
     __syncthreads();
-    if (t < k) sdm_topk_emit(out, k, sel, sel_slot, t, p, *norm_s, gp);
+    const float2 norm = *norm_s;
+    const float gp = *gp_s;
+    for (int j0 = 0; j0 < k; j0 += SDM_TOPK_THREADS / 8) {
+        int j = j0 + (t >> 3), q = t & 7, slot = j < k ? sel_slot[j] : 0, pos = 0;
+#pragma unroll 4
+        for (int i = q; j < k && i < k; i += 8) pos += sel_slot[i] < slot;
+        pos += __shfl_xor_sync(SDM_FULL_MASK, pos, 1);
+        pos += __shfl_xor_sync(SDM_FULL_MASK, pos, 2);
+        pos += __shfl_xor_sync(SDM_FULL_MASK, pos, 4);
+        if (j < k && q == 0) sdm_topk_emit(out, k, sel, j, slot, pos, p, norm, gp);
+    }
 }
 
-static inline void sdm_topk_forward(const SdmTopkPlan *pl, const void *z, Dtype zt, int ldz, int col0, int H, int P,
-                                float scale, const float *g, int kwd, int *slot, float *weight, float *score,
-                                float *gamma, cudaStream_t s) {
-    SdmTopkOut out = {slot, weight, score, gamma, g, kwd, scale};
-    if (pl->path == SDM_TOPK_BLOCK && !pl->block_ok)
+// Gates and values (gates not NULL; job 0's gamma then takes its g) and n_jobs (1 or 2) selections over the same P
+// problems: the block kernel for P <= SDM_TOPK_BLOCK_MAX_P (its job-0 blocks form the gates too: one launch), else
+// sdm_unpack_kernel and the warp kernel. jobs[0].pl->path forces a kernel (tests, benches).
+static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const void *z, Dtype zt, int ldz, int H,
+                                    int P, const SdmGates *gates, cudaStream_t s) {
+    if (n_jobs < 1 || n_jobs > SDM_TOPK_JOBS) sdm_die("top-k: %d jobs in one launch (1..%d)", n_jobs, SDM_TOPK_JOBS);
+    SdmTopkArgs a;
+    memset(&a, 0, sizeof a);
+    int block_ok = 1, path = jobs[0].pl->path;
+    size_t block_smem = 0;
+    a.warps = SDM_TOPK_WARPS_MAX;
+    for (int j = 0; j < n_jobs; j++) {
+        const SdmTopkPlan *pl = jobs[j].pl;
+        a.pl[j] = *pl;
+        a.col0[j] = jobs[j].col0;
+        a.out[j] = jobs[j].out;
+        block_ok &= pl->block_ok;
+        block_smem = SDM_MAX(block_smem, pl->smem_block);
+        a.warp_smem = SDM_MAX(a.warp_smem, pl->smem_per_warp);
+        a.warps = SDM_MIN(a.warps, pl->warps);
+    }
+    if (path == SDM_TOPK_BLOCK && !block_ok)
         sdm_die("top-k: the block kernel supports factor widths <= %d", SDM_TOPK_BLOCK_MAX_N);
-    bool block = pl->path == SDM_TOPK_BLOCK || (pl->path == SDM_TOPK_AUTO && pl->block_ok &&
-                                                     P <= SDM_TOPK_BLOCK_MAX_P);
-    void (*kernel)(SdmTopkPlan, const void *, bool, int, int, int, int, SdmTopkOut) =
-        block ? sdm_topk_block_kernel : sdm_topk_forward_kernel;
-    size_t smem = block ? pl->smem_block : pl->smem_per_warp * pl->warps;
+    bool block = path == SDM_TOPK_BLOCK || (path == SDM_TOPK_AUTO && block_ok && P <= SDM_TOPK_BLOCK_MAX_P);
+    a.z = z;
+    a.fp32 = zt == DT_FP32;
+    a.ldz = ldz; a.H = H; a.P = P;
+    a.per_job = block ? P : ceil_div(P, a.warps);
+    if (gates && block) a.gates = *gates;
+    else if (gates) launch_pdl(sdm_unpack_kernel, P / H, 256, 0, s, z, a.fp32, ldz, H, *gates);
+    void (*kernel)(SdmTopkArgs) = block ? sdm_topk_block_kernel : sdm_topk_forward_kernel;
+    size_t smem = block ? block_smem : a.warp_smem * a.warps;
     if (smem > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    launch_pdl(kernel, block ? P : ceil_div(P, pl->warps), block ? SDM_TOPK_THREADS : 32 * pl->warps, smem, s, *pl, z,
-               zt == DT_FP32, ldz, col0, H, P, out);
+    launch_pdl(kernel, n_jobs * a.per_job, block ? SDM_TOPK_THREADS : 32 * a.warps, smem, s, a);
 }
 
 // =================================================================================================================

@@ -5,7 +5,8 @@
 // forward/backward split, the per-stage times (the layer's marks in a step profile, core/profile.cuh), the device
 // memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200). Then the
 // flagship layer's decode step (sdm/sdm_infer.cuh: projections, top-k, memory op, readout) at batch 1 and 32
-// (targets <= 25 and <= 60 us; its top-k runs the block kernel), and the top-k alone by both kernels over P.
+// (targets <= 25 and <= 60 us; its addressing is one launch of the block kernel) with its parts timed alone, and the
+// top-k alone by both kernels over P.
 #include "sdm/sdm_infer.cuh"
 #include "tests/bench.h"
 #include "tests/test.h"
@@ -68,15 +69,7 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
                matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, 0));
     TIME_PIECE("fwd GEMM out-projection", fout,
                matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, 0));
-    TIME_PIECE("unpack (v fp32, gates)", 0,
-               (sdm_unpack_kernel<<<BT, 256>>>(L->z, false, L->ldz, L->col_v, L->col_a, L->col_c, D, H, p->A_log,
-                                           p->dt_bias, L->v, L->g, L->beta)));
-    TIME_PIECE("top-k + softmax, writes", 0,
-               sdm_topk_forward(&L->tw, L->z, DT_BF16, L->ldz, L->col_zk, H, P, 1.0f, L->g, 0, L->wslot, L->kappa, NULL,
-                            L->gamma, 0));
-    TIME_PIECE("top-k + softmax, reads", 0,
-               sdm_topk_forward(&L->tr, L->z, DT_BF16, L->ldz, L->col_zq, H, P, 1.0f, NULL, 0, L->rslot, L->rho, NULL,
-                            NULL, 0));
+    TIME_PIECE("addressing (gates, values, both top-k)", 0, sdm_layer_select(L, p, 0));
     TIME_PIECE("bank copy from M0", 0,
                sdm_bank_init(L->bank, DT_BF16, p->bank0, DT_BF16, (size_t)H * s->slots * d, L->B, 0));
     SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
@@ -245,9 +238,28 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
 #define DECODE_STEPS 100 // steps per graph
 #define DECODE_COPIES 4  // weight copies cycled through: 4 x 42 MB outgrows the 50 MB L2, as a model's layers do
 
+// Microseconds per step (median and fastest of 7 launches) of DECODE_STEPS calls of step(i) captured in one CUDA
+// graph on st.
+template <typename Step> static BenchTime decode_graph_us(cudaStream_t st, Step step) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: the first GEMM allocates
+    for (int i = 0; i < DECODE_STEPS; i++) step(i);
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    BenchTime t = bench_time(1, 7, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    BenchTime us = {t.median * 1e3f / DECODE_STEPS, t.min * 1e3f / DECODE_STEPS};
+    return us;
+}
+
 // The flagship layer's decode step of B streams (sdm_infer_decode), timed as a CUDA graph of DECODE_STEPS steps,
 // each on new inputs (so new slots) and the next of DECODE_COPIES weight copies, as in a model where the other
-// layers evict this one's weights from L2. Floor: the weights from HBM, plus 2 heads x (2W + R) bank rows.
+// layers evict this one's weights from L2. Floor: the weights from HBM, plus 2 heads x (2W + R) bank rows. Then
+// each part of the step alone, DECODE_STEPS times in a graph on the inputs the last step left: the two products,
+// the addressing (gates, values, both top-k), the memory op (on one step's slots, so its bank rows stay in L2,
+// unlike the step's) and the readout; alone, each pays its own launch and tail latency, which the step overlaps.
 static void bench_decode(int B, double target_us) {
     SdmDims s = layer_dims(2048, 2, 256, 64, 64);
     int D = s.dim;
@@ -259,22 +271,33 @@ static void bench_decode(int B, double target_us) {
     cudaStream_t st;
     cudaCheck(cudaStreamCreate(&st));
     sdm_infer_reset(&I, &p[0], -1, st);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: the first GEMM allocates
-    for (int i = 0; i < DECODE_STEPS; i++)
+    BenchTime t = decode_graph_us(st, [&](int i) {
         sdm_infer_decode(&I, &p[i % DECODE_COPIES], (const char *)x + (size_t)i * B * D * 2, y, B, st);
-    cudaCheck(cudaStreamEndCapture(st, &graph));
-    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-    BenchTime t = bench_time(1, 7, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
-    float med = t.median * 1e3f / DECODE_STEPS, fastest = t.min * 1e3f / DECODE_STEPS; // us per step
+    });
+    float med = t.median, fastest = t.min;
     double weights = 2.0 * ((double)I.L.n_in + D) * D, rows = 2.0 * B * s.heads * (2 * s.writes + s.reads) * s.head_dim;
     printf("== flagship layer decode step, batch %2d: median %.1f us (min %.1f; target %.0f us); floor %.1f us "
            "(weights %.1f MB + bank rows %.1f MB at %.1f TB/s)\n", B, med, fastest, target_us,
            (weights + rows) / HBM_TBPS / 1e6, weights / 1e6, rows / 1e6, HBM_TBPS);
     CHECK(med > 0.0f, "decode batch %d: no time measured", B);
-    cudaCheck(cudaGraphExecDestroy(exec));
-    cudaCheck(cudaGraphDestroy(graph));
+    SdmLayer *L = &I.L;
+    const void *x0 = x;
+    float t_in = decode_graph_us(st, [&](int i) {
+        const SdmLayerParams *pi = &p[i % DECODE_COPIES];
+        matmul_forward(L->z, L->ctype, L->ldz, x0, pi->w_in, L->b_packed, L->ctype, B, L->n_in, D, st);
+    }).median;
+    float t_addr = decode_graph_us(st, [&](int) { sdm_layer_select(L, &p[0], st); }).median;
+    SdmOpInputs in = sdm_layer_op_inputs(L);
+    float t_op = decode_graph_us(st, [&](int) { sdm_op_decode(&L->op, &in, I.banks, L->o, st); }).median;
+    SdmReadoutArgs ra = sdm_layer_readout_args(L, &p[0]);
+    float t_ro =
+        decode_graph_us(st, [&](int) { sdm_readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st); }).median;
+    float t_out = decode_graph_us(st, [&](int i) {
+        const SdmLayerParams *pi = &p[i % DECODE_COPIES];
+        matmul_forward(y, L->ctype, D, L->r, pi->w_out, pi->b_out, L->ctype, B, D, D, st);
+    }).median;
+    printf("   parts alone (us): input product %.1f, addressing (gates, top-k) %.1f, memory op %.1f, readout %.1f, "
+           "output product %.1f\n", t_in, t_addr, t_op, t_ro, t_out);
     cudaCheck(cudaStreamDestroy(st));
     for (int c = 0; c < DECODE_COPIES; c++) free_layer_params(&p[c], bias[c]);
     cudaCheck(cudaFree(x));
@@ -289,7 +312,7 @@ static void bench_decode(int B, double target_us) {
 static void bench_topk_paths(void) {
     SdmDims s = layer_dims(2048, 2, 256, 64, 64);
     SdmTopkPlan pl = sdm_topk_plan_make(&s, s.reads);
-    const int Ps[] = {2, 64, 256, 1024, 2048, 4096}, n_P = sizeof(Ps) / sizeof(Ps[0]), H = s.heads;
+    const int Ps[] = {2, 64, 256, 512, 1024, 2048}, n_P = sizeof(Ps) / sizeof(Ps[0]), H = s.heads;
     int P_max = Ps[n_P - 1], ldz = H * s.key_dim, k = pl.k;
     void *z = rand_buf((size_t)P_max / H * ldz, 30, 2.0f, 0.0f);
     int *slot;
@@ -308,8 +331,8 @@ static void bench_topk_paths(void) {
             cudaGraph_t graph;
             cudaGraphExec_t exec;
             cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            for (int r = 0; r < TOPK_REPS; r++)
-                sdm_topk_forward(&pl, z, DT_BF16, ldz, 0, H, Ps[i], 1.0f, NULL, 0, slot, w, NULL, NULL, st);
+            SdmTopkJob job = {&pl, 0, {slot, w, NULL, NULL, NULL, 0, 1.0f}};
+            for (int r = 0; r < TOPK_REPS; r++) sdm_topk_forward(&job, 1, z, DT_BF16, ldz, H, Ps[i], NULL, st);
             cudaCheck(cudaStreamEndCapture(st, &graph));
             cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
             cudaCheck(cudaGraphLaunch(exec, st)); // warm-up

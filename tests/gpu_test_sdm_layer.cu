@@ -8,6 +8,10 @@
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
+//   addressing in one call (the layer's: gates, values, write and read selections of different k): at batch 1, 8, 32
+//          on the flagship factors and on small shapes, ties included, the block path (decode: one launch) against
+//          the CPU, bit for bit against the warp path (sdm_unpack_kernel + the warp kernel), and a token's outputs
+//          the same bits alone as in a batch.
 //   addressing backward (softmax, routing, key-weighted decay, gates) and readout forward/backward (LayerNorm,
 //          output gate) against the CPU pieces.
 //   whole layer forward/backward: y, dx and every parameter gradient; H = 1, 2, 4; 2 and 3 factors; learned bank
@@ -348,6 +352,18 @@ static SdmDims dims_factors(int F, const int *n) {
     return s;
 }
 
+// n scores of kind `kind`, rounded to the compute dtype
+static void fill_scores(Rng *rng, double *z, size_t n, int kind, int fp32) {
+    for (size_t i = 0; i < n; i++) {
+        if (kind == SC_QUARTERS) z[i] = round(8.0 * rng_normal(rng)) / 4.0;
+        else if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
+        else if (kind == SC_SPARSE) z[i] = rng_below(rng, 32) ? 0.0 : 2.0 * rng_normal(rng);
+        else if (kind == SC_EQUAL) z[i] = 0.5;
+        else z[i] = 2.0 * rng_normal(rng);
+    }
+    round_to_dtype(z, n, fp32);
+}
+
 typedef struct {
     int *slot;
     float *w, *sc, *gam; // [P,k] each
@@ -365,7 +381,8 @@ static TopkOut topk_run(SdmTopkPlan *pl, int path, const void *dz, int fp32, int
     cudaCheck(cudaMalloc(&dgam, sizeof(float) * n));
     cudaCheck(cudaMemset(dslot, 0xff, sizeof(int) * n)); // poison
     pl->path = path;
-    sdm_topk_forward(pl, dz, fp32 ? DT_FP32 : DT_BF16, ldz, col0, H, P, scale, dg, 1, dslot, dw, dsc, dgam, 0);
+    SdmTopkJob job = {pl, col0, {dslot, dw, dsc, dgam, dg, 1, scale}};
+    sdm_topk_forward(&job, 1, dz, fp32 ? DT_FP32 : DT_BF16, ldz, H, P, NULL, 0);
     cudaCheck(cudaDeviceSynchronize());
     TopkOut o = {(int *)sdm_malloc(sizeof(int) * n), (float *)sdm_malloc(sizeof(float) * n),
                  (float *)sdm_malloc(sizeof(float) * n), (float *)sdm_malloc(sizeof(float) * n)};
@@ -385,14 +402,7 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H, fp32 = kind != SC_BF16;
     size_t nk = (size_t)P * k;
     double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
-    for (size_t i = 0; i < (size_t)T * ldz; i++) {
-        if (kind == SC_QUARTERS) z[i] = round(8.0 * rng_normal(rng)) / 4.0;
-        else if (kind == SC_INTS) z[i] = (double)rng_below(rng, 4);
-        else if (kind == SC_SPARSE) z[i] = rng_below(rng, 32) ? 0.0 : 2.0 * rng_normal(rng);
-        else if (kind == SC_EQUAL) z[i] = 0.5;
-        else z[i] = 2.0 * rng_normal(rng);
-    }
-    round_to_dtype(z, (size_t)T * ldz, fp32);
+    fill_scores(rng, z, (size_t)T * ldz, kind, fp32);
     for (int p = 0; p < P; p++) g[p] = -rng_uniform(rng);
     void *dz = dev_upload(z, (size_t)T * ldz, fp32);
     float *dg = (float *)dev_upload(g, P, 1);
@@ -446,6 +456,175 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
         free(out[v].slot); free(out[v].w); free(out[v].sc); free(out[v].gam); free(w_gpu[v]); free(gam_gpu[v]);
     }
     free(z); free(g); free(slot_ref); free(score_ref); free(w_ref); free(gam_ref);
+}
+
+// The layer's addressing as one call (sdm_layer_select): the gates and values, then the write and the read selections
+// (different k and softmax scales) over the same T tokens of H heads, z laid out as the layer's fused projection.
+enum { AO_WSLOT, AO_WW, AO_WSC, AO_WGAM, AO_RSLOT, AO_RW, AO_RSC, AO_V, AO_G, AO_BETA, AO_COUNT };
+static const char *AO_NAMES[AO_COUNT] = {"write slots", "write weights", "write scores", "gamma", "read slots",
+                                         "read weights", "read scores", "values", "g", "beta"};
+#define ADDR_WSCALE 0.7f
+#define ADDR_RSCALE 1.3f
+
+typedef struct {
+    int H, T, D, ldz, col_zk, col_zq, col_v, col_a, col_c, kwd;
+} AddrCase;
+
+// Every output of the addressing by kernel `path`, downloaded (4-byte elements; device buffers poisoned first).
+typedef struct {
+    void *h[AO_COUNT];
+    size_t n[AO_COUNT];
+} AddrOut;
+
+static AddrOut address_run(const AddrCase *c, SdmTopkPlan *pw, SdmTopkPlan *pr, int path, const void *dz, int fp32,
+                           const void *dA, const void *dD) {
+    size_t P = (size_t)c->T * c->H, nw = P * pw->k, nr = P * pr->k;
+    AddrOut o;
+    size_t n[AO_COUNT] = {nw, nw, nw, nw, nr, nr, nr, (size_t)c->T * c->D, P, P};
+    void *d[AO_COUNT];
+    for (int i = 0; i < AO_COUNT; i++) {
+        o.n[i] = n[i];
+        cudaCheck(cudaMalloc(&d[i], 4 * n[i]));
+        cudaCheck(cudaMemset(d[i], 0xff, 4 * n[i])); // NaN, slot -1
+    }
+    SdmGates gates = {dA, dD, c->col_v, c->col_a, c->col_c, c->D, (float *)d[AO_V], (float *)d[AO_G],
+                      (float *)d[AO_BETA]};
+    SdmTopkJob jobs[2] = {{pw, c->col_zk, {(int *)d[AO_WSLOT], (float *)d[AO_WW], (float *)d[AO_WSC],
+                                           (float *)d[AO_WGAM], (float *)d[AO_G], c->kwd, ADDR_WSCALE}},
+                          {pr, c->col_zq, {(int *)d[AO_RSLOT], (float *)d[AO_RW], (float *)d[AO_RSC], NULL, NULL, 0,
+                                           ADDR_RSCALE}}};
+    pw->path = pr->path = path;
+    sdm_topk_forward(jobs, 2, dz, fp32 ? DT_FP32 : DT_BF16, c->ldz, c->H, (int)P, &gates, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    for (int i = 0; i < AO_COUNT; i++) {
+        o.h[i] = sdm_malloc(4 * n[i]);
+        cudaCheck(cudaMemcpy(o.h[i], d[i], 4 * n[i], cudaMemcpyDeviceToHost));
+        cudaCheck(cudaFree(d[i]));
+    }
+    return o;
+}
+
+static void addr_free(AddrOut *o) {
+    for (int i = 0; i < AO_COUNT; i++) free(o->h[i]);
+}
+
+// Output i of a and b bit for bit equal over their first n[i] of b's elements (b may cover fewer tokens)
+static int addr_same(const AddrOut *a, const AddrOut *b, int *which) {
+    for (int i = 0; i < AO_COUNT; i++)
+        if (memcmp(a->h[i], b->h[i], 4 * b->n[i])) { *which = i; return 0; }
+    return 1;
+}
+
+// One job's selections against sdm_pk_topk_ref and the softmax: slot mismatches and float32 score mismatches
+// counted; weights (and gamma, with g_ref) as doubles for a relative error.
+static void addr_check_job(const SdmDims *s, int k, int H, int P, int ldz, int col0, const double *z, float scale,
+                           const int *slot, const float *sc, const float *w, const float *gam, const double *g_ref,
+                           int kwd, int *bad_slot, int *bad_score, double *w_err, double *gam_err) {
+    int F = s->n_factors, K = s->key_dim;
+    size_t nk = (size_t)P * k;
+    int *slot_ref = (int *)sdm_malloc(sizeof(int) * k);
+    double *score_ref = hzeros(k), *w_ref = hzeros(nk), *w_gpu = hzeros(nk), *gam_ref = hzeros(nk),
+           *gam_gpu = hzeros(nk);
+    *bad_slot = *bad_score = 0;
+    for (int p = 0; p < P; p++) {
+        const double *zp = z + (size_t)(p / H) * ldz + col0 + (size_t)(p % H) * K;
+        sdm_pk_topk_ref(F, s->factor_dims, k, zp, slot_ref, score_ref);
+        sdm_act_forward_ref(SDM_ACT_SOFTMAX, scale, k, score_ref, w_ref + (size_t)p * k);
+        for (int j = 0; j < k; j++) {
+            size_t o = (size_t)p * k + j;
+            int dig[SDM_MAX_FACTORS];
+            sdm_pk_digits(F, s->factor_dims, slot_ref[j], dig);
+            float f32 = 0.0f;
+            for (int f = 0, off = 0; f < F; off += s->factor_dims[f], f++)
+                f32 = f == 0 ? (float)zp[off + dig[f]] : f32 + (float)zp[off + dig[f]];
+            *bad_slot += slot[o] != slot_ref[j];
+            *bad_score += sc[o] != f32;
+            w_gpu[o] = w[o];
+            if (gam) {
+                gam_ref[o] = kwd ? g_ref[p] * w_ref[o] : g_ref[p];
+                gam_gpu[o] = gam[o];
+            }
+        }
+    }
+    *w_err = rel_error(w_gpu, w_ref, nk);
+    *gam_err = gam ? rel_error(gam_gpu, gam_ref, nk) : 0.0;
+    free(slot_ref); free(score_ref); free(w_ref); free(w_gpu); free(gam_ref); free(gam_gpu);
+}
+
+// The addressing of T tokens (a decode step of batch T) by the block kernel (the decode path: one launch, gates
+// formed inside) and by sdm_unpack_kernel + the warp kernel: each job of the block path against sdm_pk_topk_ref
+// (slots and float32 scores exact, weights and gamma to TOL_FP32), g and beta against their double formula
+// (TOL_FP32), the values exact; the two paths bit for bit equal in every output; and the first token's outputs the
+// same bits when it is addressed alone (batch invariance).
+static void test_address(Rng *rng, int F, const int *n, int kw, int kr, int H, int T, int d, int kind, int kwd) {
+    SdmDims s = dims_factors(F, n);
+    SdmTopkPlan pw = sdm_topk_plan_make(&s, kw), pr = sdm_topk_plan_make(&s, kr);
+    int K = s.key_dim, D = H * d, P = T * H, fp32 = kind != SC_BF16;
+    AddrCase c;
+    c.H = H; c.T = T; c.D = D; c.kwd = kwd;
+    c.col_zk = 3; c.col_zq = c.col_zk + H * K; c.col_v = c.col_zq + H * K; c.col_a = c.col_v + D;
+    c.col_c = c.col_a + H; c.ldz = c.col_c + H + 2;
+    double *z = hzeros((size_t)T * c.ldz), *A_log = hzeros(H), *dt_bias = hzeros(H);
+    fill_scores(rng, z, (size_t)T * c.ldz, kind, fp32);
+    fill_normal(rng, A_log, H, 0.5);
+    fill_normal(rng, dt_bias, H, 1.0);
+    round_to_dtype(A_log, H, fp32);
+    round_to_dtype(dt_bias, H, fp32);
+    void *dz = dev_upload(z, (size_t)T * c.ldz, fp32), *dA = dev_upload(A_log, H, fp32);
+    void *dD = dev_upload(dt_bias, H, fp32);
+    AddrOut blk = address_run(&c, &pw, &pr, SDM_TOPK_BLOCK, dz, fp32, dA, dD);
+    AddrOut wrp = address_run(&c, &pw, &pr, SDM_TOPK_WARP, dz, fp32, dA, dD);
+    AddrCase c1 = c;
+    c1.T = 1;
+    AddrOut one = address_run(&c1, &pw, &pr, SDM_TOPK_BLOCK, dz, fp32, dA, dD);
+    // gates: the double formula on the same inputs; values exact
+    double *g_ref = hzeros(P), *beta_ref = hzeros(P), *g_gpu = hzeros(P), *beta_gpu = hzeros(P);
+    int bad_v = 0;
+    for (int p = 0; p < P; p++) {
+        const double *zr = z + (size_t)(p / H) * c.ldz;
+        double x = zr[c.col_a + p % H] + dt_bias[p % H];
+        g_ref[p] = -exp(A_log[p % H]) * (x > 0 ? x + log1p(exp(-x)) : log1p(exp(x)));
+        beta_ref[p] = 1.0 / (1.0 + exp(-zr[c.col_c + p % H]));
+        g_gpu[p] = ((float *)blk.h[AO_G])[p];
+        beta_gpu[p] = ((float *)blk.h[AO_BETA])[p];
+    }
+    const float *v = (const float *)blk.h[AO_V];
+    for (int tok = 0; tok < T; tok++)
+        for (int i = 0; i < D; i++) bad_v += v[(size_t)tok * D + i] != (float)z[(size_t)tok * c.ldz + c.col_v + i];
+    int bad_slot[2], bad_score[2];
+    double w_err[2], gam_err[2];
+    addr_check_job(&s, kw, H, P, c.ldz, c.col_zk, z, ADDR_WSCALE, (int *)blk.h[AO_WSLOT], (float *)blk.h[AO_WSC],
+                   (float *)blk.h[AO_WW], (float *)blk.h[AO_WGAM], g_ref, kwd, &bad_slot[0], &bad_score[0], &w_err[0],
+                   &gam_err[0]);
+    addr_check_job(&s, kr, H, P, c.ldz, c.col_zq, z, ADDR_RSCALE, (int *)blk.h[AO_RSLOT], (float *)blk.h[AO_RSC],
+                   (float *)blk.h[AO_RW], NULL, NULL, 0, &bad_slot[1], &bad_score[1], &w_err[1], &gam_err[1]);
+    int which_w = -1, which_1 = -1;
+    int same_w = addr_same(&blk, &wrp, &which_w), same_1 = addr_same(&blk, &one, &which_1);
+    double g_err = rel_error(g_gpu, g_ref, P), beta_err = rel_error(beta_gpu, beta_ref, P);
+    printf("addressing F=%d (%d", F, n[0]);
+    for (int f = 1; f < F; f++) printf("x%d", n[f]);
+    printf(") W=%d R=%d H=%d tokens=%d d=%d kwd=%d %s: slot/score mismatches write %d/%d read %d/%d, weight err "
+           "%.1e/%.1e, gamma %.1e, g %.1e, beta %.1e, values %d off; same bits as the warp path: %s, token 0 alone: "
+           "%s\n", kw, kr, H, T, d, kwd, SC_NAMES[kind], bad_slot[0], bad_score[0], bad_slot[1], bad_score[1],
+           w_err[0], w_err[1], gam_err[0], g_err, beta_err, bad_v, same_w ? "yes" : AO_NAMES[which_w],
+           same_1 ? "yes" : AO_NAMES[which_1]);
+    for (int j = 0; j < 2; j++) {
+        CHECK(bad_slot[j] == 0, "addressing: %d %s slots differ from the CPU (%s)", bad_slot[j], j ? "read" : "write",
+              SC_NAMES[kind]);
+        CHECK(bad_score[j] == 0, "addressing: %d %s float32 scores differ", bad_score[j], j ? "read" : "write");
+        CHECK(w_err[j] <= TOL_FP32, "addressing: %s weights rel err %.2e", j ? "read" : "write", w_err[j]);
+    }
+    CHECK(gam_err[0] <= TOL_FP32 && g_err <= TOL_FP32 && beta_err <= TOL_FP32,
+          "addressing: gamma %.2e, g %.2e, beta %.2e rel err", gam_err[0], g_err, beta_err);
+    CHECK(bad_v == 0, "addressing: %d values differ from z", bad_v);
+    CHECK(same_w, "addressing: the block and warp paths differ in %s (%s)", which_w < 0 ? "?" : AO_NAMES[which_w],
+          SC_NAMES[kind]);
+    CHECK(same_1, "addressing: token 0 alone differs in %s", which_1 < 0 ? "?" : AO_NAMES[which_1]);
+    addr_free(&blk); addr_free(&wrp); addr_free(&one);
+    sdm_topk_plan_free(&pw);
+    sdm_topk_plan_free(&pr);
+    cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dA)); cudaCheck(cudaFree(dD));
+    free(z); free(A_log); free(dt_bias); free(g_ref); free(beta_ref); free(g_gpu); free(beta_gpu);
 }
 
 // ---- the whole layer ---------------------------------------------------------------------------------------------
@@ -862,6 +1041,15 @@ int main(int argc, char **argv) {
     test_topk(&rng, 2, f256, 64, 2, 64, SC_SPARSE);
     test_topk(&rng, 2, f256, 1, 2, 64, SC_NORMAL);
     test_topk(&rng, 2, f256, 255, 1, 8, SC_QUARTERS);
+    // the decode path: write and read addressing and the gates in one launch, at batch 1, 8, 32 (flagship factors,
+    // W = 64, R = 48 so that a job mixed up shows; head width 1024 as the flagship), ties included; small shapes
+    const int batches[] = {1, 8, 32};
+    for (int kind = SC_NORMAL; kind <= SC_SPARSE; kind++)
+        for (int b = 0; b < 3; b++) test_address(&rng, 2, f256, 64, 48, 2, batches[b], 1024, kind, kind & 1);
+    for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
+        test_address(&rng, 3, f3, 12, 7, 2, 8, 40, kind, 1);
+        test_address(&rng, 2, f37x45, 20, 33, 1, 5, 16, kind, 0);
+    }
 
     //  name  fp32 D   H F  n          W   R   C   B  T   bank gate ln kwd wscale rscale
     const LayerCase cases[] = {

@@ -453,8 +453,8 @@ static void test_snapshot_batch_independence(void) {
 }
 
 // T decode steps = one prefill = the training forward (outputs and final bank); prefill bitwise = training forward.
-static void test_decode(int fp32) {
-    Case c = make_case(55 + fp32, 3, 150, 2, 96, 32, 12, 10, GAMMA_UNIFORM, 0);
+static void test_decode(int fp32, int B, int T, int N, int d, int W, int R) {
+    Case c = make_case(55 + fp32 + B + W, B, T, 2, N, d, W, R, GAMMA_UNIFORM, 0);
     double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
     size_t tok = (size_t)c.B * c.T * c.H;
     SdmOpShape st = shape_of(&c, 64, fp32, SDM_SNAP_NONE, 1), sp = shape_of(&c, 64, fp32, SDM_SNAP_NONE, 0);
@@ -525,8 +525,8 @@ static void test_decode(int fp32) {
     Result ref = run_ref(&c, rb);
     snprintf(buf, sizeof(buf), "%s decode out vs oracle", nm);
     check_close(buf, o_dec, ref.out, tok * c.d, tol);
-    printf("  %s decode: out vs prefill %.2e, bank vs prefill %.2e, out vs oracle %.2e\n", nm,
-           rel_error(o_dec, o_pre, tok * c.d), rel_error(b_dec, b_pre, bank_elems(&c)),
+    printf("  %s decode (B=%d N=%d d=%d W=%d R=%d): out vs prefill %.2e, bank vs prefill %.2e, out vs oracle %.2e\n",
+           nm, B, N, d, W, R, rel_error(o_dec, o_pre, tok * c.d), rel_error(b_dec, b_pre, bank_elems(&c)),
            rel_error(o_dec, ref.out, tok * c.d));
     free_result(&ref);
     free(ws); free(rs); free(kap); free(gam); free(rho); free(bet); free(vv); free(o_dec); free(b_dec);
@@ -559,8 +559,14 @@ int main(int argc, char **argv) {
     test_snapshot_modes(1);
     test_snapshot_modes(0);
     test_snapshot_batch_independence();
-    test_decode(1);
-    test_decode(0);
+    // decode at batch 1, 8, 32 (x 2 heads): reads of rows the same token writes (12 + 10 of 96 slots, 100 + 90 of
+    // 256), and more entries than the decode kernel holds per warp (W, R > 64: rows loaded in turn, reads after the
+    // writes); d = 40: a block's last lanes idle
+    for (int fp32 = 1; fp32 >= 0; fp32--) {
+        test_decode(fp32, 1, 150, 96, 32, 12, 10);
+        test_decode(fp32, 8, 60, 96, 32, 12, 10);
+        test_decode(fp32, 32, 40, 256, 40, 100, 90);
+    }
     test_fresh_process(argv[0]);
     return test_summary();
 }
