@@ -39,12 +39,16 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a,
 static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) * d * sizeof(float); }
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
-// dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem: dO, dDelta tiles [C][DB].
-__global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const float *dout, float *dv, int c) {
+// dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): dO,
+// dDelta tiles [C][DB], S and Linv when staged.
+__global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const float *dout, float *dv, int c,
+                                                         bool staged) {
     extern __shared__ float sdm_smem_tiles[];
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
     float *Os = sdm_smem_tiles, *DDs = Os + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
+    const float *Sc, *Li;
+    const int ld = sdm_solve_mats(a, cc, staged, DDs + C * DB, &Sc, &Li);
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
         float4 o = tp < a.T ? *(const float4 *)(dout + sdm_tok_off(a, s, tp, a.d) + col0 + lc)
@@ -52,12 +56,11 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
         *(float4 *)(Os + t * DB + lc) = o;
     }
     __syncthreads();
-    const float *Sc = a.Sm + cc, *Li = a.Linv + cc;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
         float4 acc = *(const float4 *)(a.wsum + ((size_t)s * C + t) * a.d + col0 + lc);
         for (int u = t; u < C; u++) {
-            float sv = Sc[u * C + t];
+            float sv = Sc[u * ld + t];
             if (sv != 0.f) acc = sdm_axpy4(sv, *(const float4 *)(Os + u * DB + lc), acc);
         }
         *(float4 *)(DDs + t * DB + lc) = acc;
@@ -66,7 +69,7 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int u = t; u < C; u++) acc = sdm_axpy4(Li[u * C + t], *(const float4 *)(DDs + u * DB + lc), acc);
+        for (int u = t; u < C; u++) acc = sdm_axpy4(Li[u * ld + t], *(const float4 *)(DDs + u * DB + lc), acc);
         *(float4 *)(a.dx + (tok0 + t) * a.d + col0 + lc) = acc;
         float bt = a.beta[tok0 + t];
         *(float4 *)(a.cx + ((size_t)s * C + t) * a.d + col0 + lc) =
@@ -103,7 +106,10 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
 // none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
 // threads.
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32,
+// Four blocks an SM (at most 64 registers, no spills): the warps' dependent loads are the limit, so more warps beat
+// more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
+// compiler it took 78-92 registers and three blocks).
+__global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32,
                                                                        float *G, const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
@@ -346,7 +352,7 @@ static inline void sdm_op_launch_token(const SdmOpArgs &a, const float *G, int c
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
     size_t smem = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_bsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c);
+    sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c, sdm_op_solve_staged(a));
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,

@@ -311,7 +311,42 @@ static inline void sdm_op_require(const SdmOpShape *s) {
                      s->N, s->d, s->W, s->R, s->C, msg);
 }
 
-static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) { return (size_t)2 * a.C * a.DB * sizeof(float); }
+// The solves' C x C matrices (S and Linv of a chunk) in shared memory when they fit in this many bytes (C <= 89):
+// their loop over u then reads shared memory instead of an L1/L2 trip per step, the solves' cost at a prefill's few
+// streams (docs/SDM.md#phases-on-the-gpu); larger chunks read them from global memory. Staged rows are C + 1 floats
+// apart, so the 16 rows a warp reads at one u fall in 16 banks (at a stride of C = 64 they shared one bank, which
+// made staging slower than L1: measured, prefill 47.3 -> 50.5 ms).
+#define SDM_SOLVE_STAGE_BYTES (64 << 10)
+
+static inline bool sdm_op_solve_staged(const SdmOpArgs &a) {
+    return (size_t)2 * a.C * (a.C + 1) * sizeof(float) <= SDM_SOLVE_STAGE_BYTES;
+}
+
+// Dynamic shared memory of the solves: two tiles [C][DB], then S and Linv [C][C + 1] when staged.
+static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) {
+    size_t mats = sdm_op_solve_staged(a) ? (size_t)2 * a.C * (a.C + 1) * sizeof(float) : 0;
+    return (size_t)2 * a.C * a.DB * sizeof(float) + mats;
+}
+
+// The chunk's S and Linv ([C][C] at element cc) for a solve: copied into shared memory at `smem` with rows ld = C + 1
+// apart (all loads in flight together) when `staged`, else read in place (ld = C). Call before the block's first
+// barrier; read after it. Returns ld.
+__device__ __forceinline__ int sdm_solve_mats(const SdmOpArgs &a, size_t cc, bool staged, float *smem,
+                                              const float **Sc, const float **Li) {
+    const int C = a.C, n = C * C, ld = C + 1;
+    *Sc = a.Sm + cc;
+    *Li = a.Linv + cc;
+    if (!staged) return C;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        int r = i / C, k = i % C;
+        smem[r * ld + k] = (*Sc)[i];
+        smem[C * ld + r * ld + k] = (*Li)[i];
+    }
+    *Sc = smem;
+    *Li = smem + C * ld;
+    return ld;
+}
 static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
 static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) {
     return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S);

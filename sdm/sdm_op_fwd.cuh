@@ -25,7 +25,8 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
 
-// Grid (C, S), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats.
+// Grid (C, S, 2), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats: blockIdx.z = 0 gathers the token's
+// write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams still fill the GPU.
 template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS)
     sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
@@ -34,6 +35,12 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS)
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
+    if (blockIdx.z == 1) {
+        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, sdm_fgather_part + warp * d, false);
+        sdm_sum_partials(sdm_fgather_part, d);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = sdm_fgather_part[i];
+        return;
+    }
     sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, sdm_fgather_part + warp * d, a.training != 0);
     sdm_sum_partials(sdm_fgather_part, d);
     float bt = a.beta[tok];
@@ -42,29 +49,26 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS)
         if (a.training) a.u[tok * d + i] = u;
         a.cx[crow + i] = bt * u;
     }
-    __syncthreads(); // sdm_fgather_part is rewritten by the next gathers
-    sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, sdm_fgather_part + warp * d, false);
-    sdm_sum_partials(sdm_fgather_part, d);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = sdm_fgather_part[i];
 }
 
-// Grid (d/DB, S), 256 threads, dynamic smem: X and Delta tiles [C][DB].
-__global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c) {
+// Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): X and Delta tiles [C][DB], S and Linv when staged.
+__global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c, bool staged) {
     extern __shared__ float sdm_smem_tiles[];
     pdl_enter();
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
     float *Xs = sdm_smem_tiles, *Ds = Xs + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
+    const float *Sc, *Li;
+    const int ld = sdm_solve_mats(a, cc, staged, Ds + C * DB, &Sc, &Li);
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
         *(float4 *)(Xs + t * DB + lc) = *(const float4 *)(a.cx + crow0 + (size_t)t * a.d + col0 + lc);
     }
     __syncthreads();
-    const float *Li = a.Linv + cc, *Sc = a.Sm + cc;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int u = 0; u <= t; u++) acc = sdm_axpy4(Li[t * C + u], *(const float4 *)(Xs + u * DB + lc), acc);
+        for (int u = 0; u <= t; u++) acc = sdm_axpy4(Li[t * ld + u], *(const float4 *)(Xs + u * DB + lc), acc);
         *(float4 *)(Ds + t * DB + lc) = acc;
         *(float4 *)(sdm_delta_row(a, s, c, t) + col0 + lc) = acc;
     }
@@ -74,7 +78,7 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out
         if (tp >= a.T) continue;
         float4 acc = *(const float4 *)(a.ce + crow0 + (size_t)t * a.d + col0 + lc);
         for (int u = 0; u <= t; u++) {
-            float sv = Sc[t * C + u];
+            float sv = Sc[t * ld + u];
             if (sv != 0.f) acc = sdm_axpy4(sv, *(const float4 *)(Ds + u * DB + lc), acc);
         }
         *(float4 *)(out + sdm_tok_off(a, s, tp, a.d) + col0 + lc) = acc;
@@ -134,8 +138,8 @@ static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank,
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    launch_pdl(sdm_fgather_kernel<Tb>, dim3(a.C, a.S), SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
-    launch_pdl(sdm_fsolve_kernel, dim3(a.d / a.DB, a.S), 256, ts, stream, a, out, c);
+    launch_pdl(sdm_fgather_kernel<Tb>, dim3(a.C, a.S, 2), SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
+    launch_pdl(sdm_fsolve_kernel, dim3(a.d / a.DB, a.S), 256, ts, stream, a, out, c, sdm_op_solve_staged(a));
     launch_pdl(sdm_fscatter_kernel<Tb>, sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream, a, (Tb *)bank,
                c);
 }

@@ -2,7 +2,8 @@
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
-// these and the uniform case). Median of repeated runs (CUDA events) after a warm-up.
+// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128). Median
+// of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
 // HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
@@ -141,10 +142,11 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     float fg = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
             sdm_fgather_kernel<__nv_bfloat16>
-                <<<dim3(a.C, a.S), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+                <<<dim3(a.C, a.S, 2), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
-        for (int c = 0; c < a.nc; c++) sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c);
+        for (int c = 0; c < a.nc; c++)
+            sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c, sdm_op_solve_staged(a));
     });
     float fc = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
@@ -275,6 +277,10 @@ int main(int argc, char **argv) {
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
     if (argc > 2 && !strcmp(argv[2], "hot")) return 0;
+    if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
+        for (int C = 32; C <= 128; C *= 2) bench_train(1, 4096, 2, 65536, 1024, 64, 64, C, SDM_SNAP_NONE, reps);
+        return 0;
+    }
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
     bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, reps);
