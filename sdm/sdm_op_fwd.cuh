@@ -12,8 +12,8 @@
 
 // ------------------------------------------------------------------------------------------------------------------
 // Phase 2 (forward), one chunk c of every stream per round of three launches (the host loops over the chunks):
-//   fgather_kernel  per (stream, token), whole rows: R0, E and the snapshots; X = beta (V - R0) and E to the
-//                   per-chunk buffers (U = V - R0 saved for the backward)
+//   fgather_kernel  per (stream, token) and side (write rows, read rows), whole rows: R0 and the snapshots, E;
+//                   X = beta (V - R0) and E to the per-chunk buffers (U = V - R0 saved for the backward)
 //   fsolve_kernel   per (stream, DB columns): Delta = Linv X, O = S Delta + E
 //   fscatter_kernel one warp per write entry; the last entry of each written slot writes its whole row
 // Whole rows keep the random bank accesses long and contiguous (2-4 KB), which HBM serves far better than the
