@@ -779,10 +779,14 @@ static inline void gpu_infer_run(GpuInferState *I, const int *tokens, int b, int
     embedding_forward(I->h, w->tok_emb, tokens, g->ctype, n, D, st);
     rmsnorm_forward(I->x, I->rstd, I->h, w->block[0].mixer_norm, g->ctype, n, D, eps, st);
     for (int l = 0; l < g->L; l++) {
-        gpu_infer_mixer(I, l, b, n);
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, w->block[l].ffn_norm, g->ctype, n, D, eps, st);
-        gm_ffn_forward(g, &w->block[l], I->x, I->ab, I->hf, I->branch, n, 0, st);
-        residual_rmsnorm_forward(I->h, I->x, I->rstd, I->h, I->branch, gm_next_norm(g, l), g->ctype, n, D, eps, st);
+        gpu_infer_mixer(I, l, b, n); // every row: the banks and KV caches take all of them
+        // after the last mixer only the n_out logits rows go on (a prefill's other rows would feed nothing)
+        int r = l == g->L - 1 ? n - n_out : 0, m = n - r;
+        size_t off = (size_t)r * D * g->es;
+        void *h = (char *)I->h + off, *x = (char *)I->x + off, *br = (char *)I->branch + off;
+        residual_rmsnorm_forward(h, x, I->rstd, h, br, w->block[l].ffn_norm, g->ctype, m, D, eps, st);
+        gm_ffn_forward(g, &w->block[l], x, I->ab, I->hf, br, m, 0, st);
+        residual_rmsnorm_forward(h, x, I->rstd, h, br, gm_next_norm(g, l), g->ctype, m, D, eps, st);
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
     matmul_forward(I->logits + (size_t)first * g->Vp, DT_FP32, g->Vp, last, w->head, NULL, g->ctype, n_out, g->V, D,
