@@ -1,9 +1,9 @@
 // sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and
-// prefill) runs phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three launches
+// prefill) runs phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three phases
 // per chunk: fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
-// written slot's row updated once). In: v [B,T,H,d] and the phase-1 quantities; out: readings [B,T,H,d], the bank
-// [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta, U = V - R0 [S][Tp][d] and the
-// snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.
+// written slot's row updated once), as three launches per chunk. In: v [B,T,H,d] and the phase-1 quantities; out:
+// readings [B,T,H,d], the bank [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta,
+// U = V - R0 [S][Tp][d] and the snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.
 #ifndef SDM_SDM_OP_FWD_CUH
 #define SDM_SDM_OP_FWD_CUH
 
@@ -11,11 +11,12 @@
 #include "sdm/sdm_op_wy.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
-// Phase 2 (forward), one chunk c of every stream per round of three launches (the host loops over the chunks):
-//   fgather_kernel  per (stream, token) and side (write rows, read rows), whole rows: R0 and the snapshots, E;
-//                   X = beta (V - R0) and E to the per-chunk buffers (U = V - R0 saved for the backward)
-//   fsolve_kernel   per (stream, DB columns): Delta = Linv X, O = S Delta + E
-//   fscatter_kernel one warp per write entry; the last entry of each written slot writes its whole row
+// Phase 2 (forward), one chunk c of every stream per round of three phases, each a block body called with its block's
+// coordinates by a kernel of its own (the host loops over the chunks):
+//   fgather  per (stream, token) and side (write rows, read rows), whole rows: R0 and the snapshots, E;
+//            X = beta (V - R0) and E to the per-chunk buffers (U = V - R0 saved for the backward)
+//   fsolve   per (stream, DB columns): Delta = Linv X, O = S Delta + E
+//   fscatter one warp per write entry; the last entry of each written slot writes its whole row
 // Whole rows keep the random bank accesses long and contiguous (2-4 KB), which HBM serves far better than the
 // short column slices of one-CTA-per-column-block designs (measured: see the notes in tests/bench_sdm_op.cu).
 
@@ -25,38 +26,45 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
 
-// Grid (C, S, 2), SDM_ROW_THREADS threads, dynamic smem SDM_ROW_WARPS * d floats: blockIdx.z = 0 gathers the token's
-// write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams still fill the GPU.
+// Block (t, s, z) of the grid (C, S, 2), SDM_ROW_THREADS threads, `part` SDM_ROW_WARPS * d floats of shared memory:
+// z = 0 gathers token t's write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams
+// still fill the GPU.
 template <typename Tb>
-__global__ void __launch_bounds__(SDM_ROW_THREADS)
-    sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
-    extern __shared__ float sdm_fgather_part[]; // [warps][d]
-    pdl_enter();
-    const int t = blockIdx.x, s = blockIdx.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
+__device__ __forceinline__ void sdm_fgather_block(const SdmOpArgs &a, const float *v, const Tb *bank, int c, dim3 blk,
+                                                  float *part) {
+    const int t = blk.x, s = blk.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
-    if (blockIdx.z == 1) {
-        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, sdm_fgather_part + warp * d, false);
-        sdm_sum_partials(sdm_fgather_part, d);
-        for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = sdm_fgather_part[i];
+    if (blk.z == 1) {
+        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
+        sdm_sum_partials(part, d);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
         return;
     }
-    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, sdm_fgather_part + warp * d, a.training != 0);
-    sdm_sum_partials(sdm_fgather_part, d);
+    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
+    sdm_sum_partials(part, d);
     float bt = a.beta[tok];
     for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
-        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - sdm_fgather_part[i];
+        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - part[i];
         if (a.training) a.u[tok * d + i] = u;
         a.cx[crow + i] = bt * u;
     }
 }
 
-// Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): X and Delta tiles [C][DB], S and Linv when staged.
-__global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c, bool staged) {
-    extern __shared__ float sdm_smem_tiles[];
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS)
+    sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
+    extern __shared__ float sdm_fgather_part[]; // [warps][d]
     pdl_enter();
-    const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
-    float *Xs = sdm_smem_tiles, *Ds = Xs + C * DB;
+    sdm_fgather_block<Tb>(a, v, bank, c, blockIdx, sdm_fgather_part);
+}
+
+// Block (column block, s) of the grid (d/DB, S), SDM_ROW_THREADS threads, `tiles` of sdm_op_tile_smem bytes of shared
+// memory: X and Delta tiles [C][DB], S and Linv when staged.
+__device__ __forceinline__ void sdm_fsolve_block(const SdmOpArgs &a, float *out, int c, bool staged, dim3 blk,
+                                                 float *tiles) {
+    const int C = a.C, DB = a.DB, nvec = DB / 4, s = blk.y, col0 = blk.x * DB, items = C * nvec;
+    float *Xs = tiles, *Ds = Xs + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
     const float *Sc, *Li;
     const int ld = sdm_solve_mats(a, cc, staged, Ds + C * DB, &Sc, &Li);
@@ -85,17 +93,23 @@ __global__ void __launch_bounds__(256) sdm_fsolve_kernel(SdmOpArgs a, float *out
     }
 }
 
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c, bool staged) {
+    extern __shared__ float sdm_smem_tiles[];
+    pdl_enter();
+    sdm_fsolve_block(a, out, c, staged, blockIdx, sdm_smem_tiles);
+}
+
 // Column groups of 32 V a scatter warp holds at once (the whole 1024-wide bf16 row): their row loads, then each
 // chained entry's delta loads, are all in flight together rather than one group's dependent loads after another's.
 #define SDM_FSCATTER_GROUPS 4
 
-// Grid (ceil(C W / warps), S), SDM_ROW_THREADS threads: warp e of the chunk's write entries; when e is the last
-// entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking back) pi kappa delta_t.
+// Block (x, s) of the grid (ceil(C W / warps), S), SDM_ROW_THREADS threads, no shared memory: warp e of the chunk's
+// write entries; when e is the last entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking
+// back) pi kappa delta_t.
 template <typename Tb>
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
+__device__ __forceinline__ void sdm_fscatter_block(const SdmOpArgs &a, Tb *bank, int c, dim3 blk) {
     constexpr int V = SdmBankVec<Tb>::V, G = SDM_FSCATTER_GROUPS;
-    pdl_enter();
-    const int s = blockIdx.y, e = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int s = blk.y, e = blk.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (e >= a.C * a.W) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
     int slot = a.w_slot[ew + e];
@@ -130,18 +144,33 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs
     }
 }
 
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
+    pdl_enter();
+    sdm_fscatter_block<Tb>(a, bank, c, blockIdx);
+}
+
+// The blocks of each phase of a chunk round, numbered x fastest.
+struct SdmFwdGrids {
+    dim3 gather, solve, scatter;
+};
+
+static inline SdmFwdGrids sdm_fwd_grids(const SdmOpArgs &a) {
+    SdmFwdGrids g = {dim3(a.C, a.S, 2), dim3(a.d / a.DB, a.S), sdm_op_entry_grid(a, a.C * a.W)};
+    return g;
+}
+
 // One chunk of the forward for every stream: gather, solve, scatter; with programmatic dependent launch
 // (core/cuda_common.cuh) on a stream of its own, such as a prefill's, each launch overlaps the tail of the one before.
 template <typename Tb>
-static void sdm_op_forward_chunk(const SdmOpArgs &a, const float *v, void *bank, float *out, int c,
-                                 cudaStream_t stream) {
+static void sdm_op_forward_chunk(const SdmOpArgs &a, const SdmFwdGrids &g, const float *v, void *bank, float *out,
+                                 int c, cudaStream_t stream) {
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    launch_pdl(sdm_fgather_kernel<Tb>, dim3(a.C, a.S, 2), SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
-    launch_pdl(sdm_fsolve_kernel, dim3(a.d / a.DB, a.S), 256, ts, stream, a, out, c, sdm_op_solve_staged(a));
-    launch_pdl(sdm_fscatter_kernel<Tb>, sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS, 0, stream, a, (Tb *)bank,
-               c);
+    launch_pdl(sdm_fgather_kernel<Tb>, g.gather, SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
+    launch_pdl(sdm_fsolve_kernel, g.solve, SDM_ROW_THREADS, ts, stream, a, out, c, sdm_op_solve_staged(a));
+    launch_pdl(sdm_fscatter_kernel<Tb>, g.scatter, SDM_ROW_THREADS, 0, stream, a, (Tb *)bank, c);
 }
 
 static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, void *saved,
@@ -149,9 +178,10 @@ static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *ban
     sdm_op_require(s);
     SdmOpArgs a = sdm_op_args(s, saved, NULL);
     sdm_op_phase1(a, in, stream);
+    SdmFwdGrids g = sdm_fwd_grids(a);
     for (int c = 0; c < a.nc; c++) {
-        if (s->bank_fp32) sdm_op_forward_chunk<float>(a, in->v, bank, out, c, stream);
-        else sdm_op_forward_chunk<__nv_bfloat16>(a, in->v, bank, out, c, stream);
+        if (s->bank_fp32) sdm_op_forward_chunk<float>(a, g, in->v, bank, out, c, stream);
+        else sdm_op_forward_chunk<__nv_bfloat16>(a, g, in->v, bank, out, c, stream);
     }
 }
 
