@@ -116,6 +116,7 @@ static inline const char *sdm_layer_check(const SdmDims *s) {
 // The memory op's shape inside a layer for B sequences of T tokens.
 static inline SdmOpShape sdm_layer_op_shape(const SdmDims *s, int B, int T, int training) {
     SdmOpShape op;
+    memset(&op, 0, sizeof(op)); // fields not set here (the forward path) keep their defaults
     op.B = B; op.T = T; op.H = s->heads; op.N = s->slots; op.d = s->head_dim; op.W = s->writes; op.R = s->reads;
     op.C = s->chunk; op.bank_fp32 = s->bank_fp32; op.snapshot = s->snapshot; op.training = training;
     return op;

@@ -6,7 +6,8 @@
 //                    (two-pointer merges of the sorted slot lists), per-slot decay scans from zero inside the chunk
 //                    (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S, and
 //                    Linv = (I + diag(beta) A)^-1.
-//   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once):
+//   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once;
+//                    in a prefill of few streams one persistent launch running the same block bodies):
 //                    fgather (per (stream, token), whole rows: R0, E, snapshots), fsolve (per (stream, DB columns):
 //                    Delta = Linv diag(beta) (V - R0), O = S Delta + E), fscatter (one warp per written slot: its last
 //                    entry combines the slot's entries in a fixed order and writes the whole row once).

@@ -22,6 +22,8 @@
 //       bank: in = initial bank, out = final bank. s->training = 1: saves into `saved` (sdm_op_saved_bytes) what
 //       sdm_op_backward needs (per-chunk WY quantities, Delta, V - R0, snapshots of the touched rows).
 //       s->training = 0 (prefill): `saved` is plain scratch of sdm_op_saved_bytes (smaller: no snapshots, no saves).
+//       s->fwd_path: the chunk loop as three launches per chunk or as one persistent cooperative launch (by
+//       default for a prefill of few streams); the same bits either way.
 //   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
 //                        const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
 //                        cudaStream_t stream);
@@ -50,6 +52,13 @@
 #define SDM_OP_MAX_CHUNK 256
 #define SDM_OP_SMEM_SLOTS 49152 // C * (W + R) slot indices of one chunk held in shared memory by the WY kernel
 
+// How sdm_op_forward runs its chunk loop (docs/SDM.md#phases-on-the-gpu); every path gives the same bits.
+typedef enum {
+    SDM_FWD_AUTO,       // the op chooses (sdm_fwd_persistent_blocks in sdm/sdm_op_fwd.cuh)
+    SDM_FWD_LAUNCHES,   // three launches per chunk
+    SDM_FWD_PERSISTENT, // one cooperative launch for every chunk (dies where the GPU cannot run it)
+} SdmFwdPath;
+
 typedef struct {
     int B, T, H;          // sequences, tokens per sequence, heads
     int N, d;             // slots per head, row width (head dim)
@@ -58,6 +67,8 @@ typedef struct {
     int bank_fp32;        // 0: bf16 bank, 1: fp32 bank
     SdmSnapshot snapshot; // storage of the backward snapshots (training only)
     int training;         // 1: forward saves for the backward; 0: prefill
+    SdmFwdPath fwd_path;  // 0 (auto) unless a test or benchmark forces a path
+    int fwd_max_blocks;   // > 0: at most this many blocks in the persistent forward (tests); 0: all that fit
 } SdmOpShape;
 
 typedef struct {
@@ -95,6 +106,8 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
     if ((long long)s->B * s->H * s->N * s->d >= (1ll << 40)) return "bank larger than 2^40 elements";
     if (s->snapshot == SDM_SNAP_BF16 && !s->bank_fp32) return "bf16 snapshots need an fp32 bank (use none)";
     if (s->snapshot < SDM_SNAP_NONE || s->snapshot > SDM_SNAP_INT4) return "unknown snapshot mode";
+    if (s->fwd_path < SDM_FWD_AUTO || s->fwd_path > SDM_FWD_PERSISTENT) return "unknown forward path";
+    if (s->fwd_max_blocks < 0) return "fwd_max_blocks must be >= 0";
     return NULL;
 }
 

@@ -1,18 +1,22 @@
 // sdm/sdm_op_fwd.cuh: the chunked forward of the SDM op (docs/SDM.md#chunked-wy-form): sdm_op_forward (training and
 // prefill) runs phase 1 (sdm/sdm_op_wy.cuh), then sequentially over the chunks, for all streams at once, three phases
 // per chunk: fgather (R0, E, snapshots; X = beta (V - R0)), fsolve (Delta = Linv X, O = S Delta + E) and fscatter (each
-// written slot's row updated once), as three launches per chunk. In: v [B,T,H,d] and the phase-1 quantities; out:
-// readings [B,T,H,d], the bank [B,H,N,d] advanced to the end of the sequence; with training = 1 also Delta,
-// U = V - R0 [S][Tp][d] and the snapshots of the touched rows in `saved` for sdm/sdm_op_bwd.cuh.
+// written slot's row updated once), either as three launches per chunk or, for a prefill of few streams, as one
+// persistent cooperative launch whose blocks run the same block bodies between grid-wide barriers (same bits). In:
+// v [B,T,H,d] and the phase-1 quantities; out: readings [B,T,H,d], the bank [B,H,N,d] advanced to the end of the
+// sequence; with training = 1 also Delta, U = V - R0 [S][Tp][d] and the snapshots of the touched rows in `saved` for
+// sdm/sdm_op_bwd.cuh.
 #ifndef SDM_SDM_OP_FWD_CUH
 #define SDM_SDM_OP_FWD_CUH
+
+#include <cooperative_groups.h>
 
 #include "sdm/sdm_op_common.cuh"
 #include "sdm/sdm_op_wy.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
 // Phase 2 (forward), one chunk c of every stream per round of three phases, each a block body called with its block's
-// coordinates by a kernel of its own (the host loops over the chunks):
+// coordinates by a kernel of its own (the host loops over the chunks) or by the persistent kernel below:
 //   fgather  per (stream, token) and side (write rows, read rows), whole rows: R0 and the snapshots, E;
 //            X = beta (V - R0) and E to the per-chunk buffers (U = V - R0 saved for the backward)
 //   fsolve   per (stream, DB columns): Delta = Linv X, O = S Delta + E
@@ -160,6 +164,8 @@ static inline SdmFwdGrids sdm_fwd_grids(const SdmOpArgs &a) {
     return g;
 }
 
+static inline int sdm_grid_blocks(dim3 g) { return (int)(g.x * g.y * g.z); }
+
 // One chunk of the forward for every stream: gather, solve, scatter; with programmatic dependent launch
 // (core/cuda_common.cuh) on a stream of its own, such as a prefill's, each launch overlaps the tail of the one before.
 template <typename Tb>
@@ -173,16 +179,109 @@ static void sdm_op_forward_chunk(const SdmOpArgs &a, const SdmFwdGrids &g, const
     launch_pdl(sdm_fscatter_kernel<Tb>, g.scatter, SDM_ROW_THREADS, 0, stream, a, (Tb *)bank, c);
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// The persistent forward: the whole chunk loop in one cooperative launch (docs/SDM.md#phases-on-the-gpu).
+
+// body(b) for this block's share of the virtual blocks b of grid g: numbers blockIdx.x, blockIdx.x + gridDim.x, ...
+// (x fastest, as a launch numbers its blocks). reuse_smem: a barrier after each, as the next one overwrites the
+// shared memory this one may still read.
+template <typename F> __device__ __forceinline__ void sdm_virtual_blocks(dim3 g, bool reuse_smem, F body) {
+    const unsigned n = g.x * g.y * g.z;
+    for (unsigned vb = blockIdx.x; vb < n; vb += gridDim.x) {
+        body(dim3(vb % g.x, vb / g.x % g.y, vb / (g.x * g.y)));
+        if (reuse_smem) __syncthreads();
+    }
+}
+
+// Co-resident blocks of SDM_ROW_THREADS threads, dynamic smem sdm_fwd_persistent_smem: per chunk the three phases'
+// block bodies over their virtual blocks, a grid-wide barrier after each (it also makes the phase's writes visible):
+// the solves read all of the chunk's X and E rows, the scatters whole Delta rows, the next chunk's gathers the rows
+// scattered, and their X and E overwrite those the solves read. Each output element is computed by the code and in
+// the order of the three kernels: the same bits. At most 128 registers, for two blocks an SM (the gather body alone
+// takes ~120).
+template <typename Tb>
+__global__ void __launch_bounds__(SDM_ROW_THREADS, 2)
+    sdm_fwd_persistent_kernel(SdmOpArgs a, const float *v, Tb *bank, float *out, SdmFwdGrids g, bool staged) {
+    extern __shared__ float sdm_persist_smem[];
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    for (int c = 0; c < a.nc; c++) {
+        sdm_virtual_blocks(g.gather, true, [&](dim3 b) { sdm_fgather_block<Tb>(a, v, bank, c, b, sdm_persist_smem); });
+        grid.sync();
+        sdm_virtual_blocks(g.solve, true, [&](dim3 b) { sdm_fsolve_block(a, out, c, staged, b, sdm_persist_smem); });
+        grid.sync();
+        sdm_virtual_blocks(g.scatter, false, [&](dim3 b) { sdm_fscatter_block<Tb>(a, bank, c, b); });
+        if (c + 1 < a.nc) grid.sync();
+    }
+}
+
+static inline size_t sdm_fwd_persistent_smem(const SdmOpArgs &a) {
+    return SDM_MAX(sdm_op_row_smem(a), sdm_op_tile_smem(a));
+}
+
+// Blocks of the persistent forward that fit on this GPU at once (its occupancy x SMs); 0 without cooperative launch.
+template <typename Tb> static int sdm_fwd_coresident(size_t smem) {
+    int dev, coop, sms, per_sm = 0;
+    cudaCheck(cudaGetDevice(&dev));
+    cudaCheck(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaCheck(cudaFuncSetAttribute(sdm_fwd_persistent_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)smem));
+    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sdm_fwd_persistent_kernel<Tb>, SDM_ROW_THREADS,
+                                                            smem));
+    return coop ? per_sm * sms : 0;
+}
+
+// Blocks of the persistent forward for this call (at most those co-resident and those of the largest phase; at most
+// s->fwd_max_blocks when set), 0 for three launches per chunk. The op's choice is a speed choice (both give the same
+// bits): persistent for a prefill (training = 0) whose gather round of C S 2 blocks fits in one co-resident grid, i.e.
+// S C up to about the GPU's SMs at two blocks an SM. Such a round moves few bytes (flagship prefill, S = 2, C = 64:
+// ~16 us at full bandwidth) and, as three launches, took 48.6 us on an H200: each launch's ramp and tail at a grid of
+// one partial wave. Resident blocks replace them by grid-wide barriers (the gain is to be measured:
+// tests/bench_sdm_op.cu, prefill). Larger rounds, as training's B H streams, fill the GPU with every launch, and
+// there a persistent block would walk several virtual blocks a phase in turn.
+template <typename Tb> static int sdm_fwd_persistent_blocks(const SdmOpShape *s, const SdmOpArgs &a) {
+    if (s->fwd_path == SDM_FWD_LAUNCHES || (s->fwd_path == SDM_FWD_AUTO && s->training)) return 0;
+    SdmFwdGrids g = sdm_fwd_grids(a);
+    int fit = sdm_fwd_coresident<Tb>(sdm_fwd_persistent_smem(a));
+    if (s->fwd_path == SDM_FWD_AUTO && sdm_grid_blocks(g.gather) > fit) return 0;
+    if (fit == 0) sdm_die("sdm_op: the persistent forward cannot run on this GPU (no cooperative launch or no room)");
+    int need = SDM_MAX(sdm_grid_blocks(g.gather), SDM_MAX(sdm_grid_blocks(g.solve), sdm_grid_blocks(g.scatter)));
+    int blocks = SDM_MIN(fit, need);
+    return s->fwd_max_blocks > 0 ? SDM_MIN(blocks, s->fwd_max_blocks) : blocks;
+}
+
+// The chunk loop, persistent or three launches per chunk (sdm_fwd_persistent_blocks). The persistent kernel is
+// launched without programmatic dependent launch: it starts once phase 1 has completed.
+template <typename Tb>
+static void sdm_op_forward_chunks(const SdmOpShape *s, const SdmOpArgs &a, const float *v, void *bank, float *out,
+                                  cudaStream_t stream) {
+    SdmFwdGrids g = sdm_fwd_grids(a);
+    int blocks = sdm_fwd_persistent_blocks<Tb>(s, a);
+    if (!blocks) {
+        for (int c = 0; c < a.nc; c++) sdm_op_forward_chunk<Tb>(a, g, v, bank, out, c, stream);
+        return;
+    }
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(SDM_ROW_THREADS);
+    cfg.dynamicSmemBytes = sdm_fwd_persistent_smem(a);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    cudaCheck(cudaLaunchKernelEx(&cfg, sdm_fwd_persistent_kernel<Tb>, a, v, (Tb *)bank, out, g,
+                                 sdm_op_solve_staged(a)));
+}
+
 static void sdm_op_forward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, void *saved,
                            cudaStream_t stream) {
     sdm_op_require(s);
     SdmOpArgs a = sdm_op_args(s, saved, NULL);
     sdm_op_phase1(a, in, stream);
-    SdmFwdGrids g = sdm_fwd_grids(a);
-    for (int c = 0; c < a.nc; c++) {
-        if (s->bank_fp32) sdm_op_forward_chunk<float>(a, g, in->v, bank, out, c, stream);
-        else sdm_op_forward_chunk<__nv_bfloat16>(a, g, in->v, bank, out, c, stream);
-    }
+    if (s->bank_fp32) sdm_op_forward_chunks<float>(s, a, in->v, bank, out, stream);
+    else sdm_op_forward_chunks<__nv_bfloat16>(s, a, in->v, bank, out, stream);
 }
 
 #endif
