@@ -2,8 +2,9 @@
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
-// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128). Median
-// of repeated runs (CUDA events) after a warm-up.
+// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128). Prefills
+// are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative launch for
+// the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
 // HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
@@ -139,19 +140,19 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
     size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
+    SdmFwdGrids fgr = sdm_fwd_grids(a);
     float fg = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
             sdm_fgather_kernel<__nv_bfloat16>
-                <<<dim3(a.C, a.S, 2), SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+                <<<fgr.gather, SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, ts>>>(a, g->dv, c, sdm_op_solve_staged(a));
+            sdm_fsolve_kernel<<<fgr.solve, SDM_ROW_THREADS, ts>>>(a, g->dv, c, sdm_op_solve_staged(a));
     });
     float fc = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
-            sdm_fscatter_kernel<__nv_bfloat16>
-                <<<sdm_op_entry_grid(a, a.C * a.W), SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
+            sdm_fscatter_kernel<__nv_bfloat16><<<fgr.scatter, SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
     float tk = time_ms(reps, [&] {
         for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, g->dbank_init, c, 0);
@@ -211,15 +212,27 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
         cudaCheck(cudaEventElapsedTime(&b, e1, e2));
         if (r) { tf.push_back(a); tb.push_back(b); }
     }
-    SdmOpShape sp = s;
+    SdmOpShape sp = s, sl, spp; // prefill: the op's choice, three launches per chunk, persistent
     sp.training = 0;
+    sl = spp = sp;
+    sl.fwd_path = SDM_FWD_LAUNCHES;
+    spp.fwd_path = SDM_FWD_PERSISTENT;
     float tpre = time_ms(reps, [&] { sdm_op_forward(&sp, &in, bank, out, saved, 0); });
-    double th_ = (double)tok;
+    float tl = time_ms(reps, [&] { sdm_op_forward(&sl, &in, bank, out, saved, 0); });
+    float tp = time_ms(reps, [&] { sdm_op_forward(&spp, &in, bank, out, saved, 0); });
+    SdmOpArgs pa = sdm_op_args(&sp, saved, NULL);
+    int auto_blocks = sdm_fwd_persistent_blocks<__nv_bfloat16>(&sp, pa);
+    double th_ = (double)tok, floor_p = th_ * (2.0 * W + R) * d * 2;
     double floor_f = sdm_op_floor_bytes(&s, 0), floor_b = sdm_op_floor_bytes(&s, 1);
     report("forward (training)", median(tf), floor_f);
     report("backward", median(tb), floor_b);
     report("forward + backward", median(tf) + median(tb), floor_f + floor_b);
-    report("prefill", tpre, th_ * (2.0 * W + R) * d * 2);
+    char what[64];
+    snprintf(what, sizeof(what), "prefill (op's choice: %s)", auto_blocks ? "persistent" : "launches");
+    report(what, tpre, floor_p);
+    report("prefill, launches", tl, floor_p);
+    snprintf(what, sizeof(what), "prefill, persistent (%d blocks)", sdm_fwd_persistent_blocks<__nv_bfloat16>(&spp, pa));
+    report(what, tp, floor_p);
     bench_parts(&s, &in, bank, dout, &g, saved, scratch, reps);
     cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
     cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv); cudaFree(g.dbank_init);

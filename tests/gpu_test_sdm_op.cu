@@ -1,6 +1,7 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
-// (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, decode = prefill =
-// training forward, bitwise determinism, snapshot modes and their independence of the batch, refusals.
+// (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, the persistent forward =
+// the per-chunk launches (bitwise), decode = prefill = training forward, bitwise determinism, snapshot modes and their
+// independence of the batch, refusals.
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
@@ -221,28 +222,37 @@ static void free_result(Result *r) {
 
 static void poison(void *p, size_t bytes) { cudaCheck(cudaMemset(p, 0xFF, bytes)); } // NaN in fp32 and bf16
 
-// Forward (training) then backward on the GPU. rounded_bank: the initial bank in the bank dtype.
-static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
-    SdmOpShape s = shape_of(c, C, fp32, snap, 1);
-    Dev D = dev_alloc(c, &s);
+// The forward of shape s on the GPU, then with s->training the backward (a prefill leaves the gradients NULL).
+// rounded_bank: the initial bank in the bank dtype.
+static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_bank) {
+    Dev D = dev_alloc(c, s);
     size_t tok = (size_t)c->B * c->T * c->H;
-    upload_bank(c, fp32, D.bank, rounded_bank);
+    upload_bank(c, s->bank_fp32, D.bank, rounded_bank);
     poison(D.out, tok * c->d * 4);
-    poison(D.saved, sdm_op_saved_bytes(&s));
-    poison(D.scratch, sdm_op_scratch_bytes(&s));
+    poison(D.saved, sdm_op_saved_bytes(s));
+    poison(D.scratch, sdm_op_scratch_bytes(s));
     poison(D.g.dkappa, tok * c->W * 4); poison(D.g.dgamma, tok * c->W * 4); poison(D.g.drho, tok * c->R * 4);
     poison(D.g.dbeta, tok * 4); poison(D.g.dv, tok * c->d * 4); poison(D.g.dbank_init, bank_elems(c) * 4);
-    sdm_op_forward(&s, &D.in, D.bank, D.out, D.saved, 0);
+    sdm_op_forward(s, &D.in, D.bank, D.out, D.saved, 0);
     Result r;
-    r.bank_final = bank_to_host(c, fp32, D.bank);
+    memset(&r, 0, sizeof(r));
+    r.bank_final = bank_to_host(c, s->bank_fp32, D.bank);
     r.out = to_host(D.out, tok * c->d);
-    sdm_op_backward(&s, &D.in, D.bank, D.dout, D.dbank_final, &D.g, D.saved, D.scratch, 0);
-    cudaCheck(cudaDeviceSynchronize());
-    r.dkappa = to_host(D.g.dkappa, tok * c->W); r.dgamma = to_host(D.g.dgamma, tok * c->W);
-    r.drho = to_host(D.g.drho, tok * c->R); r.dbeta = to_host(D.g.dbeta, tok); r.dv = to_host(D.g.dv, tok * c->d);
-    r.dbank_init = to_host(D.g.dbank_init, bank_elems(c));
+    if (s->training) {
+        sdm_op_backward(s, &D.in, D.bank, D.dout, D.dbank_final, &D.g, D.saved, D.scratch, 0);
+        cudaCheck(cudaDeviceSynchronize());
+        r.dkappa = to_host(D.g.dkappa, tok * c->W); r.dgamma = to_host(D.g.dgamma, tok * c->W);
+        r.drho = to_host(D.g.drho, tok * c->R); r.dbeta = to_host(D.g.dbeta, tok); r.dv = to_host(D.g.dv, tok * c->d);
+        r.dbank_init = to_host(D.g.dbank_init, bank_elems(c));
+    }
     dev_free(&D);
     return r;
+}
+
+// Forward (training) then backward on the GPU, the forward's path chosen by the op.
+static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
+    SdmOpShape s = shape_of(c, C, fp32, snap, 1);
+    return run_gpu_shape(c, &s, rounded_bank);
 }
 
 static Result run_ref(const Case *c, const double *bank_init) {
@@ -284,10 +294,16 @@ static double compare(const char *name, const Case *c, const Result *x, const Re
     return worst;
 }
 
+// Readings and final bank bitwise equal.
+static int forward_equal(const Case *c, const Result *x, const Result *y) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    return !memcmp(x->out, y->out, tok * c->d * 8) && !memcmp(x->bank_final, y->bank_final, bank_elems(c) * 8);
+}
+
 static int bitwise_equal(const Case *c, const Result *x, const Result *y) {
     size_t tok = (size_t)c->B * c->T * c->H;
-    return !memcmp(x->out, y->out, tok * c->d * 8) && !memcmp(x->bank_final, y->bank_final, bank_elems(c) * 8) &&
-           !memcmp(x->dkappa, y->dkappa, tok * c->W * 8) && !memcmp(x->dgamma, y->dgamma, tok * c->W * 8) &&
+    return forward_equal(c, x, y) && !memcmp(x->dkappa, y->dkappa, tok * c->W * 8) &&
+           !memcmp(x->dgamma, y->dgamma, tok * c->W * 8) &&
            !memcmp(x->dbeta, y->dbeta, tok * 8) && !memcmp(x->dv, y->dv, tok * c->d * 8) &&
            !memcmp(x->drho, y->drho, tok * c->R * 8) && !memcmp(x->dbank_init, y->dbank_init, bank_elems(c) * 8);
 }
@@ -397,6 +413,69 @@ static void test_chunk_invariance_and_determinism(int repeat) {
     free_result(&x); free_result(&y);
     printf("  chunk invariance / determinism checked\n");
     free_result(&base); free_result(&ref); free_result(&again); free(rb); free_case(&c);
+}
+
+// Shape s with the forward's chunk loop as three launches per chunk, then persistent on all the blocks that fit and on
+// 3 blocks (each walks many virtual blocks of every phase): the persistent runs must give the launches' bits, in
+// training every output and gradient (the backward reads what the forward saved), in a prefill readings and bank.
+// Returns the persistent run on all blocks.
+static Result run_persistent_vs_launches(const Case *c, SdmOpShape s, double *rounded_bank, const char *name) {
+    s.fwd_path = SDM_FWD_LAUNCHES;
+    Result base = run_gpu_shape(c, &s, rounded_bank);
+    s.fwd_path = SDM_FWD_PERSISTENT;
+    Result all = run_gpu_shape(c, &s, rounded_bank);
+    s.fwd_max_blocks = 3;
+    Result few = run_gpu_shape(c, &s, rounded_bank);
+    int same_all = s.training ? bitwise_equal(c, &all, &base) : forward_equal(c, &all, &base);
+    int same_few = s.training ? bitwise_equal(c, &few, &base) : forward_equal(c, &few, &base);
+    CHECK(same_all, "%s: the persistent forward differs from the launches", name);
+    CHECK(same_few, "%s: the persistent forward on 3 blocks differs from the launches", name);
+    printf("  %-58s persistent = launches: %s\n", name, same_all && same_few ? "same bits" : "DIFFERENT");
+    free_result(&base); free_result(&few);
+    return all;
+}
+
+// The persistent forward (the chunk loop in one cooperative launch) against the launches, bit for bit, and against
+// the oracle (training: every output and gradient; prefill: readings and bank), its prefill bitwise equal to its
+// training forward. S = 1, 2, 4 streams, C = 16 and 64, T a multiple of C and not, W = R = 64 and small W, R, d up to
+// the flagship's 1024, both banks.
+static void test_persistent_forward(void) {
+    const Spec specs[] = {
+        {1, 200, 1, 512, 64, 64, 64, 64, GAMMA_UNIFORM, 1, 0},   // S = 1, T % C != 0
+        {1, 128, 2, 256, 1024, 64, 64, 64, GAMMA_UNIFORM, 1, 0}, // S = 2 (two heads), the flagship's d, W, R, C
+        {2, 100, 1, 128, 32, 8, 8, 16, GAMMA_UNIFORM, 1, 0},     // S = 2 (two sequences), C = 16, T % C != 0
+        {2, 64, 2, 256, 64, 64, 64, 16, GAMMA_UNIFORM, 1, 0},    // S = 4, C = 16, T % C == 0
+        {1, 96, 4, 64, 32, 4, 12, 64, GAMMA_UNIFORM, 1, 0},      // S = 4 (four heads), small W != R, T % C != 0
+        {4, 64, 1, 128, 128, 64, 64, 64, GAMMA_UNIFORM, 1, 0},   // S = 4 (four sequences), one chunk
+    };
+    int n = (int)(sizeof(specs) / sizeof(specs[0]));
+    for (int fp32 = 1; fp32 >= 0; fp32--)
+        for (int i = 0; i < n; i++) {
+            const Spec *p = &specs[i];
+            Case c = make_case(2000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
+            CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "persistent case %d has no in-chunk collisions", i);
+            double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+            size_t tok = (size_t)c.B * c.T * c.H;
+            double tol = fp32 ? TOL_FP32 : TOL_BF16;
+            char name[96], what[160];
+            snprintf(name, sizeof(name), "%s B%d T%d H%d N%d d%d W%d R%d C%d", fp32 ? "fp32" : "bf16", p->B, p->T,
+                     p->H, p->N, p->d, p->W, p->R, p->C);
+            SdmOpShape s = shape_of(&c, p->C, fp32, SDM_SNAP_NONE, 1);
+            snprintf(what, sizeof(what), "%s training", name);
+            Result train = run_persistent_vs_launches(&c, s, rb, what);
+            Result ref = run_ref(&c, rb);
+            snprintf(what, sizeof(what), "persistent %s vs oracle", name);
+            compare(what, &c, &train, &ref, tol);
+            s.training = 0;
+            snprintf(what, sizeof(what), "%s prefill", name);
+            Result pre = run_persistent_vs_launches(&c, s, rb, what);
+            snprintf(what, sizeof(what), "persistent %s prefill out vs oracle", name);
+            check_close(what, pre.out, ref.out, tok * c.d, tol);
+            snprintf(what, sizeof(what), "persistent %s prefill bank vs oracle", name);
+            check_close(what, pre.bank_final, ref.bank_final, bank_elems(&c), tol);
+            CHECK(forward_equal(&c, &pre, &train), "%s: persistent prefill differs from its training forward", name);
+            free_result(&train); free_result(&ref); free_result(&pre); free(rb); free_case(&c);
+        }
 }
 
 // bf16 snapshots (fp32 bank) and fp8/int4 (fp32 and bf16 banks) leave the forward bit-identical to none; their
@@ -544,6 +623,9 @@ static void test_refusals(void) {
     s.d = 12; CHECK(sdm_op_check(&s) != NULL, "d = 12 accepted"); s.d = 64;
     s.C = 300; CHECK(sdm_op_check(&s) != NULL, "C = 300 accepted"); s.C = 64;
     s.W = 300; CHECK(sdm_op_check(&s) != NULL, "W > N accepted"); s.W = 8;
+    s.fwd_path = (SdmFwdPath)3; CHECK(sdm_op_check(&s) != NULL, "unknown forward path accepted");
+    s.fwd_path = SDM_FWD_AUTO;
+    s.fwd_max_blocks = -1; CHECK(sdm_op_check(&s) != NULL, "fwd_max_blocks < 0 accepted"); s.fwd_max_blocks = 0;
     s.N = 1 << 16; s.T = 256; s.C = 256; s.W = s.R = 128;
     CHECK(sdm_op_check(&s) != NULL, "C*(W+R) over the shared-memory limit accepted");
     s.W = s.R = 8; s.snapshot = SDM_SNAP_BF16; s.bank_fp32 = 0;
@@ -556,6 +638,7 @@ int main(int argc, char **argv) {
     test_against_oracle();
     test_chunk_invariance_and_determinism(0);
     test_chunk_invariance_and_determinism(1);
+    test_persistent_forward();
     test_snapshot_modes(1);
     test_snapshot_modes(0);
     test_snapshot_batch_independence();
