@@ -1,8 +1,10 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
-// bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits with selective
-// activation recomputation on; a few AdamW steps (fp32 and bf16 moments) that must lower the loss of a fixed batch;
-// ZeRO-2's gradient buckets on one rank; and the memory ledger against the device's own count.
+// bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits on a stream of
+// its own (train_sdm's, with programmatic dependent launch) and from the step captured as a CUDA graph and replayed on
+// other inputs; the same bits with selective activation recomputation on; a few AdamW steps (fp32 and bf16 moments)
+// that must lower the loss of a fixed batch; ZeRO-2's gradient buckets on one rank; and the memory ledger against
+// the device's own count.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -212,6 +214,75 @@ static void check_zero2_one_rank(const Case *c, const char *dtype, GpuModel *g, 
     gpu_model_destroy(&z);
 }
 
+// The step as train_sdm runs it: on a non-blocking stream of its own (its kernels then launch with programmatic
+// dependent launch, core/cuda_common.cuh), and captured as a CUDA graph whose copies read pinned inputs and plan,
+// replayed on a second batch, the first and the second again. Each gives the loss and gradient bits of the eager step
+// on the legacy stream on its batch.
+static void check_own_stream_and_graph(const Case *c, const char *dtype, GpuModel *g, const int *tokens,
+                                       const int *targets) {
+    int n = g->n;
+    size_t bytes = 4 * (size_t)g->m->storage, plan_bytes = sizeof(int) * gpu_model_plan_ints(g);
+    int *tokens2 = (int *)sdm_malloc(sizeof(int) * n), *targets2 = (int *)sdm_malloc(sizeof(int) * n);
+    Rng r = rng_make(77);
+    for (int i = 0; i < n; i++) {
+        tokens2[i] = (int)rng_below(&r, (uint32_t)g->m->vocab);
+        targets2[i] = (int)rng_below(&r, (uint32_t)g->m->vocab);
+    }
+    const int *tok[2] = {tokens, tokens2}, *tgt[2] = {targets, targets2};
+    float want_loss[2], *want[2], *got = (float *)sdm_malloc(bytes);
+    for (int b = 0; b < 2; b++) {
+        want_loss[b] = step_grads(g, tok[b], tgt[b], 0);
+        want[b] = (float *)sdm_malloc(bytes);
+        cudaCheck(cudaMemcpy(want[b], g->grads, bytes, cudaMemcpyDeviceToHost));
+    }
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    float loss = step_grads(g, tokens, targets, st);
+    cudaCheck(cudaMemcpy(got, g->grads, bytes, cudaMemcpyDeviceToHost));
+    CHECK(loss == want_loss[0] && !memcmp(got, want[0], bytes), "%s [%s]: the step on a stream of its own differs "
+          "from the legacy stream's", c->name, dtype);
+
+    int *in_tokens, *in_targets, *in_plan;
+    float *out_loss;
+    cudaCheck(cudaMallocHost((void **)&in_tokens, sizeof(int) * n));
+    cudaCheck(cudaMallocHost((void **)&in_targets, sizeof(int) * n));
+    cudaCheck(cudaMallocHost((void **)&in_plan, plan_bytes));
+    cudaCheck(cudaMallocHost((void **)&out_loss, sizeof(float)));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+    cudaCheck(cudaMemsetAsync(g->grads, 0, sizeof(float) * g->n_grads, st));
+    gpu_model_forward(g, in_tokens, in_targets, 1.0f / g->n, st);
+    gpu_model_backward(g, in_plan, st);
+    cudaCheck(cudaMemcpyAsync(out_loss, g->loss, sizeof(float), cudaMemcpyDeviceToHost, st));
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    int bad = 0;
+    for (int replay = 0; replay < 3; replay++) {
+        int b = replay == 1 ? 0 : 1;
+        memcpy(in_tokens, tok[b], sizeof(int) * n);
+        memcpy(in_targets, tgt[b], sizeof(int) * n);
+        gpu_model_plan_backward(g, tok[b], in_plan);
+        cudaCheck(cudaGraphLaunch(exec, st));
+        cudaCheck(cudaStreamSynchronize(st));
+        cudaCheck(cudaMemcpy(got, g->grads, bytes, cudaMemcpyDeviceToHost));
+        bad += *out_loss != want_loss[b] || memcmp(got, want[b], bytes) != 0;
+    }
+    printf("  own stream and CUDA graph: %d of 3 replays differ from the eager step\n", bad);
+    CHECK(bad == 0, "%s [%s]: %d of 3 replays of the captured step differ from the eager step on their batch",
+          c->name, dtype, bad);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    cudaCheck(cudaStreamDestroy(st));
+    void *pinned[] = {in_tokens, in_targets, in_plan, out_loss};
+    for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++) cudaCheck(cudaFreeHost(pinned[i]));
+    free(want[0]);
+    free(want[1]);
+    free(got);
+    free(tokens2);
+    free(targets2);
+}
+
 static void check_case(const Case *c, const char *dtype) {
     int fp32 = !strcmp(dtype, "fp32");
     Config cfg;
@@ -260,6 +331,7 @@ static void check_case(const Case *c, const char *dtype) {
     double loss2 = step_grads(&g, tokens, targets, 0);
     cudaCheck(cudaMemcpy(bits2, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
     CHECK(loss2 == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: a repeated step differs", c->name, dtype);
+    check_own_stream_and_graph(c, dtype, &g, tokens, targets);
 
     // selective activation recomputation: the same step with norms, SwiGLU, gates and readout recomputed in the
     // backward gives the same bits, and keeps fewer activations
