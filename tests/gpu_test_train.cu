@@ -153,7 +153,7 @@ static void check_compile(const char *dir, const char *log, int acc) {
     const char *how[3] = {"distributed.compile=false", "distributed.compile=true",
                           "distributed.compile=true logging.profile=2"};
     const char *captured_at[3] = {NULL, "at step 2,", "at step 5,"};
-    char run_dir[3][192], extra[512], path[2][256], *out[3], *lines[3];
+    char run_dir[3][128], extra[512], path[2][160], *out[3], *lines[3];
     int status[3], steps[3];
     for (int k = 0; k < 3; k++) {
         snprintf(run_dir[k], sizeof run_dir[k], "%s/compile%d_acc%d", dir, k, acc);
