@@ -6,10 +6,11 @@
 //   ./train_sdm -c configs/sdm_flagship.cfg --memory=8      per-GPU memory of 8 ranks, without a GPU (dry run)
 //
 // Read top to bottom: the run (config, data, the model of model/gpu_model.cuh), one optimizer step (micro-batches,
-// ZeRO-2 or ZeRO-1 over NCCL, clipping, AdamW), evaluation with recall scoring, checkpoints, and main. Without
-// data.train the embedded recall dataset is generated on first use. A run resumes from the newest complete checkpoint
-// in its run_dir. SIGTERM or SIGINT stops it after the current step with a checkpoint (a second one at once); a
-// non-finite loss or gradient norm stops it without one.
+// ZeRO-2 or ZeRO-1 over NCCL, clipping, AdamW) on a stream of its own, eager or replayed as a CUDA graph
+// (distributed.compile), evaluation with recall scoring, checkpoints, and main. Without data.train the embedded recall
+// dataset is generated on first use. A run resumes from the newest complete checkpoint in its run_dir. SIGTERM or
+// SIGINT stops it after the current step with a checkpoint (a second one at once); a non-finite loss or gradient norm
+// stops it without one.
 #include <time.h>
 
 #include "core/config.h"
@@ -27,6 +28,17 @@
 // ------------------------------------------------------------------------------------------------------------------
 // The training loop
 
+// What a step reads from and writes to the host, in pinned memory at fixed addresses: the copies of a captured step
+// are graph nodes that read and write the same addresses at every replay, so the host fills the inputs before each
+// step (every micro-batch its own slot, since all are copied during the step) and reads the outputs after it.
+typedef struct {
+    int *tokens, *targets; // [grad_acc_steps][n]: each micro-batch's inputs and targets
+    int *plan;             // [grad_acc_steps][gpu_model_plan_ints]: their plans for the backward
+    AdamWCoeffs *coeffs;   // [ADAMW_COEFF_SETS]: the step's AdamW coefficients (the learning rate, bias corrections)
+    float *loss;           // [grad_acc_steps]: each micro-batch's mean loss
+    float *norm;           // the gradient norm
+} StepIO;
+
 typedef struct {
     Config cfg;
     ModelDesc *m;
@@ -35,18 +47,55 @@ typedef struct {
     AdamWState opt;          // fp32 master weights and AdamW moments of this rank's shard, clip scalars
     DataLoader train, val;
     int32_t *batch;          // host [B, T+1]
-    int *inputs, *targets;   // host [B*T]
+    int *inputs, *targets;   // host [B*T]: evaluation's
+    StepIO io;               // the step's pinned inputs and outputs
+    cudaStream_t stream;     // the step's: non-blocking, so a graph can capture it
+    cudaEvent_t legacy_done; // the step's stream waits for the legacy stream's work through it
+    cudaGraphExec_t graph;   // the captured step (distributed.compile), NULL while the step runs eagerly
     long long step;          // optimizer steps done
     double lr;               // learning rate of the last step
+    float norm;              // gradient norm of the last step
     double flops_per_token;  // model FLOPs of a training token, the numerator of MFU
     Profiler *prof;          // the step profile while logging.profile is on (rank 0), else NULL
     FILE *log;               // run_dir/train.log (rank 0)
 } Run;
 
-static inline void next_batch(Run *r, DataLoader *dl) {
+static inline void *pinned_alloc(size_t bytes) {
+    void *p = NULL;
+    cudaCheck(cudaMallocHost(&p, bytes));
+    return p;
+}
+
+// The step's stream, its event and pinned buffers, for micro-batches of the model r->g.
+static inline void step_create(Run *r) {
+    StepIO *io = &r->io;
+    size_t acc = (size_t)r->cfg.grad_acc_steps, n = (size_t)r->g.n;
+    io->tokens = (int *)pinned_alloc(sizeof(int) * acc * n);
+    io->targets = (int *)pinned_alloc(sizeof(int) * acc * n);
+    io->plan = (int *)pinned_alloc(sizeof(int) * acc * gpu_model_plan_ints(&r->g));
+    io->coeffs = (AdamWCoeffs *)pinned_alloc(sizeof(AdamWCoeffs) * ADAMW_COEFF_SETS);
+    io->loss = (float *)pinned_alloc(sizeof(float) * acc);
+    io->norm = (float *)pinned_alloc(sizeof(float));
+    cudaCheck(cudaStreamCreateWithFlags(&r->stream, cudaStreamNonBlocking));
+    cudaCheck(cudaEventCreateWithFlags(&r->legacy_done, cudaEventDisableTiming));
+}
+
+static inline void step_destroy(Run *r) {
+    if (r->graph) cudaCheck(cudaGraphExecDestroy(r->graph));
+    cudaCheck(cudaEventDestroy(r->legacy_done));
+    cudaCheck(cudaStreamDestroy(r->stream));
+    void *bufs[] = {r->io.tokens, r->io.targets, r->io.plan, r->io.coeffs, r->io.loss, r->io.norm};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFreeHost(bufs[i]));
+}
+
+// The next training micro-batch into slot k of the step's inputs, with its plan for the backward.
+static inline void next_micro_batch(Run *r, int k) {
     char err[DATA_ERR_LEN];
-    if (dataloader_next_batch(dl, r->batch, err)) sdm_die("%s", err);
-    batch_split(r->batch, r->g.B, r->g.T, r->inputs, r->targets);
+    if (dataloader_next_batch(&r->train, r->batch, err)) sdm_die("%s", err);
+    size_t n = (size_t)r->g.n;
+    int *tokens = r->io.tokens + k * n;
+    batch_split(r->batch, r->g.B, r->g.T, tokens, r->io.targets + k * n);
+    gpu_model_plan_backward(&r->g, tokens, r->io.plan + k * gpu_model_plan_ints(&r->g));
 }
 
 static inline void say(const Run *r, const char *fmt, ...) {
@@ -124,46 +173,102 @@ static inline void init_params(Run *r) {
 #define STEP_PART_COMM "communication"
 #define ADAMW_BYTES_PER_PARAM(ms) (3 * 4 + 4 * (ms))
 
-// One optimizer step: grad_acc_steps micro-batches forward and backward, the gradients summed over ranks into each
-// rank's shard (ZeRO-2: by the backward, block by block; ZeRO-1: reduce-scattered afterwards), the global norm
-// clipped, AdamW on this rank's shard (the optimizer holds only that), the updated weights all-gathered. Returns the
-// mean loss.
-static inline float train_step(Run *r) {
+// The host's part of a step, before it runs: the next micro-batches with their plans, and this step's AdamW
+// coefficients (core/optim.h adamw_hyper), into the pinned inputs.
+static inline void prepare_step(Run *r) {
+    for (int k = 0; k < r->cfg.grad_acc_steps; k++) next_micro_batch(r, k);
+    AdamWHyper hyper = adamw_hyper(&r->cfg, r->step);
+    adamw_coeffs_fill(r->io.coeffs, &hyper);
+    r->lr = hyper.lr;
+}
+
+// One optimizer step on the step's stream, from its pinned inputs to its pinned outputs (r->io): grad_acc_steps
+// micro-batches forward and backward, the gradients summed over ranks into each rank's shard (ZeRO-2: by the
+// backward, block by block; ZeRO-1: reduce-scattered afterwards), the global norm clipped, AdamW on this rank's shard
+// (the optimizer holds only that), the updated weights all-gathered. Launches and copies only, no host
+// synchronisation: the eager step, and what distributed.compile captures.
+static inline void enqueue_step(Run *r) {
     GpuModel *g = &r->g;
     AdamWState *o = &r->opt;
-    const Config *c = &r->cfg;
+    StepIO *io = &r->io;
     Dist *d = &r->dist;
-    int acc = c->grad_acc_steps;
-    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->n_grads));
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * g->n_grads, 0);
-    float loss = 0;
+    cudaStream_t s = r->stream;
+    int acc = r->cfg.grad_acc_steps;
+    size_t n = (size_t)g->n, plan = gpu_model_plan_ints(g);
+    prof_mark(r->prof, GM_PART_HOST, PROF_NA, PROF_NA, s); // since the step began: prepare_step on the host
+    cudaCheck(cudaMemsetAsync(g->grads, 0, sizeof(float) * g->n_grads, s));
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * g->n_grads, s);
     for (int k = 0; k < acc; k++) {
-        next_batch(r, &r->train);
-        gpu_model_forward(g, r->inputs, r->targets, 1.0f / ((float)g->n * acc * d->world));
-        gpu_model_backward(g, r->inputs);
-        loss += gpu_model_loss(g) / acc;
+        gpu_model_forward(g, io->tokens + k * n, io->targets + k * n, 1.0f / ((float)g->n * acc * d->world), s);
+        gpu_model_backward(g, io->plan + k * plan, s);
+        cudaCheck(cudaMemcpyAsync(io->loss + k, g->loss, sizeof(float), cudaMemcpyDeviceToHost, s));
     }
     long long lo, hi; // this rank's elements of the flat array: element lo is element 0 of the optimizer's arrays
     shard_range(r->m->storage, d->world, d->rank, &lo, &hi);
     const float *grad = g->grads; // element lo's gradient, summed over ranks
     if (!g->zero2.dist) {         // whole gradients
-        dist_reduce_scatter_grads(d, g->grads, 0);
-        prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
+        dist_reduce_scatter_grads(d, g->grads, s);
+        prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, s);
         grad += lo;
     }
-    adamw_grad_sumsq(o->sumsq, o->scratch, grad, hi - lo, 0);
-    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * (hi - lo), 0);
-    dist_all_reduce_sum(d, o->sumsq, 1, 0);
-    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
-    adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)c->clip, 0);
-    AdamWHyper hyper = adamw_hyper(c, r->step);
-    r->lr = hyper.lr;
+    adamw_grad_sumsq(o->sumsq, o->scratch, grad, hi - lo, s);
+    prof_mark(r->prof, STEP_PART_OPTIM, 0, 4.0 * (hi - lo), s);
+    dist_all_reduce_sum(d, o->sumsq, 1, s);
+    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, s);
+    adamw_clip_scale(o->norm, o->scale, o->sumsq, (float)r->cfg.clip, s);
+    adamw_load_coeffs(o, io->coeffs, s);
     adamw_update_model(r->m, lo, hi, o->master, (char *)g->work + lo * g->es, g->ctype, grad, o->m, o->v,
-                       o->moment_type, &hyper, o->scale, 0);
+                       o->moment_type, o->coeffs, o->scale, s);
     prof_mark(r->prof, STEP_PART_OPTIM, 0,
-              (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM(dtype_size(o->moment_type)) + g->es), 0);
-    dist_all_gather(d, g->work, g->es, 0);
-    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, 0);
+              (double)(hi - lo) * (ADAMW_BYTES_PER_PARAM(dtype_size(o->moment_type)) + g->es), s);
+    dist_all_gather(d, g->work, g->es, s);
+    prof_mark(r->prof, STEP_PART_COMM, PROF_NA, PROF_NA, s);
+    cudaCheck(cudaMemcpyAsync(io->norm, o->norm, sizeof(float), cudaMemcpyDeviceToHost, s));
+}
+
+// distributed.compile captures the step on one rank. With several ranks it stays eager: capturing NCCL's collectives
+// and ZeRO-2's bucket events, which link one step's reductions to the next step's backward, is not done (nor tested).
+static inline int step_graph_wanted(const Run *r) { return r->cfg.compile && r->dist.world == 1; }
+
+// How the step runs, for the start-up line.
+static inline const char *step_mode(const Run *r) {
+    if (!r->cfg.compile) return "eager step";
+    if (!step_graph_wanted(r)) return "eager step (distributed.compile: not with several ranks yet)";
+    return r->cfg.profile_steps ? "step as a CUDA graph after the profiled steps" : "step as a CUDA graph from step 2";
+}
+
+// Capture enqueue_step as a CUDA graph (relaxed mode, as infer's decode graph) to replay from now on.
+static inline void capture_step(Run *r) {
+    cudaGraph_t graph;
+    cudaCheck(cudaStreamBeginCapture(r->stream, cudaStreamCaptureModeRelaxed));
+    enqueue_step(r);
+    cudaCheck(cudaStreamEndCapture(r->stream, &graph));
+    size_t nodes = 0;
+    cudaCheck(cudaGraphGetNodes(graph, NULL, &nodes));
+    cudaCheck(cudaGraphInstantiate(&r->graph, graph, 0));
+    cudaCheck(cudaGraphDestroy(graph));
+    say(r, "the training step is captured as a CUDA graph of %zu nodes at step %lld, replayed from here on\n", nodes,
+        r->step + 1);
+}
+
+// One optimizer step (enqueue_step): eager, or a replay of its graph with distributed.compile, captured at the first
+// step after one eager step of this run (cuBLASLt's first calls and every lazy allocation happen outside the capture)
+// and after the profiled steps (the profiler records events, which a graph cannot time). Returns the mean loss and
+// leaves the gradient norm in r->norm. `done`: steps this run has taken.
+static inline float train_step(Run *r, long long done) {
+    int acc = r->cfg.grad_acc_steps;
+    prepare_step(r);
+    // the step's stream is non-blocking: it waits for what the legacy stream has queued (weights uploaded at start or
+    // resume, a checkpoint's gather of the optimizer state); the synchronisation at the end orders what comes after
+    cudaCheck(cudaEventRecord(r->legacy_done, 0));
+    cudaCheck(cudaStreamWaitEvent(r->stream, r->legacy_done, 0));
+    if (!r->graph && step_graph_wanted(r) && done >= 1 && !r->prof) capture_step(r);
+    if (r->graph) cudaCheck(cudaGraphLaunch(r->graph, r->stream));
+    else enqueue_step(r);
+    cudaCheck(cudaStreamSynchronize(r->stream));
+    float loss = 0;
+    for (int k = 0; k < acc; k++) loss += r->io.loss[k] / acc;
+    r->norm = *r->io.norm;
     r->step++;
     return loss;
 }
@@ -189,8 +294,8 @@ static inline void profile_finish(Run *r) {
 
 // train_step, profiled while the run is in its profile window; `done`: steps this run has taken so far.
 static inline float train_step_profiled(Run *r, long long done) {
-    prof_step_begin(r->prof, 0);
-    float loss = train_step(r);
+    prof_step_begin(r->prof, r->stream);
+    float loss = train_step(r, done);
     prof_step_end(r->prof, done >= PROFILE_WARMUP);
     if (r->prof && done + 1 == PROFILE_WARMUP + r->cfg.profile_steps) profile_finish(r);
     return loss;
@@ -411,7 +516,8 @@ int main(int argc, char **argv) {
     char unimplemented[512];
     cfg_unimplemented(c, unimplemented, sizeof unimplemented);
     if (unimplemented[0]) say(&r, "note: accepted but not implemented yet (no effect on results): %s\n", unimplemented);
-    say(&r, "ranks %d | micro-batch %d x %d tokens | %s\n", r.dist.world, c->batch_size, c->seq_len, c->model_dtype);
+    say(&r, "ranks %d | micro-batch %d x %d tokens | %s | %s\n", r.dist.world, c->batch_size, c->seq_len,
+        c->model_dtype, step_mode(&r));
 
     // 2. data, the model on the GPU, its initial or resumed state
     open_data(&r);
@@ -421,6 +527,7 @@ int main(int argc, char **argv) {
     gpu_model_create(&r.g, r.m, c->batch_size, c->seq_len, compute_dtype(c), r.dist.world, recompute_flags(c),
                      zero2(c, r.dist.world) ? &r.dist : NULL);
     adamw_state_create(&r.opt, r.dist.shard, moment_dtype(c));
+    step_create(&r);
     if (r.dist.rank == 0) {
         const char *title = "device memory per GPU (ledger; the step line shows the measured peak):";
         mem_print(stdout, title);
@@ -439,8 +546,8 @@ int main(int argc, char **argv) {
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
     size_t peak_used = 0; // device bytes in use at a logged step: allocation is static after step 1, so the peak
     while (r.step < c->steps) {
-        float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step)), norm;
-        cudaCheck(cudaMemcpy(&norm, r.opt.norm, sizeof norm, cudaMemcpyDeviceToHost));
+        float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step));
+        float norm = r.norm;
         if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
                     isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, c->run_dir);
@@ -466,6 +573,7 @@ int main(int argc, char **argv) {
     if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
     say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);
 
+    step_destroy(&r);
     adamw_state_destroy(&r.opt);
     gpu_model_destroy(&r.g);
     dataloader_close(&r.train);

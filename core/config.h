@@ -119,7 +119,8 @@ static const CfgField CFG_FIELDS[] = {
      "also recompute the FFN's W1|W3 product in the backward: one layer's [n, 2F] kept instead of every layer's, "
      "for one more GEMM per layer (memory knob, same results)"},
     {"distributed.compile", CFG_BOOL, CFG_OFF(compile), "false", CFG_ANY, NULL,
-     "capture the training step in a CUDA graph (speed knob, same results)"},
+     "capture the training step in a CUDA graph after its first step and replay it (speed knob, same results; one "
+     "GPU: eager with several ranks)"},
     {"distributed.tp_size", CFG_INT, CFG_OFF(tp_size), "1", 1, 1, NULL, "tensor parallelism (refused: must be 1)"},
 
     {"model.dim", CFG_INT, CFG_OFF(dim), "1024", 8, 65536, NULL, "model width D"},
@@ -651,7 +652,7 @@ static inline void cfg_print_help(FILE *fp) {
 // Speed and memory knobs of the reference that sdm.c accepts (so its configs load unchanged) but does not implement
 // yet; none of them changes results. Writes their names, comma separated, into out (empty when none is set).
 static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
-    snprintf(out, size, "%s%s%s", c->compile ? "distributed.compile " : "", c->cuda_graph ? "sdm.cuda_graph " : "",
+    snprintf(out, size, "%s%s", c->cuda_graph ? "sdm.cuda_graph " : "",
              strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (gradients whole, optimizer state "
              "still sharded: ZeRO-1) ");
 }

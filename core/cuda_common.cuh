@@ -131,7 +131,9 @@ __device__ __forceinline__ float core_sigmoid_gate(float z, float o) { return o 
 // read before). griddepcontrol.wait returns once the grids it depends on have completed and their writes are
 // visible, so "this grid completed" still implies "every earlier grid completed" down the chain. pdl_trigger() lets
 // the next kernel be scheduled once every block of this one has started. Both are no-ops in a grid launched
-// without the attribute. Launches on the legacy stream (the training step) stay plain launches.
+// without the attribute. Launches on the legacy stream (evaluation, the tests' steps) stay plain launches. The
+// training step runs on a stream of its own, so it gets them too: its weights change only in the optimizer at the
+// end of a step, after every kernel that reads them, and the next step starts after the host has waited for it.
 __device__ __forceinline__ void pdl_wait(void) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

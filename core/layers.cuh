@@ -38,15 +38,15 @@ static inline void embedding_forward(void *out, const void *E, const int *tokens
 //     "long run" record makes a second kernel add the pieces' partials into dE[token] in piece order.
 // A frequent token (a space in a byte vocabulary) is thus spread over many blocks, and nothing is summed twice.
 // Grids depend only on (n, V), and the item counts are read on the device, so the launches can be captured in a
-// CUDA graph; only the plan upload changes per batch.
+// CUDA graph; only the plan's bytes change per batch (a captured step copies them from a pinned buffer).
 #define EMB_CHUNK 64
 
 typedef struct {
     int n, V, D;
     int max_items, max_long, max_partials;
-    int *h_buf;       // host plan (layout below)
+    int *h_buf;       // host plan of embedding_backward_plan_build (layout below)
     int *h_count;     // host scratch [V + 1] for the counting sort
-    int *d_buf;       // device copy of h_buf
+    int *d_buf;       // the plan on the device, read by the kernels
     float *d_partial; // [max_partials, D] fp32 partial rows of the long runs
 } EmbeddingBackwardPlan;
 
@@ -86,9 +86,9 @@ static inline void embedding_backward_plan_destroy(EmbeddingBackwardPlan *p) {
 }
 
 
-// Fill the host plan p->h_buf for tokens[n] (each in [0, V)).
-static inline void embedding_backward_plan_fill(EmbeddingBackwardPlan *p, const int *tokens) {
-    int n = p->n, V = p->V, *count = p->h_count, *buf = p->h_buf;
+// Fill buf [emb_plan_ints(p)] (host) with the plan of tokens[n] (each in [0, V)).
+static inline void embedding_backward_plan_fill(EmbeddingBackwardPlan *p, const int *tokens, int *buf) {
+    int n = p->n, V = p->V, *count = p->h_count;
     int *order = buf + EMB_PLAN_ORDER, *items = buf + emb_plan_items_at(n);
     int *runs = buf + emb_plan_runs_at(n, p->max_items);
     memset(count, 0, ((size_t)V + 1) * sizeof(int));
@@ -119,12 +119,17 @@ static inline void embedding_backward_plan_fill(EmbeddingBackwardPlan *p, const 
     buf[0] = n_items, buf[1] = n_runs, buf[2] = n_partials;
 }
 
-// Build the plan for host tokens[n] (each in [0, V)) and upload it on stream s. The host buffer is pageable, so the
-// copy has left it when this returns and the next batch may rebuild it at once (not capturable in a CUDA graph: build
-// the plan before launching a captured step).
+// The plan in buf (host, filled by embedding_backward_plan_fill) to the device on stream s, for the next
+// embedding_backward. A captured step fills a pinned buffer before each replay, whose copy node reads it then.
+static inline void embedding_backward_plan_upload(EmbeddingBackwardPlan *p, const int *buf, cudaStream_t s) {
+    cudaCheck(cudaMemcpyAsync(p->d_buf, buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
+}
+
+// Build the plan for host tokens[n] (each in [0, V)) in p's own host buffer and upload it on stream s. That buffer
+// is pageable, so the copy has left it when this returns and the next batch may rebuild it at once.
 static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const int *tokens, cudaStream_t s) {
-    embedding_backward_plan_fill(p, tokens);
-    cudaCheck(cudaMemcpyAsync(p->d_buf, p->h_buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
+    embedding_backward_plan_fill(p, tokens, p->h_buf);
+    embedding_backward_plan_upload(p, p->h_buf, s);
 }
 
 // Pass 1: each item sums its positions' dout rows in sorted (= increasing position) order, then adds the sum to

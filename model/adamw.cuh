@@ -1,8 +1,10 @@
 // model/adamw.cuh: the optimiser step on the GPU (docs/MODEL.md#optimizer): global gradient L2 norm and clip scale
 // (deterministic two-pass reduction), and AdamW on the fp32 master weights that also writes the working copy
 // (bf16, or fp32 in the all-fp32 mode), its moments m, v stored in fp32 or bf16 (optim.moment_dtype); the state
-// they work on (AdamWState). The schedule and the per-step coefficients are host code in core/optim.h. With ZeRO-1
-// each rank calls adamw_grad_sumsq on its gradient shard, all-reduces the one float, then adamw_clip_scale.
+// they work on (AdamWState). The schedule and the per-step coefficients are host code in core/optim.h; the kernels
+// read the coefficients from device memory (AdamWState.coeffs), so a step captured in a CUDA graph takes each step's
+// values from a copy made before or inside each replay, with no new kernel arguments. With ZeRO-1 each rank calls
+// adamw_grad_sumsq on its gradient shard, all-reduces the one float, then adamw_clip_scale.
 #ifndef SDM_CORE_ADAMW_CUH
 #define SDM_CORE_ADAMW_CUH
 
@@ -61,8 +63,12 @@ static inline void adamw_clip_scale(float *norm, float *scale, const float *sums
 
 // ------------------------------------------------------------------------------------------------------------------
 // The optimizer's state, owned by the training program: the fp32 master weights and AdamW moments of this rank's
-// ZeRO-1 shard of the model's flat parameter array (core/shard.h; one rank: the whole padded array), and the device
-// scalars of the gradient clip. Element i of master, m, v is element rank * shard + i of the flat array.
+// ZeRO-1 shard of the model's flat parameter array (core/shard.h; one rank: the whole padded array), the device
+// scalars of the gradient clip and the step's coefficients. Element i of master, m, v is element rank * shard + i of
+// the flat array.
+
+// A step's coefficients by weight-decay flag: [0] for tensors without decay, [1] with (adamw_coeffs_fill).
+#define ADAMW_COEFF_SETS 2
 
 typedef struct {
     long long n;                 // the shard's length: shard_size(storage, world)
@@ -71,6 +77,7 @@ typedef struct {
     Dtype moment_type;           // fp32, or bf16 (optim.moment_dtype): half the bytes
     float *sumsq, *norm, *scale; // device scalars: sum of squared gradients, their global L2 norm, the clip scale
     float *scratch;              // [ADAMW_NORM_SCRATCH] adamw_grad_sumsq's partials
+    AdamWCoeffs *coeffs;         // device [ADAMW_COEFF_SETS]: the coefficients adamw_update_model applies
 } AdamWState;
 
 // n zero elements of type t in the ledger's category kind (core/memory.h); a dry run records the size only.
@@ -90,12 +97,25 @@ static inline void adamw_state_create(AdamWState *o, long long n, Dtype moment_t
     o->norm = (float *)adamw_zeros(MEM_SCRATCH, 1, DT_FP32);
     o->scale = (float *)adamw_zeros(MEM_SCRATCH, 1, DT_FP32);
     o->scratch = (float *)adamw_zeros(MEM_SCRATCH, ADAMW_NORM_SCRATCH, DT_FP32);
+    o->coeffs = (AdamWCoeffs *)device_alloc(MEM_SCRATCH, ADAMW_COEFF_SETS * sizeof(AdamWCoeffs));
 }
 
 static inline void adamw_state_destroy(AdamWState *o) {
-    void *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch};
-    for (int i = 0; i < 7; i++) device_free(bufs[i]);
+    void *bufs[] = {o->master, o->m, o->v, o->sumsq, o->norm, o->scale, o->scratch, o->coeffs};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     memset(o, 0, sizeof *o);
+}
+
+// host[ADAMW_COEFF_SETS] = the coefficients of the update with hyper-parameters h, by weight-decay flag: computed
+// on the host in double and rounded once, so every way they reach the kernels gives the same floats.
+static inline void adamw_coeffs_fill(AdamWCoeffs *host, const AdamWHyper *h) {
+    for (int decay = 0; decay < ADAMW_COEFF_SETS; decay++) host[decay] = adamw_coeffs(h, decay);
+}
+
+// The coefficients of the next adamw_update_model from host[ADAMW_COEFF_SETS] (adamw_coeffs_fill), copied on stream
+// s: from pinned memory, a captured step reads the values written there before each replay.
+static inline void adamw_load_coeffs(AdamWState *o, const AdamWCoeffs *host, cudaStream_t s) {
+    cudaCheck(cudaMemcpyAsync(o->coeffs, host, ADAMW_COEFF_SETS * sizeof(AdamWCoeffs), cudaMemcpyHostToDevice, s));
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -108,8 +128,9 @@ static inline void adamw_state_destroy(AdamWState *o) {
 // decay of a moment by beta changes every bf16 value when 1 - beta >= 2^-8; closer to 1 the rounding undoes it for
 // some values, which then stall, so cfg_validate refuses such betas with bf16 moments (core/config.h).
 template <typename T, typename M>
-__global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, AdamWCoeffs c,
+__global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, const AdamWCoeffs *coeffs,
                              const float *grad_scale) {
+    AdamWCoeffs c = *coeffs;
     float gs = grad_scale ? *grad_scale : 1.0f;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -122,10 +143,11 @@ __global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long
     }
 }
 
-// One AdamW update of n elements: p (fp32 master), m, v (moment_type) in place; work[n] (working copy of work_type,
-// may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device float, NULL for 1).
+// One AdamW update of n elements with the coefficients *c (device): p (fp32 master), m, v (moment_type) in place;
+// work[n] (working copy of work_type, may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device
+// float, NULL for 1).
 static inline void adamw_update(float *p, void *work, Dtype work_type, const float *g, void *m, void *v,
-                                Dtype moment_type, long long n, AdamWCoeffs c, const float *grad_scale,
+                                Dtype moment_type, long long n, const AdamWCoeffs *c, const float *grad_scale,
                                 cudaStream_t s) {
     if (n <= 0) return;
     int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
@@ -136,20 +158,21 @@ static inline void adamw_update(float *p, void *work, Dtype work_type, const flo
     cudaCheckLast();
 }
 
-// AdamW over the elements [lo, hi) of the model's flat parameter array (a ZeRO-1 shard, or everything), with each
-// tensor's weight-decay flag (ParamSpec.decay). Every pointer points at element lo of its flat array (for the
-// optimizer's shard-sized arrays: their element 0). Only tensor elements are touched (the alignment gaps between
-// tensors stay as they are); adjacent tensors with the same flag are updated by one launch (model_decay_run).
+// AdamW over the elements [lo, hi) of the model's flat parameter array (a ZeRO-1 shard, or everything), each tensor
+// with the coefficients of its weight-decay flag (ParamSpec.decay): coeffs[decay], device [ADAMW_COEFF_SETS]
+// (adamw_load_coeffs). Every pointer points at element lo of its flat array (for the optimizer's shard-sized arrays:
+// their element 0). Only tensor elements are touched (the alignment gaps between tensors stay as they are); adjacent
+// tensors with the same flag are updated by one launch (model_decay_run).
 static inline void adamw_update_model(const ModelDesc *md, long long lo, long long hi, float *p, void *work,
                                       Dtype work_type, const float *g, void *m, void *v, Dtype moment_type,
-                                      const AdamWHyper *h, const float *grad_scale, cudaStream_t s) {
+                                      const AdamWCoeffs *coeffs, const float *grad_scale, cudaStream_t s) {
     long long a, b;
     int decay, next = 0;
     size_t ms = dtype_size(moment_type);
     while (model_decay_run(md, lo, hi, &next, &a, &b, &decay)) {
         long long off = a - lo;
         adamw_update(p + off, work ? (char *)work + off * dtype_size(work_type) : NULL, work_type, g + off,
-                     (char *)m + off * ms, (char *)v + off * ms, moment_type, b - a, adamw_coeffs(h, decay),
+                     (char *)m + off * ms, (char *)v + off * ms, moment_type, b - a, coeffs + (decay != 0),
                      grad_scale, s);
     }
 }

@@ -44,11 +44,11 @@ static inline int eval_scores_task(const EvalStats *s, int k) {
     return !strcmp(s->task, "auto") || !strcmp(s->task, EVAL_TASKS[k].name);
 }
 
-// One batch of rows [B, T+1] (B, T of the model): forward, per-token losses, greedy predictions scored.
-// inputs, targets: host scratch of B*T ints each.
+// One batch of rows [B, T+1] (B, T of the model): forward, per-token losses, greedy predictions scored, eagerly on
+// the legacy stream (its copies wait for the results). inputs, targets: host scratch of B*T ints each.
 static inline void eval_batch(GpuModel *g, const int32_t *rows, int *inputs, int *targets, EvalStats *s) {
     batch_split(rows, g->B, g->T, inputs, targets);
-    gpu_model_forward(g, inputs, targets, 0.0f);
+    gpu_model_forward(g, inputs, targets, 0.0f, 0);
     s->loss_sum += gpu_model_loss(g);
     s->batches++;
     float *losses = (float *)sdm_malloc(sizeof(float) * g->n);  // [B, T]

@@ -6,7 +6,9 @@
 // once, so the passes never look a tensor up by name. The fp32 master weights and AdamW state are the optimizer's
 // (model/adamw.cuh AdamWState), owned by the training program. With ZeRO-2 a rank keeps only its shard of the
 // gradients: the backward computes them block by block into buckets (model/grad_buckets.h), each summed over the
-// ranks into the owners' shards as soon as its block is done, on a stream of its own beside the backward.
+// ranks into the owners' shards as soon as its block is done, on a stream of its own beside the backward. The passes
+// run on the stream their caller passes (training: a stream of its own, which a CUDA graph can capture; inputs from
+// pinned host buffers then, see gpu_model_forward and gpu_model_plan_backward).
 // Every buffer is allocated through the memory ledger (core/memory.h); a dry run of gpu_model_create is the
 // `train_sdm --memory` breakdown. Selective activation recomputation (distributed.selective_act_ckpt): the norm
 // outputs and the SwiGLU product are kept for one layer only and recomputed in the backward by the forward's
@@ -78,7 +80,7 @@ typedef struct {
 } GmGrads;
 
 // ZeRO-2 (model/grad_buckets.h): the buckets the backward computes the gradients in, and their reductions into this
-// rank's shard on a stream of their own, beside the backward on the legacy stream.
+// rank's shard on a stream of their own, beside the backward's stream.
 typedef struct {
     Dist *dist;                       // the ranks; NULL: whole gradients (one rank, or ZeRO-1)
     GradBuckets plan;                 // the segments and the buckets' sizes
@@ -387,8 +389,8 @@ static inline void gpu_model_set_profiler(GpuModel *g, Profiler *prof) {
 #define GM_PART_LOSS "loss"
 #define GM_PART_GRADS "ZeRO-2 buckets: zero, wait"
 
-static inline void gm_mark(const GpuModel *g, const char *part, double flops, double bytes) {
-    prof_mark(g->prof, part, flops, bytes, 0);
+static inline void gm_mark(const GpuModel *g, const char *part, double flops, double bytes, cudaStream_t st) {
+    prof_mark(g->prof, part, flops, bytes, st);
 }
 
 // Bytes of `tensors` tensors [n, width] in the compute dtype.
@@ -416,18 +418,18 @@ static inline void gpu_model_set_params(GpuModel *g, const float *host) {
 }
 
 // Mixer of layer l: y = Mixer(x) (forward, saving what its backward needs).
-static inline void gm_mixer_forward(GpuModel *g, int l, const void *x, void *y) {
+static inline void gm_mixer_forward(GpuModel *g, int l, const void *x, void *y, cudaStream_t st) {
     const GmBlockWeights *w = &g->weights.block[l];
-    if (g->m->kind[l] == LAYER_SDM) sdm_layer_forward(&g->sdm[l], &w->sdm, x, y, 0);
-    else attn_layer_forward(&g->attn[l], &w->attn, x, y, 0);
+    if (g->m->kind[l] == LAYER_SDM) sdm_layer_forward(&g->sdm[l], &w->sdm, x, y, st);
+    else attn_layer_forward(&g->attn[l], &w->attn, x, y, st);
 }
 
 // dx (overwritten) and the mixer's parameter gradients (+=) from dy.
-static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx) {
+static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const void *dy, void *dx, cudaStream_t st) {
     const GmBlockWeights *w = &g->weights.block[l];
     const GmBlockGrads *d = &g->grad.block[l];
-    if (g->m->kind[l] == LAYER_SDM) sdm_layer_backward(&g->sdm[l], &w->sdm, x, dy, dx, &d->sdm, 0);
-    else attn_layer_backward(&g->attn[l], &w->attn, &d->attn, x, dy, dx, 0);
+    if (g->m->kind[l] == LAYER_SDM) sdm_layer_backward(&g->sdm[l], &w->sdm, x, dy, dx, &d->sdm, st);
+    else attn_layer_backward(&g->attn[l], &w->attn, &d->attn, x, dy, dx, st);
 }
 
 // SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
@@ -438,12 +440,12 @@ static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, co
     int D = g->D, F = g->F;
     if (keep || !matmul_forward_swiglu(hf, x, w->ffn_w13, g->ctype, n, F, D, st)) {
         matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
-        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0, st);
         swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F), st);
     }
     matmul_forward(y, g->ctype, D, hf, w->ffn_w2, NULL, g->ctype, n, D, F, st);
-    gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0);
+    gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0, st);
 }
 
 // The norm after block l: the next block's mixer norm, or the final norm after the last block.
@@ -451,154 +453,167 @@ static inline const void *gm_next_norm(const GpuModel *g, int l) {
     return l == g->L - 1 ? g->weights.norm : g->weights.block[l + 1].mixer_norm;
 }
 
-// Forward over tokens/targets (host int32 [n]). Leaves the mean loss in g->loss; with dscale != 0 the logits are
-// overwritten by dscale * d(sum of losses)/d(logits), ready for gpu_model_backward.
-static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *targets, float dscale) {
+// Forward over tokens/targets (host int32 [n]) on stream st. Leaves the mean loss in g->loss; with dscale != 0 the
+// logits are overwritten by dscale * d(sum of losses)/d(logits), ready for gpu_model_backward. The inputs are copied
+// on st: pageable host memory is read before this returns; a captured step passes pinned buffers, which its copy
+// nodes read at every replay.
+static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *targets, float dscale,
+                                     cudaStream_t st) {
     const GmWeights *w = &g->weights;
     int n = g->n, D = g->D, F = g->F;
     float eps = (float)g->m->norm_eps;
-    cudaCheck(cudaMemcpy(g->tokens, tokens, sizeof(int) * n, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(g->targets, targets, sizeof(int) * n, cudaMemcpyHostToDevice));
-    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA);
-    embedding_forward(g->h, w->tok_emb, g->tokens, g->ctype, n, D, 0);
-    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 2, n, D));
-    rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, 0);
-    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
+    cudaCheck(cudaMemcpyAsync(g->tokens, tokens, sizeof(int) * n, cudaMemcpyHostToDevice, st));
+    cudaCheck(cudaMemcpyAsync(g->targets, targets, sizeof(int) * n, cudaMemcpyHostToDevice, st));
+    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA, st);
+    embedding_forward(g->h, w->tok_emb, g->tokens, g->ctype, n, D, st);
+    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 2, n, D), st);
+    rmsnorm_forward(g->xmix, g->rstd_mix, g->h, w->block[0].mixer_norm, g->ctype, n, D, eps, st);
+    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D), st);
     for (int l = 0; l < g->L; l++) {
         void *h = gm_at(g, g->h, l, D), *hmid = gm_at(g, g->hmid, l, D), *ab = gm_ffn_ab_at(g, l);
         void *xffn = gm_recomputed_at(g, g->xffn, l, D), *hf = gm_recomputed_at(g, g->ffn_h, l, F);
-        gm_mixer_forward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->branch);
+        gm_mixer_forward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->branch, st);
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
-                                 g->ctype, n, D, eps, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
-        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 1, 0);
+                                 g->ctype, n, D, eps, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
+        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 1, st);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_recomputed_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
-                                 gm_next_norm(g, l), g->ctype, n, D, eps, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
+                                 gm_next_norm(g, l), g->ctype, n, D, eps, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
     }
-    matmul_forward(g->logits, g->ctype, g->Vp, g->xfinal, w->head, NULL, g->ctype, n, g->V, D, 0);
-    gm_mark(g, GM_PART_HEAD, 2.0 * n * g->V * D, 0);
-    cross_entropy_forward_backward(g->logits, g->Vp, g->targets, g->losses, g->ctype, n, g->V, dscale, 0);
-    loss_mean(g->loss, g->losses, n, 0);
-    gm_mark(g, GM_PART_LOSS, 0, gm_bytes(g, 2, n, g->Vp));
+    matmul_forward(g->logits, g->ctype, g->Vp, g->xfinal, w->head, NULL, g->ctype, n, g->V, D, st);
+    gm_mark(g, GM_PART_HEAD, 2.0 * n * g->V * D, 0, st);
+    cross_entropy_forward_backward(g->logits, g->Vp, g->targets, g->losses, g->ctype, n, g->V, dscale, st);
+    loss_mean(g->loss, g->losses, n, st);
+    gm_mark(g, GM_PART_LOSS, 0, gm_bytes(g, 2, n, g->Vp), st);
 }
 
 // Recomputation: what layer l's FFN backward reads (its input norm and SwiGLU product with `recompute`, the W1|W3
 // product with `recompute_ffn`) or the mixer's input norm, by the forward's kernels on the forward's stored inputs
 // and buffers, so the bits are the forward's (rstd is rewritten with the values it holds).
-static inline void gm_recompute_ffn(GpuModel *g, int l) {
+static inline void gm_recompute_ffn(GpuModel *g, int l, cudaStream_t st) {
     int n = g->n, D = g->D, F = g->F;
     void *ab = gm_ffn_ab_at(g, l);
     if (g->recompute) {
         rmsnorm_forward(g->xffn, g->rstd_ffn + (size_t)l * n, gm_at(g, g->hmid, l, D), g->weights.block[l].ffn_norm,
-                        g->ctype, n, D, (float)g->m->norm_eps, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
+                        g->ctype, n, D, (float)g->m->norm_eps, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D), st);
     }
     if (g->recompute_ffn) {
         matmul_forward(ab, g->ctype, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->weights.block[l].ffn_w13, NULL,
-                       g->ctype, n, 2 * F, D, 0);
-        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0);
+                       g->ctype, n, 2 * F, D, st);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0, st);
     }
     if (g->recompute) {
-        swiglu_forward(g->ffn_h, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F));
+        swiglu_forward(g->ffn_h, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, F), st);
     }
 }
 
-static inline void gm_recompute_mixer_input(GpuModel *g, int l) {
+static inline void gm_recompute_mixer_input(GpuModel *g, int l, cudaStream_t st) {
     int n = g->n, D = g->D;
     rmsnorm_forward(g->xmix, g->rstd_mix + (size_t)l * n, gm_at(g, g->h, l, D), g->weights.block[l].mixer_norm,
-                    g->ctype, n, D, (float)g->m->norm_eps, 0);
+                    g->ctype, n, D, (float)g->m->norm_eps, st);
 }
 
 // ZeRO-2 (model/grad_buckets.h; no-ops with whole gradients). Segments: 0 the embedding, l + 1 block l, L + 1 the
 // head. Segment s's bucket is zeroed for the backward to compute the segment in, once its last reduction is done.
-static inline void gm_segment_open(GpuModel *g, int s) {
+static inline void gm_segment_open(GpuModel *g, int s, cudaStream_t st) {
     GmZero2 *z = &g->zero2;
     if (!z->dist) return;
     const GradSegment *seg = &z->plan.seg[s];
-    cudaCheck(cudaStreamWaitEvent(0, z->reduced[seg->bucket], 0));
-    cudaCheck(cudaMemsetAsync(z->bucket[seg->bucket], 0, sizeof(float) * (seg->hi - seg->lo), 0));
-    gm_mark(g, GM_PART_GRADS, 0, 4.0 * (seg->hi - seg->lo));
+    cudaCheck(cudaStreamWaitEvent(st, z->reduced[seg->bucket], 0));
+    cudaCheck(cudaMemsetAsync(z->bucket[seg->bucket], 0, sizeof(float) * (seg->hi - seg->lo), st));
+    gm_mark(g, GM_PART_GRADS, 0, 4.0 * (seg->hi - seg->lo), st);
 }
 
 // Segment s is complete: its bucket is summed over the ranks into their shards on the reductions' stream, while the
 // backward goes on.
-static inline void gm_segment_reduce(GpuModel *g, int s) {
+static inline void gm_segment_reduce(GpuModel *g, int s, cudaStream_t st) {
     GmZero2 *z = &g->zero2;
     if (!z->dist) return;
     const GradSegment *seg = &z->plan.seg[s];
     int b = seg->bucket;
-    cudaCheck(cudaEventRecord(z->computed[b], 0));
+    cudaCheck(cudaEventRecord(z->computed[b], st));
     cudaCheck(cudaStreamWaitEvent(z->stream, z->computed[b], 0));
     dist_reduce_add(z->dist, z->bucket[b], seg->lo, seg->hi, g->grads, z->stream);
     cudaCheck(cudaEventRecord(z->reduced[b], z->stream));
 }
 
 // The backward's stream waits for every reduction: the shard is complete, the buckets are free for the next one.
-static inline void gm_segments_join(GpuModel *g) {
+static inline void gm_segments_join(GpuModel *g, cudaStream_t st) {
     GmZero2 *z = &g->zero2;
     if (!z->dist) return;
-    for (int b = 0; b < GB_BUCKETS; b++) cudaCheck(cudaStreamWaitEvent(0, z->reduced[b], 0));
-    gm_mark(g, GM_PART_GRADS, PROF_NA, PROF_NA);
+    for (int b = 0; b < GB_BUCKETS; b++) cudaCheck(cudaStreamWaitEvent(st, z->reduced[b], 0));
+    gm_mark(g, GM_PART_GRADS, PROF_NA, PROF_NA, st);
 }
 
-// Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0. With ZeRO-2 they are computed
-// in the buckets and added, summed over ranks, to this rank's shard g->grads, complete when the backward's stream
-// reaches the end of this call.
-static inline void gpu_model_backward(GpuModel *g, const int *tokens) {
+// The plan gpu_model_backward reads, for the forward's host tokens [n]: the embedding backward's (core/layers.cuh),
+// built on the host into plan [gpu_model_plan_ints(g)] (host; pinned for a captured step, which copies it at every
+// replay), so no step computes on the host between its kernels.
+static inline size_t gpu_model_plan_ints(const GpuModel *g) { return emb_plan_ints(&g->emb_plan); }
+
+static inline void gpu_model_plan_backward(GpuModel *g, const int *tokens, int *plan) {
+    embedding_backward_plan_fill(&g->emb_plan, tokens, plan);
+}
+
+// Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0, on stream st; plan: that
+// forward's tokens' (gpu_model_plan_backward), copied on st like the forward's inputs. With ZeRO-2 the gradients are
+// computed in the buckets and added, summed over ranks, to this rank's shard g->grads, complete when st reaches the
+// end of this call.
+static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t st) {
     const GmWeights *w = &g->weights;
     const GmGrads *d = &g->grad;
     int n = g->n, D = g->D, F = g->F;
-    gm_segment_open(g, 0); // the embedding's bucket, where a tied LM head's gradient goes too
-    gm_segment_open(g, g->L + 1);
+    gm_segment_open(g, 0, st); // the embedding's bucket, where a tied LM head's gradient goes too
+    gm_segment_open(g, g->L + 1, st);
     // LM head and final norm
-    matmul_backward_weight(d->head, DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n, g->V, D, 1, 0);
-    matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, w->head, g->ctype, n, g->V, D, 0, 0);
-    gm_mark(g, GM_PART_HEAD, 4.0 * n * g->V * D, 0);
+    matmul_backward_weight(d->head, DT_FP32, g->logits, g->Vp, g->xfinal, g->ctype, n, g->V, D, 1, st);
+    matmul_backward_input(g->branch, g->ctype, g->logits, g->Vp, w->head, g->ctype, n, g->V, D, 0, st);
+    gm_mark(g, GM_PART_HEAD, 4.0 * n * g->V * D, 0, st);
     rmsnorm_backward(g->dh, d->norm, g->norm_scratch, g->branch, gm_at(g, g->h, g->L, D), w->norm, g->rstd_final,
-                     g->ctype, n, D, 0, 0);
-    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, D));
-    gm_segment_reduce(g, g->L + 1);
+                     g->ctype, n, D, 0, st);
+    gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 3, n, D), st);
+    gm_segment_reduce(g, g->L + 1, st);
     for (int l = g->L - 1; l >= 0; l--) {
         const GmBlockWeights *wl = &w->block[l];
         const GmBlockGrads *dl = &d->block[l];
-        gm_segment_open(g, l + 1);
+        gm_segment_open(g, l + 1, st);
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_ffn_ab_at(g, l), *bb = (char *)ab + F * g->es;
-        if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l);
+        if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l, st);
         matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F,
-                               1, 0);
-        matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, 0);
-        gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0);
-        swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, 0); // ab becomes d(W1|W3 product)
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F));
+                               1, st);
+        matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, st);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0, st);
+        swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, st); // ab becomes d(W1|W3 product)
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F), st);
         matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F,
-                               D, 1, 0);
-        matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, 0);
-        gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0);
+                               D, 1, st);
+        matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, st);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0, st);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
-                         g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
+                         g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
         // mixer branch: dh = d hmid[l], also the residual part of d h[l]
         if (g->recompute) {
-            gm_recompute_mixer_input(g, l);
-            gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D));
+            gm_recompute_mixer_input(g, l, st);
+            gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 2, n, D), st);
         }
-        gm_mixer_backward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->dh, g->branch);
+        gm_mixer_backward(g, l, gm_recomputed_at(g, g->xmix, l, D), g->dh, g->branch, st);
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
-                         g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, 0);
-        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D));
-        gm_segment_reduce(g, l + 1);
+                         g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, st);
+        gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
+        gm_segment_reduce(g, l + 1, st);
     }
-    embedding_backward_plan_build(&g->emb_plan, tokens, 0); // on the host
-    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA);
-    embedding_backward(d->tok_emb, g->dh, g->ctype, &g->emb_plan, 0);
-    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 1, n, D));
-    gm_segment_reduce(g, 0);
-    gm_segments_join(g);
+    embedding_backward_plan_upload(&g->emb_plan, plan, st);
+    gm_mark(g, GM_PART_HOST, PROF_NA, PROF_NA, st);
+    embedding_backward(d->tok_emb, g->dh, g->ctype, &g->emb_plan, st);
+    gm_mark(g, GM_PART_EMBED, 0, gm_bytes(g, 1, n, D), st);
+    gm_segment_reduce(g, 0, st);
+    gm_segments_join(g, st);
 }
 
 // g->pred[n] (device) = the greedy next-token prediction at every position of the last forward.
@@ -608,6 +623,7 @@ static inline void gpu_model_argmax(GpuModel *g) {
     cudaCheckLast();
 }
 
+// The mean loss of the last forward (a copy on the legacy stream: it waits for a forward there, as evaluation runs).
 static inline float gpu_model_loss(const GpuModel *g) {
     float loss;
     cudaCheck(cudaMemcpy(&loss, g->loss, sizeof loss, cudaMemcpyDeviceToHost));

@@ -459,15 +459,18 @@ static void run_adamw(const Mode *mo, Dtype mt, const ModelDesc *md, long long l
     char *d_m = (char *)dev_alloc(ms * n), *d_v = (char *)dev_alloc(ms * n);
     float *d_scale = scale ? (float *)dev_from(scale, 1, DT_FP32) : NULL;
     void *d_work = dev_alloc(n * es);
+    AdamWCoeffs coeffs[ADAMW_COEFF_SETS], *d_coeffs = (AdamWCoeffs *)dev_alloc(sizeof coeffs);
     cudaCheck(cudaMemset(d_m, 0, ms * n));
     cudaCheck(cudaMemset(d_v, 0, ms * n));
     for (int t = 0; t < 3; t++) {
         AdamWHyper h = *hyper;
         h.t = t + 1;
+        adamw_coeffs_fill(coeffs, &h);
+        cudaCheck(cudaMemcpy(d_coeffs, coeffs, sizeof coeffs, cudaMemcpyHostToDevice));
         upload(d_g, grads + (size_t)t * n, n, DT_FP32);
         poison(d_work, n * es);
         adamw_update_model(md, lo, hi, d_p + lo, (char *)d_work + lo * es, mo->dtype, d_g + lo, d_m + lo * ms,
-                           d_v + lo * ms, mt, &h, d_scale, 0);
+                           d_v + lo * ms, mt, d_coeffs, d_scale, 0);
     }
     download(p, d_p, n, DT_FP32);
     download(m, d_m, n, mt);
@@ -475,7 +478,7 @@ static void run_adamw(const Mode *mo, Dtype mt, const ModelDesc *md, long long l
     download(work, d_work, n, mo->dtype);
     first_bits[0] = snapshot(d_p, sizeof(float) * n);
     first_bits[1] = snapshot(d_work, n * es);
-    void *bufs[] = {d_p, d_g, d_m, d_v, d_scale, d_work};
+    void *bufs[] = {d_p, d_g, d_m, d_v, d_scale, d_work, d_coeffs};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
 }
 

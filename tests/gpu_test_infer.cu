@@ -88,7 +88,7 @@ static void random_tokens(int *t, int n, int V, uint64_t seed) {
 static double *teacher_forced(GpuModel *g, const int *tokens) {
     int n = g->n, V = g->V;
     int *targets = (int *)sdm_calloc((size_t)n, sizeof(int));
-    gpu_model_forward(g, tokens, targets, 0.0f);
+    gpu_model_forward(g, tokens, targets, 0.0f, 0);
     size_t es = g->es, cnt = (size_t)n * g->Vp;
     unsigned char *h = (unsigned char *)sdm_malloc(cnt * es);
     cudaCheck(cudaMemcpy(h, g->logits, cnt * es, cudaMemcpyDeviceToHost));

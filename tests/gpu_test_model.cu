@@ -1,8 +1,10 @@
 // tests/gpu_test_model.cu: the whole training step on the GPU (model/gpu_model.cuh) against the double-precision
 // CPU oracle (model/model_ref.h): the loss and the gradient of every parameter tensor, in the all-fp32 mode and in
-// bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits with selective
-// activation recomputation on; a few AdamW steps (fp32 and bf16 moments) that must lower the loss of a fixed batch;
-// ZeRO-2's gradient buckets on one rank; and the memory ledger against the device's own count.
+// bf16; the working weights loaded in pieces; bitwise determinism of repeated steps; the same bits on a stream of
+// its own (train_sdm's, with programmatic dependent launch) and from the step captured as a CUDA graph and replayed on
+// other inputs; the same bits with selective activation recomputation on; a few AdamW steps (fp32 and bf16 moments)
+// that must lower the loss of a fixed batch; ZeRO-2's gradient buckets on one rank; and the memory ledger against
+// the device's own count.
 #include "model/adamw.cuh"
 #include "core/config.h"
 #include "model/gpu_model.cuh"
@@ -131,10 +133,20 @@ static void report_forward(const GpuModel *g, double *params, const int *tokens,
     free(normed);
 }
 
-static float step_grads(GpuModel *g, const int *tokens, const int *targets) {
-    cudaCheck(cudaMemset(g->grads, 0, sizeof(float) * g->n_grads));
-    gpu_model_forward(g, tokens, targets, 1.0f / g->n);
-    gpu_model_backward(g, tokens);
+// gpu_model_backward on stream st after gpu_model_forward on tokens, with their plan built here.
+static void backward(GpuModel *g, const int *tokens, cudaStream_t st) {
+    int *plan = (int *)sdm_malloc(sizeof(int) * gpu_model_plan_ints(g));
+    gpu_model_plan_backward(g, tokens, plan);
+    gpu_model_backward(g, plan, st);
+    cudaCheck(cudaStreamSynchronize(st));
+    free(plan);
+}
+
+// One micro-batch's gradients from zero on stream st (0: the legacy stream); returns its loss.
+static float step_grads(GpuModel *g, const int *tokens, const int *targets, cudaStream_t st) {
+    cudaCheck(cudaMemsetAsync(g->grads, 0, sizeof(float) * g->n_grads, st));
+    gpu_model_forward(g, tokens, targets, 1.0f / g->n, st);
+    backward(g, tokens, st);
     cudaCheck(cudaDeviceSynchronize());
     return gpu_model_loss(g);
 }
@@ -162,10 +174,10 @@ static void check_set_params_in_pieces(GpuModel *g, const float *host, const cha
 // more on top of the last.
 static float *micro_batch_grads(GpuModel *g, const int *tokens, const int *targets, int accumulate) {
     if (accumulate) {
-        gpu_model_forward(g, tokens, targets, 1.0f / g->n);
-        gpu_model_backward(g, tokens);
+        gpu_model_forward(g, tokens, targets, 1.0f / g->n, 0);
+        backward(g, tokens, 0);
     } else {
-        step_grads(g, tokens, targets);
+        step_grads(g, tokens, targets, 0);
     }
     float *f = (float *)sdm_malloc(4 * g->m->storage);
     cudaCheck(cudaMemcpy(f, g->grads, 4 * g->m->storage, cudaMemcpyDeviceToHost));
@@ -202,6 +214,75 @@ static void check_zero2_one_rank(const Case *c, const char *dtype, GpuModel *g, 
     gpu_model_destroy(&z);
 }
 
+// The step as train_sdm runs it: on a non-blocking stream of its own (its kernels then launch with programmatic
+// dependent launch, core/cuda_common.cuh), and captured as a CUDA graph whose copies read pinned inputs and plan,
+// replayed on a second batch, the first and the second again. Each gives the loss and gradient bits of the eager step
+// on the legacy stream on its batch.
+static void check_own_stream_and_graph(const Case *c, const char *dtype, GpuModel *g, const int *tokens,
+                                       const int *targets) {
+    int n = g->n;
+    size_t bytes = 4 * (size_t)g->m->storage, plan_bytes = sizeof(int) * gpu_model_plan_ints(g);
+    int *tokens2 = (int *)sdm_malloc(sizeof(int) * n), *targets2 = (int *)sdm_malloc(sizeof(int) * n);
+    Rng r = rng_make(77);
+    for (int i = 0; i < n; i++) {
+        tokens2[i] = (int)rng_below(&r, (uint32_t)g->m->vocab);
+        targets2[i] = (int)rng_below(&r, (uint32_t)g->m->vocab);
+    }
+    const int *tok[2] = {tokens, tokens2}, *tgt[2] = {targets, targets2};
+    float want_loss[2], *want[2], *got = (float *)sdm_malloc(bytes);
+    for (int b = 0; b < 2; b++) {
+        want_loss[b] = step_grads(g, tok[b], tgt[b], 0);
+        want[b] = (float *)sdm_malloc(bytes);
+        cudaCheck(cudaMemcpy(want[b], g->grads, bytes, cudaMemcpyDeviceToHost));
+    }
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    float loss = step_grads(g, tokens, targets, st);
+    cudaCheck(cudaMemcpy(got, g->grads, bytes, cudaMemcpyDeviceToHost));
+    CHECK(loss == want_loss[0] && !memcmp(got, want[0], bytes), "%s [%s]: the step on a stream of its own differs "
+          "from the legacy stream's", c->name, dtype);
+
+    int *in_tokens, *in_targets, *in_plan;
+    float *out_loss;
+    cudaCheck(cudaMallocHost((void **)&in_tokens, sizeof(int) * n));
+    cudaCheck(cudaMallocHost((void **)&in_targets, sizeof(int) * n));
+    cudaCheck(cudaMallocHost((void **)&in_plan, plan_bytes));
+    cudaCheck(cudaMallocHost((void **)&out_loss, sizeof(float)));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+    cudaCheck(cudaMemsetAsync(g->grads, 0, sizeof(float) * g->n_grads, st));
+    gpu_model_forward(g, in_tokens, in_targets, 1.0f / g->n, st);
+    gpu_model_backward(g, in_plan, st);
+    cudaCheck(cudaMemcpyAsync(out_loss, g->loss, sizeof(float), cudaMemcpyDeviceToHost, st));
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    int bad = 0;
+    for (int replay = 0; replay < 3; replay++) {
+        int b = replay == 1 ? 0 : 1;
+        memcpy(in_tokens, tok[b], sizeof(int) * n);
+        memcpy(in_targets, tgt[b], sizeof(int) * n);
+        gpu_model_plan_backward(g, tok[b], in_plan);
+        cudaCheck(cudaGraphLaunch(exec, st));
+        cudaCheck(cudaStreamSynchronize(st));
+        cudaCheck(cudaMemcpy(got, g->grads, bytes, cudaMemcpyDeviceToHost));
+        bad += *out_loss != want_loss[b] || memcmp(got, want[b], bytes) != 0;
+    }
+    printf("  own stream and CUDA graph: %d of 3 replays differ from the eager step\n", bad);
+    CHECK(bad == 0, "%s [%s]: %d of 3 replays of the captured step differ from the eager step on their batch",
+          c->name, dtype, bad);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    cudaCheck(cudaStreamDestroy(st));
+    void *pinned[] = {in_tokens, in_targets, in_plan, out_loss};
+    for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++) cudaCheck(cudaFreeHost(pinned[i]));
+    free(want[0]);
+    free(want[1]);
+    free(got);
+    free(tokens2);
+    free(targets2);
+}
+
 static void check_case(const Case *c, const char *dtype) {
     int fp32 = !strcmp(dtype, "fp32");
     Config cfg;
@@ -225,7 +306,7 @@ static void check_case(const Case *c, const char *dtype) {
     gpu_model_create(&g, m, c->B, c->T, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
     gpu_model_set_params(&g, host);
     check_set_params_in_pieces(&g, host, c->name, dtype);
-    double loss = step_grads(&g, tokens, targets);
+    double loss = step_grads(&g, tokens, targets, 0);
     report_forward(&g, params, tokens, targets, c->B, c->T);
     double err = fabs(loss - ref_loss) / fabs(ref_loss);
     printf("  loss gpu %.8f cpu %.8f rel err %.2e\n", loss, ref_loss, err);
@@ -247,9 +328,10 @@ static void check_case(const Case *c, const char *dtype) {
     // determinism: a second step on the same inputs gives the same bits
     float *bits1 = (float *)sdm_malloc(4 * m->storage), *bits2 = (float *)sdm_malloc(4 * m->storage);
     cudaCheck(cudaMemcpy(bits1, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
-    double loss2 = step_grads(&g, tokens, targets);
+    double loss2 = step_grads(&g, tokens, targets, 0);
     cudaCheck(cudaMemcpy(bits2, g.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
     CHECK(loss2 == loss && !memcmp(bits1, bits2, 4 * m->storage), "%s [%s]: a repeated step differs", c->name, dtype);
+    check_own_stream_and_graph(c, dtype, &g, tokens, targets);
 
     // selective activation recomputation: the same step with norms, SwiGLU, gates and readout recomputed in the
     // backward gives the same bits, and keeps fewer activations
@@ -257,7 +339,7 @@ static void check_case(const Case *c, const char *dtype) {
     GpuModel gr;
     gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, 1, NULL);
     gpu_model_set_params(&gr, host);
-    double loss_r = step_grads(&gr, tokens, targets);
+    double loss_r = step_grads(&gr, tokens, targets, 0);
     cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
     size_t acts_on = g_mem.bytes[MEM_ACTIVATIONS] - acts_off;
     printf("  recompute on: loss %.8f, activations %zu bytes (off: %zu)\n", loss_r, acts_on, acts_off);
@@ -272,7 +354,7 @@ static void check_case(const Case *c, const char *dtype) {
         size_t acts0 = g_mem.bytes[MEM_ACTIVATIONS];
         gpu_model_create(&gr, m, c->B, c->T, g.ctype, 1, ffn_flags[k], NULL);
         gpu_model_set_params(&gr, host);
-        double loss_f = step_grads(&gr, tokens, targets);
+        double loss_f = step_grads(&gr, tokens, targets, 0);
         cudaCheck(cudaMemcpy(bits2, gr.grads, 4 * m->storage, cudaMemcpyDeviceToHost));
         size_t acts_f = g_mem.bytes[MEM_ACTIVATIONS] - acts0;
         printf("  recompute flags %d: loss %.8f, activations %zu bytes\n", ffn_flags[k], loss_f, acts_f);
@@ -291,12 +373,15 @@ static void check_case(const Case *c, const char *dtype) {
         cudaCheck(cudaMemcpy(opt.master, host, 4 * m->storage, cudaMemcpyHostToDevice));
         gpu_model_set_params(&g, host);
         AdamWHyper hyper = {3e-3, 0.1, 0.9, 0.95, 1e-8, 0};
-        double first = step_grads(&g, tokens, targets), last = first;
+        AdamWCoeffs coeffs[ADAMW_COEFF_SETS];
+        double first = step_grads(&g, tokens, targets, 0), last = first;
         for (int s = 1; s <= 20; s++) {
             hyper.t = s;
-            adamw_update_model(m, 0, m->storage, opt.master, g.work, g.ctype, g.grads, opt.m, opt.v, moments, &hyper,
-                               NULL, 0);
-            last = step_grads(&g, tokens, targets);
+            adamw_coeffs_fill(coeffs, &hyper);
+            adamw_load_coeffs(&opt, coeffs, 0);
+            adamw_update_model(m, 0, m->storage, opt.master, g.work, g.ctype, g.grads, opt.m, opt.v, moments,
+                               opt.coeffs, NULL, 0);
+            last = step_grads(&g, tokens, targets, 0);
         }
         adamw_state_destroy(&opt);
         printf("  20 AdamW steps on one batch, %s moments: loss %.4f -> %.4f\n", dtype_name(moments), first, last);
@@ -339,7 +424,7 @@ static void check_ledger_against_device(void) {
     size_t used0 = device_used_bytes(), ledger0 = g_mem.live;
     GpuModel g;
     gpu_model_create(&g, &g_desc, cfg.batch_size, cfg.seq_len, DT_BF16, 1, cfg.selective_act_ckpt, NULL);
-    step_grads(&g, tokens, targets); // zero weights: a valid step, and every lazy allocation happens
+    step_grads(&g, tokens, targets, 0); // zero weights: a valid step, and every lazy allocation happens
     double used = (double)(device_used_bytes() - used0), ledger = (double)(g_mem.live - ledger0);
     printf("ledger vs device, debug_hybrid after one step: ledger %.3f GiB, device %.3f GiB (%+.1f%%)\n",
            ledger / (1 << 30), used / (1 << 30), 100.0 * (ledger - used) / used);

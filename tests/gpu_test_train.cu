@@ -3,7 +3,10 @@
 //   (b) a restart with the same run_dir resumes from that checkpoint and goes on;
 //   (c) a restart with another architecture key is refused, naming the key with both values;
 //   (d) with bf16 AdamW moments (optim.moment_dtype) the checkpoint holds them in fp32, every one a bf16 value; a run
-//       resumed from it continues bit for bit as the uninterrupted run, and one with fp32 moments resumes from it too.
+//       resumed from it continues bit for bit as the uninterrupted run, and one with fp32 moments resumes from it too;
+//   (e) distributed.compile: on a hybrid of full attention, SWA and SDM, with 1 and 2 micro-batches a step and
+//       evaluations between the steps, the run whose step is replayed from a CUDA graph (captured at step 2, or after
+//       the profiled steps) prints the eager run's losses and writes its checkpoint bit for bit.
 // (A second signal's immediate exit is tested in tests/test_stop_signal.c: here it would race the checkpoint.)
 // Needs ./train_sdm (make train_sdm); run from the repository root. The embedded dataset is generated on first use.
 #include <signal.h>
@@ -18,6 +21,10 @@ static const char *TINY = "model.dim=128 model.n_layers=2 model.n_heads=2 model.
                           "model.sdm_at=1 sdm.num_heads=2 sdm.slots_per_head=64 sdm.num_writes=4 sdm.num_reads=3 "
                           "sdm.chunk_size=8 data.seq_len=32 data.batch_size=2 checkpoint.eval_every=0 "
                           "logging.freq=1 optim.warmup=10";
+
+// (e)'s model: a layer of each mixer kind (TINY's attention and SDM layers moved, an SWA layer between them).
+static const char *HYBRID = "model.n_layers=3 model.attn_at=0 model.swa_at=1 model.sdm_at=2 model.swa_window=8 "
+                            "model.swa_n_heads=2 model.swa_n_kv_heads=1 model.swa_head_dim=64";
 
 // A started train_sdm: its pid, and its wait status once it has ended.
 typedef struct { pid_t pid; int ended, status; } Proc;
@@ -101,6 +108,83 @@ static int same_file(const char *a, const char *b) {
     return system(cmd) == 0;
 }
 
+// The lines of a run's output that must not depend on how its step runs, one per line (malloc'ed): every step line
+// up to its timing (step, loss, lr, grad norm) and every evaluation's loss line. *steps: how many step lines.
+static char *result_lines(const char *out, int *steps) {
+    char *res = (char *)sdm_calloc(strlen(out) + 1, 1), *at = res;
+    *steps = 0;
+    for (const char *line = out; *line;) {
+        const char *end = strchr(line, '\n');
+        if (!end) end = line + strlen(line);
+        const char *keep = line;
+        if (!strncmp(line, "step ", 5)) {
+            for (int bars = 0; keep < end && bars < 4; keep++) bars += *keep == '|';
+            ++*steps;
+        } else if (!strncmp(line, "eval step ", 10)) {
+            keep = end;
+        }
+        memcpy(at, line, (size_t)(keep - line));
+        at += keep - line;
+        if (keep > line) *at++ = '\n';
+        line = *end ? end + 1 : end;
+    }
+    return res;
+}
+
+// The parameters of two model.bin files are equal, bit for bit (the files differ in their config text).
+static int same_params(const char *a, const char *b) {
+    Config ca, cb;
+    ModelDesc *ma = (ModelDesc *)sdm_malloc(sizeof(ModelDesc)), *mb = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
+    float *pa = NULL, *pb = NULL;
+    uint64_t sa, sb;
+    char err[CKPT_ERR];
+    int same = ckpt_load_model(a, &ca, ma, &pa, &sa, err) && ckpt_load_model(b, &cb, mb, &pb, &sb, err) &&
+               ma->storage == mb->storage && !memcmp(pa, pb, sizeof(float) * (size_t)ma->storage);
+    free(pa);
+    free(pb);
+    free(ma);
+    free(mb);
+    return same;
+}
+
+// (e) at acc micro-batches a step: six steps eager, with the step captured at step 2, and captured after the two
+// profiled steps that follow PROFILE_WARMUP's two (at step 5); evaluations at steps 2, 4 and 6 (between replays).
+static void check_compile(const char *dir, const char *log, int acc) {
+    const char *how[3] = {"distributed.compile=false", "distributed.compile=true",
+                          "distributed.compile=true logging.profile=2"};
+    const char *captured_at[3] = {NULL, "at step 2,", "at step 5,"};
+    char run_dir[3][128], extra[512], path[2][160], *out[3], *lines[3];
+    int status[3], steps[3];
+    for (int k = 0; k < 3; k++) {
+        snprintf(run_dir[k], sizeof run_dir[k], "%s/compile%d_acc%d", dir, k, acc);
+        snprintf(extra, sizeof extra, "%s steps=6 checkpoint.dump_every=6 checkpoint.eval_every=2 eval.steps=2 "
+                 "optim.grad_acc_steps=%d %s", HYBRID, acc, how[k]);
+        status[k] = run(run_dir[k], extra, log, &out[k]);
+        lines[k] = result_lines(out[k], &steps[k]);
+    }
+    for (int k = 1; k < 3; k++) {
+        const char *capture = strstr(out[k], "the training step is captured as a CUDA graph");
+        int captured = capture && strstr(capture, captured_at[k]) && !strstr(out[0], "captured as a CUDA graph");
+        int same_lines = !strcmp(lines[0], lines[k]);
+        snprintf(path[0], sizeof path[0], "%s/step_00000006/state.bin", run_dir[0]);
+        snprintf(path[1], sizeof path[1], "%s/step_00000006/state.bin", run_dir[k]);
+        int same_state = same_file(path[0], path[1]);
+        snprintf(path[0], sizeof path[0], "%s/step_00000006/model.bin", run_dir[0]);
+        snprintf(path[1], sizeof path[1], "%s/step_00000006/model.bin", run_dir[k]);
+        int same_model = same_params(path[0], path[1]);
+        printf("(e) %d micro-batch%s, %s: exit %d and %d, %s, %d and %d step lines %s, state.bin %s, weights %s\n",
+               acc, acc > 1 ? "es" : "", how[k], status[0], status[k], captured ? "captured" : "NOT CAPTURED",
+               steps[0], steps[k], same_lines ? "the same" : "DIFFER", same_state ? "the same" : "DIFFERS",
+               same_model ? "the same" : "DIFFER");
+        CHECK(status[0] == 0 && status[k] == 0 && captured && steps[0] == 6 && same_lines && same_state && same_model,
+              "(e) %d micro-batches, %s against eager:\n%s\n--- eager:\n%s", acc, how[k], out[k], out[0]);
+    }
+    for (int k = 0; k < 3; k++) {
+        free(out[k]);
+        free(lines[k]);
+    }
+}
+
 int main(void) {
     if (access("./train_sdm", X_OK) != 0) {
         CHECK(0, "./train_sdm not found: run `make train_sdm` and this test from the repository root");
@@ -179,6 +263,9 @@ int main(void) {
     CHECK(status == 0 && strstr(out, "at step 2") && readable && not_bf16 > 0, "(d) fp32 resume: exit %d, %lld moments "
           "not bf16 values:\n%s", status, not_bf16, out);
     free(out);
+
+    check_compile(dir, log, 1);
+    check_compile(dir, log, 2);
 
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("note: could not remove %s\n", dir);
