@@ -182,7 +182,7 @@ static const CfgField CFG_FIELDS[] = {
     {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32",
      "dtype of the bank copy (always fp32 when model_dtype is fp32)"},
     {"sdm.cuda_graph", CFG_BOOL, CFG_OFF(cuda_graph), "true", CFG_ANY, NULL,
-     "replay the SDM op from CUDA graphs (speed knob)"},
+     "replay the SDM op from CUDA graphs (speed knob; done by distributed.compile, which captures the whole step)"},
 
     {"data.batch_size", CFG_INT, CFG_OFF(batch_size), "8", 1, 1 << 20, NULL, "sequences B per micro-batch per GPU"},
     {"data.seq_len", CFG_INT, CFG_OFF(seq_len), "2048", 1, 1 << 24, NULL, "tokens T per sequence"},
@@ -652,7 +652,8 @@ static inline void cfg_print_help(FILE *fp) {
 // Speed and memory knobs of the reference that sdm.c accepts (so its configs load unchanged) but does not implement
 // yet; none of them changes results. Writes their names, comma separated, into out (empty when none is set).
 static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
-    snprintf(out, size, "%s%s", c->cuda_graph ? "sdm.cuda_graph " : "",
+    snprintf(out, size, "%s%s", c->cuda_graph && !c->compile ? "sdm.cuda_graph (the SDM op is replayed from a graph "
+             "only inside distributed.compile's captured step) " : "",
              strcmp(c->fsdp_type, "no_shard") ? "" : "distributed.fsdp_type=no_shard (gradients whole, optimizer state "
              "still sharded: ZeRO-1) ");
 }
