@@ -235,10 +235,10 @@ template <typename Tb> static int sdm_fwd_coresident(size_t smem) {
 // s->fwd_max_blocks when set), 0 for three launches per chunk. The op's choice is a speed choice (both give the same
 // bits): persistent for a prefill (training = 0) whose gather round of C S 2 blocks fits in one co-resident grid, i.e.
 // S C up to about the GPU's SMs at two blocks an SM. Such a round moves few bytes (flagship prefill, S = 2, C = 64:
-// ~16 us at full bandwidth) and, as three launches, took 48.6 us on an H200: each launch's ramp and tail at a grid of
-// one partial wave. Resident blocks replace them by grid-wide barriers (the gain is to be measured:
-// tests/bench_sdm_op.cu, prefill). Larger rounds, as training's B H streams, fill the GPU with every launch, and
-// there a persistent block would walk several virtual blocks a phase in turn.
+// ~16 us at full bandwidth) and, as three launches, took 44.2 us on an H200, persistent 41.5 us (3.49 -> 3.32 ms a
+// layer, tests/bench_sdm_op.cu prefill). Larger rounds, as training's B H streams, fill the GPU with every launch,
+// and there a persistent block would walk several virtual blocks a phase in turn (at B = 8: no faster, slower with
+// hot slots).
 template <typename Tb> static int sdm_fwd_persistent_blocks(const SdmOpShape *s, const SdmOpArgs &a) {
     if (s->fwd_path == SDM_FWD_LAUNCHES || (s->fwd_path == SDM_FWD_AUTO && s->training)) return 0;
     SdmFwdGrids g = sdm_fwd_grids(a);
