@@ -44,7 +44,6 @@ static inline void embedding_forward(void *out, const void *E, const int *tokens
 typedef struct {
     int n, V, D;
     int max_items, max_long, max_partials;
-    int *h_buf;       // host plan of embedding_backward_plan_build (layout below)
     int *h_count;     // host scratch [V + 1] for the counting sort
     int *d_buf;       // the plan on the device, read by the kernels
     float *d_partial; // [max_partials, D] fp32 partial rows of the long runs
@@ -71,14 +70,12 @@ static inline void embedding_backward_plan_create(EmbeddingBackwardPlan *p, int 
     p->max_items = n;
     p->max_long = SDM_MAX(1, n / EMB_CHUNK);
     p->max_partials = SDM_MAX(1, 2 * n / EMB_CHUNK);
-    p->h_buf = (int *)sdm_malloc(emb_plan_ints(p) * sizeof(int));
     p->h_count = (int *)sdm_malloc(((size_t)V + 1) * sizeof(int));
     p->d_buf = (int *)device_alloc(MEM_SCRATCH, emb_plan_ints(p) * sizeof(int));
     p->d_partial = (float *)device_alloc(MEM_SCRATCH, (size_t)p->max_partials * D * sizeof(float));
 }
 
 static inline void embedding_backward_plan_destroy(EmbeddingBackwardPlan *p) {
-    free(p->h_buf);
     free(p->h_count);
     device_free(p->d_buf);
     device_free(p->d_partial);
@@ -123,13 +120,6 @@ static inline void embedding_backward_plan_fill(EmbeddingBackwardPlan *p, const 
 // embedding_backward. A captured step fills a pinned buffer before each replay, whose copy node reads it then.
 static inline void embedding_backward_plan_upload(EmbeddingBackwardPlan *p, const int *buf, cudaStream_t s) {
     cudaCheck(cudaMemcpyAsync(p->d_buf, buf, emb_plan_ints(p) * sizeof(int), cudaMemcpyHostToDevice, s));
-}
-
-// Build the plan for host tokens[n] (each in [0, V)) in p's own host buffer and upload it on stream s. That buffer
-// is pageable, so the copy has left it when this returns and the next batch may rebuild it at once.
-static inline void embedding_backward_plan_build(EmbeddingBackwardPlan *p, const int *tokens, cudaStream_t s) {
-    embedding_backward_plan_fill(p, tokens, p->h_buf);
-    embedding_backward_plan_upload(p, p->h_buf, s);
 }
 
 // Pass 1: each item sums its positions' dout rows in sorted (= increasing position) order, then adds the sum to

@@ -286,14 +286,14 @@ int main(int argc, char **argv) {
     cudaDeviceProp p;
     cudaCheck(cudaGetDeviceProperties(&p, 0));
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
-    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
-    if (argc > 2 && !strcmp(argv[2], "hot")) return 0;
     if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
         for (int C = 32; C <= 128; C *= 2) bench_train(1, 4096, 2, 65536, 1024, 64, 64, C, SDM_SNAP_NONE, reps);
         return 0;
     }
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
+    bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
+    if (argc > 2 && !strcmp(argv[2], "hot")) return 0;
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
     bench_train(2, 8192, 1, 36864, 768, 64, 64, 64, SDM_SNAP_NONE, reps);

@@ -137,7 +137,10 @@ static void test_embedding(const Mode *mo, int n, int V, int D, Rng *r) {
     // backward: dE += scatter(dout), accumulated onto random dE0
     EmbeddingBackwardPlan plan;
     embedding_backward_plan_create(&plan, n, V, D);
-    embedding_backward_plan_build(&plan, tok, 0);
+    int *plan_host = (int *)sdm_malloc(emb_plan_ints(&plan) * sizeof(int));
+    embedding_backward_plan_fill(&plan, tok, plan_host);
+    embedding_backward_plan_upload(&plan, plan_host, 0); // pageable: the copy has read it when this returns
+    free(plan_host);
     embedding_backward(d_dE, d_dout, mo->dtype, &plan, 0);
     download(got, d_dE, vd, DT_FP32);
     memcpy(want, dE0, sizeof(double) * vd);
