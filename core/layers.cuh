@@ -158,7 +158,7 @@ __global__ void embedding_backward_runs_kernel(float *dE, const float *partial, 
     }
 }
 
-// dE[V, D] (fp32) += Σ_i onehot(tokens[i]) dout[i, :] for the batch of the last plan_build; dout [n, D] is dtype.
+// dE[V, D] (fp32) += Σ_i onehot(tokens[i]) dout[i, :] for the batch of the last plan uploaded; dout [n, D] is dtype.
 static inline void embedding_backward(float *dE, const void *dout, Dtype dtype,
                                       const EmbeddingBackwardPlan *p, cudaStream_t s) {
     int item_blocks = SDM_MIN(p->max_items, 4096), run_blocks = SDM_MIN(p->max_long, 1024);
