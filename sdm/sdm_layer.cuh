@@ -58,12 +58,13 @@ typedef struct {
 
 // Stage ends, marked in the step profile (core/profile.cuh) when the layer has a profiler; each stage belongs to
 // one of the parts below (sdm_layer_stage_work).
-enum { SDM_EV_F_PROJ, SDM_EV_F_TOPK, SDM_EV_F_BANK, SDM_EV_F_OP, SDM_EV_F_READOUT, SDM_EV_F_OUT,
-       SDM_EV_B_OUT, SDM_EV_B_READOUT, SDM_EV_B_OP, SDM_EV_B_TOPK, SDM_EV_B_SUMS, SDM_EV_B_IN };
+enum { SDM_EV_F_PROJ, SDM_EV_F_TOPK, SDM_EV_F_BANK, SDM_EV_F_WY, SDM_EV_F_OP, SDM_EV_F_READOUT, SDM_EV_F_OUT,
+       SDM_EV_B_OUT, SDM_EV_B_READOUT, SDM_EV_B_OP, SDM_EV_B_WY, SDM_EV_B_TOPK, SDM_EV_B_SUMS, SDM_EV_B_IN };
 #define SDM_PART_PROJ "SDM projections"   // the fused input GEMM and Wo, forward and backward
 #define SDM_PART_ADDRESS "SDM addressing" // gates, values, product-key top-k and weights, and their backward
 #define SDM_PART_BANK "SDM bank, sums"    // bank copies of M0, the dM0 batch sum, the gate parameters' sums
-#define SDM_PART_OP_FWD "SDM op forward"
+#define SDM_PART_OP_WY "SDM op WY"           // the op's per-chunk work without bank rows: phase 1, bwy
+#define SDM_PART_OP_FWD "SDM op forward"      // the op's chunk loop over the bank rows
 #define SDM_PART_OP_BWD "SDM op backward"
 #define SDM_PART_READOUT "SDM readout"     // readings LayerNorm and output gate, forward and backward
 
@@ -245,6 +246,8 @@ static inline const char *sdm_layer_stage_work(const SdmLayer *L, int ev, double
     case SDM_EV_B_SUMS: // dM0 += the batch's fp32 bank gradients; the gate gradients' column sums
         *bytes = (s->learned_bank ? (L->B + 2) * m0 * 4 : 0) + BT * 3 * s->heads * 4;
         return SDM_PART_BANK;
+    case SDM_EV_F_WY:
+    case SDM_EV_B_WY: *flops = *bytes = PROF_NA; return SDM_PART_OP_WY;
     case SDM_EV_F_OP: *bytes = sdm_op_floor_bytes(&L->op, 0); return SDM_PART_OP_FWD;
     case SDM_EV_B_OP: *bytes = sdm_op_floor_bytes(&L->op, 1); return SDM_PART_OP_BWD;
     case SDM_EV_F_READOUT: *bytes = BT * D * (4 + cs); return SDM_PART_READOUT; // fp32 readings in, r out
@@ -338,7 +341,9 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);
     sdm_layer_mark(L, SDM_EV_F_BANK, st);
     SdmOpInputs in = sdm_layer_op_inputs(L);
-    sdm_op_forward(&L->op, &in, L->bank, L->o, L->saved, st);
+    sdm_op_forward_wy(&L->op, &in, L->saved, st);
+    sdm_layer_mark(L, SDM_EV_F_WY, st);
+    sdm_op_forward_rounds(&L->op, &in, L->bank, L->o, L->saved, st);
     sdm_layer_mark(L, SDM_EV_F_OP, st);
     sdm_layer_output(L, p, y, st);
 }
@@ -363,13 +368,14 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     // readout: gate and LayerNorm; dr becomes the gradient of the op readings in place
     sdm_readout_backward(&ra, L->o, L->ln_mean, L->ln_rstd, L->tmp.dr, dz, L->tmp.ln_partials, g->ln_w, g->ln_b, st);
     sdm_layer_mark(L, SDM_EV_B_READOUT, st);
-    // the memory op
-    SdmOpInputs in = sdm_layer_op_inputs(L);
+    // the memory op (everything it needs of its inputs was saved by the forward)
     SdmOpGrads og;
     og.dkappa = L->tmp.dkappa; og.dgamma = L->tmp.dgamma; og.dbeta = L->tmp.dbeta; og.dv = L->tmp.dv;
     og.drho = L->tmp.drho; og.dbank_init = L->tmp.dbank;
-    sdm_op_backward(&L->op, &in, L->bank, L->tmp.dr, NULL, &og, L->saved, L->tmp.scratch, st);
+    sdm_op_backward_rounds(&L->op, L->bank, L->tmp.dr, NULL, &og, L->saved, L->tmp.scratch, st);
     sdm_layer_mark(L, SDM_EV_B_OP, st);
+    sdm_op_backward_wy(&L->op, L->tmp.dr, &og, L->saved, L->tmp.scratch, st);
+    sdm_layer_mark(L, SDM_EV_B_WY, st);
     // addressing, gates and values back into dz
     SdmWriteGateArgs ga;
     ga.z = L->z; ga.dgamma = L->tmp.dgamma; ga.g = L->g; ga.beta = L->beta; ga.dbeta = L->tmp.dbeta;

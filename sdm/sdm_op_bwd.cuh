@@ -366,11 +366,11 @@ static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, cons
     cudaCheckLast();
 }
 
-static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
-                            const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
-                            cudaStream_t stream) {
+// sdm_op_backward in its two parts, so that a step profile can time them apart: the reverse chunk loop over the bank
+// gradient, then the per-chunk WY backward (no bank access).
+static void sdm_op_backward_rounds(const SdmOpShape *s, void *bank, const float *dout, const float *dbank_final,
+                                   const SdmOpGrads *g, void *saved, void *scratch, cudaStream_t stream) {
     sdm_op_require(s);
-    (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
     size_t n = (size_t)a.S * a.N * a.d; // G starts as dbank_final (or zero) and ends as dbank_init
@@ -383,7 +383,19 @@ static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *ba
         sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
         sdm_op_launch_bscatter(a, bank, s->bank_fp32, g->dbank_init, dout, c, stream);
     }
-    sdm_op_launch_bwy(a, dout, g, stream);
+}
+
+static void sdm_op_backward_wy(const SdmOpShape *s, const float *dout, const SdmOpGrads *g, void *saved,
+                               void *scratch, cudaStream_t stream) {
+    sdm_op_launch_bwy(sdm_op_args(s, saved, scratch), dout, g, stream);
+}
+
+static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
+                            const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
+                            cudaStream_t stream) {
+    (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)
+    sdm_op_backward_rounds(s, bank, dout, dbank_final, g, saved, scratch, stream);
+    sdm_op_backward_wy(s, dout, g, saved, scratch, stream);
 }
 
 #endif

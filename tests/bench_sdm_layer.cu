@@ -203,7 +203,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     }
     stsum[0] = part_ms(prof, SDM_PART_PROJ);
     stsum[1] = part_ms(prof, SDM_PART_ADDRESS);
-    stsum[2] = part_ms(prof, SDM_PART_OP_FWD) + part_ms(prof, SDM_PART_OP_BWD);
+    stsum[2] = part_ms(prof, SDM_PART_OP_WY) + part_ms(prof, SDM_PART_OP_FWD) + part_ms(prof, SDM_PART_OP_BWD);
     stsum[3] = part_ms(prof, SDM_PART_BANK) + part_ms(prof, SDM_PART_READOUT);
     qsort(tot, iters, sizeof(float), cmp_float);
     qsort(fwd, iters, sizeof(float), cmp_float);
