@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const floa
     float *Os = sdm_smem_tiles, *DDs = Os + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
     const float *Sc, *Li;
-    const int ld = sdm_solve_mats(a, cc, staged, DDs + C * DB, &Sc, &Li);
+    const int ld = sdm_solve_mats<4>(a, cc, staged, DDs + C * DB, &Sc, &Li);
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4, tp = c * C + t;
         float4 o = tp < a.T ? *(const float4 *)(dout + sdm_tok_off(a, s, tp, a.d) + col0 + lc)

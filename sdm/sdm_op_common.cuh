@@ -329,22 +329,46 @@ static inline size_t sdm_op_tile_smem(const SdmOpArgs &a) {
 }
 
 // The chunk's S and Linv ([C][C] at element cc) for a solve: copied into shared memory at `smem` with rows ld = C + 1
-// apart (all loads in flight together) when `staged`, else read in place (ld = C). Call before the block's first
-// barrier; read after it. Returns ld.
+// apart when `staged`, else read in place (ld = C). Call before the block's first barrier; read after it. Returns ld.
+// A thread's loads (16-byte ones when C % 4 == 0) are all issued before its first store: with a prefill's few blocks
+// the staging is a chain of memory latencies, and a store between two loads would order them (the compiler cannot
+// tell shared from global behind the pointers). NB: 16-byte vectors of each matrix a thread has in flight at once (4
+// in the solve kernels: fsolve 1.66 -> 1.29 ms, bsolve 1.94 -> 1.49 at the flagship's B = 8; 2 where registers are
+// short, as in the persistent forward). Phase 1 wrote the matrices before this launch: read-only here.
+template <int NB>
 __device__ __forceinline__ int sdm_solve_mats(const SdmOpArgs &a, size_t cc, bool staged, float *smem,
                                               const float **Sc, const float **Li) {
-    const int C = a.C, n = C * C, ld = C + 1;
+    const int C = a.C, ld = C + 1;
     *Sc = a.Sm + cc;
     *Li = a.Linv + cc;
     if (!staged) return C;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        int r = i / C, k = i % C;
-        smem[r * ld + k] = (*Sc)[i];
-        smem[C * ld + r * ld + k] = (*Li)[i];
+    float *Ss = smem, *Ls = smem + C * ld;
+    if (C % 4 == 0) {
+        const int n4 = C * C / 4;
+        const float4 *S4 = (const float4 *)*Sc, *L4 = (const float4 *)*Li;
+        for (int i0 = threadIdx.x; i0 < n4; i0 += NB * blockDim.x) {
+            float4 sv[NB], lv[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                int i = i0 + j * blockDim.x;
+                if (i < n4) { sv[j] = __ldg(S4 + i); lv[j] = __ldg(L4 + i); }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                int i = i0 + j * blockDim.x, o = 4 * i / C * ld + 4 * i % C;
+                if (i >= n4) continue;
+                Ss[o] = sv[j].x; Ss[o + 1] = sv[j].y; Ss[o + 2] = sv[j].z; Ss[o + 3] = sv[j].w;
+                Ls[o] = lv[j].x; Ls[o + 1] = lv[j].y; Ls[o + 2] = lv[j].z; Ls[o + 3] = lv[j].w;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < C * C; i += blockDim.x) {
+            Ss[i / C * ld + i % C] = __ldg(*Sc + i);
+            Ls[i / C * ld + i % C] = __ldg(*Li + i);
+        }
     }
-    *Sc = smem;
-    *Li = smem + C * ld;
+    *Sc = Ss;
+    *Li = Ls;
     return ld;
 }
 static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }

@@ -64,14 +64,15 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS)
 }
 
 // Block (column block, s) of the grid (d/DB, S), SDM_ROW_THREADS threads, `tiles` of sdm_op_tile_smem bytes of shared
-// memory: X and Delta tiles [C][DB], S and Linv when staged.
+// memory: X and Delta tiles [C][DB], S and Linv when staged (NB: sdm_solve_mats).
+template <int NB>
 __device__ __forceinline__ void sdm_fsolve_block(const SdmOpArgs &a, float *out, int c, bool staged, dim3 blk,
                                                  float *tiles) {
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blk.y, col0 = blk.x * DB, items = C * nvec;
     float *Xs = tiles, *Ds = Xs + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, crow0 = (size_t)s * C * a.d;
     const float *Sc, *Li;
-    const int ld = sdm_solve_mats(a, cc, staged, Ds + C * DB, &Sc, &Li);
+    const int ld = sdm_solve_mats<NB>(a, cc, staged, Ds + C * DB, &Sc, &Li);
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
         int t = it / nvec, lc = (it % nvec) * 4;
         *(float4 *)(Xs + t * DB + lc) = *(const float4 *)(a.cx + crow0 + (size_t)t * a.d + col0 + lc);
@@ -100,7 +101,7 @@ __device__ __forceinline__ void sdm_fsolve_block(const SdmOpArgs &a, float *out,
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fsolve_kernel(SdmOpArgs a, float *out, int c, bool staged) {
     extern __shared__ float sdm_smem_tiles[];
     pdl_enter();
-    sdm_fsolve_block(a, out, c, staged, blockIdx, sdm_smem_tiles);
+    sdm_fsolve_block<4>(a, out, c, staged, blockIdx, sdm_smem_tiles);
 }
 
 // Column groups of 32 V a scatter warp holds at once (the whole 1024-wide bf16 row): their row loads, then each
@@ -198,7 +199,8 @@ template <typename F> __device__ __forceinline__ void sdm_virtual_blocks(dim3 g,
 // the solves read all of the chunk's X and E rows, the scatters whole Delta rows, the next chunk's gathers the rows
 // scattered, and their X and E overwrite those the solves read. Each output element is computed by the code and in
 // the order of the three kernels: the same bits. At most 128 registers, for two blocks an SM (the gather body alone
-// takes ~120).
+// takes ~120); the solves stage S and Linv two vectors at a time, as four spilled (prefill 3.31 -> 3.21 ms a layer
+// with two, 3.39 with four).
 template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, 2)
     sdm_fwd_persistent_kernel(SdmOpArgs a, const float *v, Tb *bank, float *out, SdmFwdGrids g, bool staged) {
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 2)
     for (int c = 0; c < a.nc; c++) {
         sdm_virtual_blocks(g.gather, true, [&](dim3 b) { sdm_fgather_block<Tb>(a, v, bank, c, b, sdm_persist_smem); });
         grid.sync();
-        sdm_virtual_blocks(g.solve, true, [&](dim3 b) { sdm_fsolve_block(a, out, c, staged, b, sdm_persist_smem); });
+        sdm_virtual_blocks(g.solve, true, [&](dim3 b) { sdm_fsolve_block<2>(a, out, c, staged, b, sdm_persist_smem); });
         grid.sync();
         sdm_virtual_blocks(g.scatter, false, [&](dim3 b) { sdm_fscatter_block<Tb>(a, bank, c, b); });
         if (c + 1 < a.nc) grid.sync();
