@@ -18,6 +18,6 @@
 #include "attention/attn_mma.cuh"       // tensor-core building blocks
 #include "attention/attn_fwd.cuh"       // attn_forward
 #include "attention/attn_bwd.cuh"       // attn_backward
-#include "attention/attn_decode.cuh"    // attn_kv_cache_append, attn_decode
+#include "attention/attn_decode.cuh"    // attn_decode: RoPE, KV-cache append and attention of one step
 
 #endif

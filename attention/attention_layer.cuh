@@ -282,16 +282,13 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
 }
 
 // Decode step of streams 0..B-1: y [B, D] = the layer of one new token per stream x [B, D] at position pos[b]
-// (device), attending over positions 0..pos[b] (len[b] = pos[b] + 1, device). Full attention needs pos[b] < C
-// (the caller checks).
+// (device), attending over positions 0..pos[b]. Full attention needs pos[b] < C (the caller checks).
 static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
-                                     const int *pos, const int *len, int B, cudaStream_t s) {
+                                     const int *pos, int B, cudaStream_t s) {
     const AttnDims *a = &I->a;
     if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
     attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
-    attn_rope(&I->rope, a, B, 1, I->ctype, I->q, I->k, pos, 1, s);
-    attn_kv_cache_append(a, B, I->ctype, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, s);
-    attn_decode(a, B, I->ctype, I->q, I->k_cache, I->v_cache, I->C, len, I->o, s);
+    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, I->o, s);
     attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, 0, y, s);
 }
 

@@ -28,6 +28,13 @@ static inline AttnRope attn_rope_create(int head_dim, double theta) {
 
 static inline void attn_rope_destroy(AttnRope *r) { device_free(r->inv_freq); r->inv_freq = NULL; }
 
+// Pair (x0, x1) turned by the angle of sine sn and cosine cs (RoPE; its transpose with sn negated). Every RoPE on
+// the GPU goes through here, so the decode step's fused rotation has the bits of the prefill's.
+__device__ __forceinline__ void attn_rope_turn(float x0, float x1, float sn, float cs, float &y0, float &y1) {
+    y0 = x0 * cs - x1 * sn;
+    y1 = x0 * sn + x1 * cs;
+}
+
 #define ATTN_ROPE_HEADS 8
 
 // One thread per (row b*T+t, group of ATTN_ROPE_HEADS heads of q then k, pair m): the angle's sincos once for its
@@ -60,8 +67,10 @@ __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, 
 #pragma unroll
     for (int j = 0; j < ATTN_ROPE_HEADS; j++)
         if (x[j]) {
-            x[j][0] = dtype_from_float<T>(x0[j] * cs - x1[j] * sn);
-            x[j][1] = dtype_from_float<T>(x0[j] * sn + x1[j] * cs);
+            float y0, y1;
+            attn_rope_turn(x0[j], x1[j], sn, cs, y0, y1);
+            x[j][0] = dtype_from_float<T>(y0);
+            x[j][1] = dtype_from_float<T>(y1);
         }
 }
 

@@ -652,8 +652,8 @@ typedef struct {
     int *prompt;                   // device [max_tokens]: the prompt of a prefill
     int *next;                     // device [streams]: each stream's next input token (the last sampled one)
     int *next_host;                // pinned [streams]: the sampled ids read back after a step
-    int *pos_len;                  // device [2, streams]: the new token's position per stream, then pos + 1
-    int *pos;                      // host [2, streams]: the same (pos[b] = positions processed so far)
+    int *pos_dev;                  // device [streams]: each stream's next position (that of its newest token)
+    int *pos;                      // host [streams]: the same (pos[b] = positions processed so far)
     SamplingParams sp;             // the sampler of gpu_infer_sample and of the captured graphs
     Rng *rng;                      // device [streams]: each stream's sampler state
     double *probs;                 // device [streams, V] sampler scratch
@@ -690,8 +690,8 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->prompt = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)max_tokens * 4);
     I->next = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
     cudaCheck(cudaMallocHost((void **)&I->next_host, S * 4));
-    I->pos_len = (int *)device_alloc(MEM_ACTIVATIONS, 2 * S * 4);
-    I->pos = (int *)sdm_calloc(2 * S, sizeof(int));
+    I->pos_dev = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
+    I->pos = (int *)sdm_calloc(S, sizeof(int));
     I->rng = (Rng *)device_alloc(MEM_ACTIVATIONS, S * sizeof(Rng));
     I->probs = (double *)device_alloc(MEM_ACTIVATIONS, S * g->V * sizeof(double));
     I->order = (int *)device_alloc(MEM_ACTIVATIONS, S * g->V * 4);
@@ -712,7 +712,7 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
         if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_destroy(&I->sdm[l]);
         else attn_infer_destroy(&I->attn[l]);
     }
-    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->prompt, I->next, I->pos_len, I->rng,
+    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->prompt, I->next, I->pos_dev, I->rng,
                     I->probs, I->order};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     cudaCheck(cudaFreeHost(I->next_host));
@@ -725,13 +725,10 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
     memset(I, 0, sizeof *I);
 }
 
-// Stream b's position is now p: host and device copies of (pos, len).
+// Stream b's position is now p: host and device copies.
 static inline void gpu_infer_set_pos(GpuInferState *I, int b, int p) {
     I->pos[b] = p;
-    I->pos[I->streams + b] = p + 1;
-    cudaCheck(cudaMemcpyAsync(I->pos_len + b, I->pos + b, sizeof(int), cudaMemcpyHostToDevice, I->stream));
-    cudaCheck(cudaMemcpyAsync(I->pos_len + I->streams + b, I->pos + I->streams + b, sizeof(int),
-                              cudaMemcpyHostToDevice, I->stream));
+    cudaCheck(cudaMemcpyAsync(I->pos_dev + b, I->pos + b, sizeof(int), cudaMemcpyHostToDevice, I->stream));
     cudaCheck(cudaStreamSynchronize(I->stream)); // the host values may change before an asynchronous copy reads them
 }
 
@@ -779,8 +776,7 @@ static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n) {
         else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, I->branch, n, I->stream);
     } else {
         if (b >= 0) attn_infer_prefill(&I->attn[l], &w->attn, b, I->x, I->branch, n, I->stream);
-        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_len, I->pos_len + I->streams, n,
-                               I->stream);
+        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_dev, n, I->stream);
     }
 }
 
@@ -835,20 +831,18 @@ static inline const float *gpu_infer_prefill(GpuInferState *I, int b, const int 
     return gpu_infer_logits(I, b, 1);
 }
 
-// Positions pos and len of streams 0..n-1 advance by one on the device (the host mirrors it).
-__global__ void gpu_infer_advance_kernel(int *pos_len, int streams, int n) {
+// Positions of streams 0..n-1 advance by one on the device (the host mirrors it).
+__global__ void gpu_infer_advance_kernel(int *pos, int n) {
     pdl_enter();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    pos_len[i]++;
-    pos_len[streams + i]++;
+    if (i < n) pos[i]++;
 }
 
 // Enqueue one decode step of streams 0..n-1 on their next tokens: logits rows 0..n-1, positions + 1, and with
 // `sample` the next tokens drawn into I->next and copied to I->next_host.
 static inline void gpu_infer_enqueue_decode(GpuInferState *I, int n, int sample) {
     gpu_infer_run(I, I->next, -1, n, n, 0);
-    launch_pdl(gpu_infer_advance_kernel, ceil_div(n, 256), 256, 0, I->stream, I->pos_len, I->streams, n);
+    launch_pdl(gpu_infer_advance_kernel, ceil_div(n, 256), 256, 0, I->stream, I->pos_dev, n);
     if (!sample) return;
     sample_tokens(I->logits, I->g->Vp, I->g->V, n, &I->sp, I->rng, I->probs, I->order, I->next, I->stream);
     cudaCheck(cudaMemcpyAsync(I->next_host, I->next, sizeof(int) * n, cudaMemcpyDeviceToHost, I->stream));
@@ -863,7 +857,6 @@ static inline void gpu_infer_count_step(GpuInferState *I, int n) {
             sdm_die("gpu_infer_decode: stream %d is full (%d positions, the KV cache holds %d)", i, I->pos[i],
                     I->max_tokens);
         I->pos[i]++;
-        I->pos[I->streams + i]++;
     }
 }
 

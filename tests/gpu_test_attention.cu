@@ -210,11 +210,14 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     cudaFree(dq_in); cudaFree(dk_in); cudaFree(dv_in); cudaFree(ddout); cudaFree(ws);
 }
 
-// Decode token by token (append k, v to the cache, attend with the newest query) for B streams and compare every
-// step's output with the full forward: the CPU reference and the GPU's own forward.
+// Decode token by token (one attn_decode per step: RoPE on the newest q and k, k and v appended to the cache, the
+// newest query attended) for B streams and compare every step's output with the full forward on the rotated
+// inputs: the CPU reference and the GPU's own (attn_rope, then attn_forward). The cache rows the steps wrote must be
+// the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied.
 static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype dt) {
     CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
     AttnDims a = dims_of(&c);
+    AttnRope rope = attn_rope_create(D, a.rope_theta);
     int C = window > 0 ? window : T; // ring of w entries for SWA, the whole sequence for full attention
     size_t nq = (size_t)B * T * nh * D, nk = (size_t)B * T * nkv * D, es = esize(dt);
     Rng rng = rng_make(77 + window + D);
@@ -225,7 +228,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     char *vt = (char *)dev_alloc((size_t)B * nkv * D * es), *ot = (char *)dev_alloc((size_t)B * nh * D * es);
     char *kc = (char *)dev_alloc((size_t)B * C * nkv * D * es), *vc = (char *)dev_alloc((size_t)B * C * nkv * D * es);
     char *dec = (char *)dev_alloc(nq * es), *full = (char *)dev_alloc(nq * es);
-    int *dpos = (int *)dev_alloc(B * sizeof(int)), *dlen = (int *)dev_alloc(B * sizeof(int));
+    char *kdec = (char *)dev_alloc(nk * es), *vdec = (char *)dev_alloc(nk * es); // each step's cache rows
+    int *dpos = (int *)dev_alloc(B * sizeof(int));
     int *hpos = (int *)sdm_malloc(B * sizeof(int));
     poison(kc, (size_t)B * C * nkv * D * es); poison(vc, (size_t)B * C * nkv * D * es); poison(dec, nq * es);
     size_t qrow = (size_t)nh * D * es, krow = (size_t)nkv * D * es;
@@ -238,19 +242,26 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
             CK(cudaMemcpy(vt + b * krow, dv_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
         }
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        for (int b = 0; b < B; b++) hpos[b] = t + 1;
-        CK(cudaMemcpy(dlen, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        attn_kv_cache_append(&a, B, dt, kt, vt, kc, vc, C, dpos, 0);
-        attn_decode(&a, B, dt, qt, kc, vc, C, dlen, ot, 0);
-        for (int b = 0; b < B; b++)
-            CK(cudaMemcpy(dec + ((size_t)b * T + t) * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, kc, vc, C, dpos, ot, 0);
+        for (int b = 0; b < B; b++) {
+            size_t bt = (size_t)b * T + t, cslot = ((size_t)b * C + t % C) * krow;
+            CK(cudaMemcpy(dec + bt * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(kdec + bt * krow, kc + cslot, krow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(vdec + bt * krow, vc + cslot, krow, cudaMemcpyDeviceToDevice));
+        }
     }
+    attn_rope(&rope, &a, B, T, dt, dq_in, dk_in, NULL, 1, 0);
     attn_forward(&a, B, T, dt, dq_in, dk_in, dv_in, full, NULL, 0);
     CK(cudaDeviceSynchronize());
+    char what[160];
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: cache keys are attn_rope's, values copied",
+             dt_name(dt), B, T, nh, nkv, D, window);
+    CHECK(bitwise_equal(kdec, dk_in, nk * es) && bitwise_equal(vdec, dv_in, nk * es), "%s", what);
     double *ref = (double *)sdm_malloc(nq * sizeof(double));
+    attn_rope_ref(q, B, T, nh, D, a.rope_theta, 1);
+    attn_rope_ref(k, B, T, nkv, D, a.rope_theta, 1);
     attn_core_forward_ref(&a, B, T, q, k, v, ref, NULL);
     double *gdec = download(dec, nq, dt), *gfull = download(full, nq, dt);
-    char what[160];
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d (cache %d) vs reference", dt_name(dt), B, T, nh, nkv,
              D, window, C);
     double e_ref = check_err(what, gdec, ref, nq, 0.0, tol_of(dt));
@@ -260,7 +271,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
            nkv, D, window, C, e_ref, e_gpu);
     free(q); free(k); free(v); free(ref); free(gdec); free(gfull); free(hpos);
-    void *bufs[] = {dq_in, dk_in, dv_in, qt, kt, vt, ot, kc, vc, dec, full, dpos, dlen};
+    attn_rope_destroy(&rope);
+    void *bufs[] = {dq_in, dk_in, dv_in, qt, kt, vt, ot, kc, vc, dec, full, kdec, vdec, dpos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
 }
 
