@@ -588,7 +588,8 @@ static void check_phase1(const Case *c, int C, const char *name) {
     std::vector<double> gl(g.Linv, g.Linv + cc), xl(x.Linv, x.Linv + cc);
     double el = rel_error(gl.data(), xl.data(), cc);
     CHECK(el <= TOL_P1_LINV, "%s: phase-1 Linv relative error %.2e > %.0e", name, el, TOL_P1_LINV);
-    printf("  phase 1 %-52s %s (Linv rel err %.1e)\n", name, bad ? "DIFFERS" : "links, scans, Gram as defined", el);
+    printf("  phase 1 %-50s %s memory: %s (Linv rel err %.1e)\n", name, L.wy_work_bytes ? "global" : "shared",
+           bad ? "DIFFERS" : "links, scans, Gram as defined", el);
     phase1_free(&g); phase1_free(&x);
     dev_free(&D);
 }
@@ -873,7 +874,7 @@ static void test_decode(int fp32, int B, int T, int N, int d, int W, int R) {
 // The cases of the phase-1 checks: uniform slots (few repeats), slots from a hot set (hot > 0: each slot of a chunk in
 // about W / hot of its tokens: a quarter at 4 W, all at W), every token the slots of its stream's first token
 // (hot < 0: chains of C entries), W != R, one slot per token, partial last chunks, the flagship's W = R = 64 at C = 64,
-// and large chunks (C = 256; W = R = 128).
+// and large chunks (C = 256; W = R = 128), whose working set phase 1 keeps in global memory.
 typedef struct {
     int B, T, H, N, W, R, C, hot;
     GammaMode gm;
