@@ -2,10 +2,10 @@
 // the single-token decode step. The C API (shapes, sizing, entry points) is documented in sdm/sdm_op.h.
 //
 // Structure (per stream s = b*H + h, chunks of C tokens, all streams advance together):
-//   wy_kernel        Phase 1, one CTA per (stream, chunk), no bank access: slot links between the chunk's entries
-//                    (two-pointer merges of the sorted slot lists), per-slot decay scans from zero inside the chunk
-//                    (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S, and
-//                    Linv = (I + diag(beta) A)^-1.
+//   wy_kernel        Phase 1, one CTA per (stream, chunk), no bank access: the chunk's entries sorted by slot, one
+//                    thread per slot group for the links between them and the per-slot decay scans from zero inside
+//                    the chunk (docs/SDM.md#numerics), gather/scatter weights, Gram matrices A and S (one warp per
+//                    row), and Linv = (I + diag(beta) A)^-1.
 //   forward          Phase 2, sequential over chunks (a host loop, three launches per chunk, all streams at once;
 //                    in a prefill of few streams one persistent launch running the same block bodies):
 //                    fgather (per (stream, token), whole rows: R0, E, snapshots), fsolve (per (stream, DB columns):
@@ -18,7 +18,8 @@
 //                    bwy_kernel (per (stream, chunk): the C x C products, the Gram backward and the per-slot dgamma
 //                    scans, one thread per slot).
 //   decode_kernel    one token per stream, the recurrence in place (docs/SDM.md#the-recurrence).
-// No floating-point atomics anywhere (integer atomicMax/atomicMin only build slot links): bitwise deterministic.
+// No floating-point atomics anywhere (an integer atomicAdd only lists phase 1's slot groups, in an order no result
+// depends on): bitwise deterministic.
 #ifndef SDM_SDM_OP_CUH
 #define SDM_SDM_OP_CUH
 

@@ -50,7 +50,14 @@
 #include "sdm/sdm_dims.h"
 
 #define SDM_OP_MAX_CHUNK 256
-#define SDM_OP_SMEM_SLOTS 49152 // C * (W + R) slot indices of one chunk held in shared memory by the WY kernel
+#define SDM_OP_CHUNK_ENTRIES 49152 // C * (W + R): phase 1 numbers the entries of a chunk in 16 bits
+
+// Functions both the host (sizing) and phase 1's kernel use.
+#ifdef __CUDACC__
+#define SDM_HOST_DEVICE __host__ __device__
+#else
+#define SDM_HOST_DEVICE
+#endif
 
 // How sdm_op_forward runs its chunk loop (docs/SDM.md#phases-on-the-gpu); every path gives the same bits.
 typedef enum {
@@ -101,8 +108,8 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
     if (s->C < 1 || s->C > SDM_OP_MAX_CHUNK) return "chunk size C must be in 1..256";
     if (s->d % 8 != 0 || s->d > 4096) return "row width d must be a multiple of 8 and <= 4096";
     if (s->W > 1024 || s->R > 1024) return "W and R must be <= 1024";
-    if ((long long)sdm_op_chunk(s) * (s->W + s->R) > SDM_OP_SMEM_SLOTS)
-        return "C * (W + R) must be <= 49152 (slot lists of one chunk live in shared memory)";
+    if ((long long)sdm_op_chunk(s) * (s->W + s->R) > SDM_OP_CHUNK_ENTRIES)
+        return "C * (W + R) must be <= 49152 (phase 1 numbers a chunk's entries in 16 bits)";
     if ((long long)s->B * s->H * s->N * s->d >= (1ll << 40)) return "bank larger than 2^40 elements";
     if (s->snapshot == SDM_SNAP_BF16 && !s->bank_fp32) return "bf16 snapshots need an fp32 bank (use none)";
     if (s->snapshot < SDM_SNAP_NONE || s->snapshot > SDM_SNAP_INT4) return "unknown snapshot mode";
@@ -141,6 +148,40 @@ static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
     return th * ((2 * W + 2 * R) * s->d * 4 + W * snap + (W + R) * row);
 }
 
+// Phase 1 (sdm/sdm_op_wy.cuh, docs/SDM.md#phases-on-the-gpu): the threads of its block, and its working set for one
+// chunk, kept in shared memory when it fits in SDM_WY_SMEM_MAX bytes (an H100 or H200 allows 227 KB a block, an A100
+// 163 KB; the flagship's chunk, C = 64 and W = R = 64, takes 152 KB), else in `saved` (wy_work, one per stream and
+// chunk). Byte offsets of its regions (16-byte aligned) for n = C (W + R) entries:
+#define SDM_WY_THREADS 512
+#define SDM_WY_SMEM_MAX (160 << 10)
+typedef struct {
+    size_t keys;   // [n] uint64 sort keys of the entries; then each slot's writes; then Linv packed, C (C + 1) / 2 fp32
+    size_t span;   // [C W + C R] uint32 where the writes of an entry's slot before it are, for each write then read
+    size_t groups; // [n] uint16 start positions of the slot groups; later A [C][C] fp32
+    size_t lam;    // [C W] fp32 gamma, then lambda
+    size_t kap;    // [C W] fp32 kappa
+    size_t rows;   // [warps][2][C] fp32 the row of A and the row of S each warp is summing
+    size_t count;  // int: the number of slot groups
+    size_t bytes;
+} SdmWyLayout;
+
+SDM_HOST_DEVICE static inline SdmWyLayout sdm_wy_layout(int C, int W, int R) {
+    const size_t n = (size_t)C * (W + R), tri = (size_t)C * (C + 1) / 2 * 4, cc = (size_t)C * C * 4;
+    SdmWyLayout L;
+    size_t off = 0;
+#define SDM_WY_TAKE(field, b) do { L.field = off; off += ((b) + 15) & ~(size_t)15; } while (0)
+    SDM_WY_TAKE(keys, 8 * n > tri ? 8 * n : tri);
+    SDM_WY_TAKE(span, 4 * n);
+    SDM_WY_TAKE(groups, 2 * n > cc ? 2 * n : cc);
+    SDM_WY_TAKE(lam, (size_t)C * W * 4);
+    SDM_WY_TAKE(kap, (size_t)C * W * 4);
+    SDM_WY_TAKE(rows, (size_t)SDM_WY_THREADS / 32 * 2 * C * 4);
+    SDM_WY_TAKE(count, 4);
+#undef SDM_WY_TAKE
+    L.bytes = off;
+    return L;
+}
+
 // Offsets of every buffer inside `saved` / `scratch` (bytes). Streams are stream-major: [S = B*H][Tp][...] with
 // Tp = chunks * C (padded tokens are inert).
 typedef struct {
@@ -154,6 +195,8 @@ typedef struct {
     size_t cx, ce, cdelta;        // [S][C][d] fp32 per-chunk buffers: X (forward) / dR0 (backward), E, Delta (prefill)
     size_t delta, u;              // [S][Tp][d] fp32 (training)
     size_t snap, snap_scale;      // [S][Tp][W] rows, [S][Tp][W][sdm_op_snap_scales] fp32 (training)
+    size_t wy_work;               // [S][nc] phase 1's working sets (sdm_wy_layout) when one exceeds SDM_WY_SMEM_MAX
+    size_t wy_work_bytes;         // their bytes; 0: in shared memory
     size_t saved_bytes;
     // scratch (backward)
     size_t wsum;                  // [S][C][d] write-path gradient of delta for the current chunk
@@ -193,6 +236,9 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
         SDM_OP_TAKE(snap, ew * sdm_op_snap_row_bytes(s));
         SDM_OP_TAKE(snap_scale, ew * sdm_op_snap_scales(s) * 4);
     }
+    size_t wy = sdm_wy_layout(L.C, s->W, s->R).bytes;
+    L.wy_work_bytes = wy > SDM_WY_SMEM_MAX ? (size_t)L.S * L.nc * wy : 0;
+    SDM_OP_TAKE(wy_work, L.wy_work_bytes);
     L.saved_bytes = off;
     off = 0;
     SDM_OP_TAKE(wsum, (size_t)L.S * L.C * s->d * 4);

@@ -173,6 +173,7 @@ struct SdmOpArgs {
     int *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_nearw;
     float *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv, *cx, *ce, *cdelta, *delta, *u;
     SdmSnapView snap;
+    char *wy_work; // phase 1's working sets in global memory ([S][nc] of sdm_wy_layout bytes), or NULL: shared memory
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
 };
@@ -203,6 +204,7 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
     }
     a.snap.mode = s->snapshot; a.snap.bank_fp32 = s->bank_fp32; a.snap.n_scales = (int)sdm_op_snap_scales(s);
     a.snap.row_bytes = sdm_op_snap_row_bytes(s);
+    a.wy_work = L.wy_work_bytes ? sv + L.wy_work : NULL;
     if (scratch) {
         sv = (char *)scratch;
         SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);

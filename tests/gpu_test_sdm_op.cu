@@ -5,6 +5,9 @@
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
+#include <algorithm>
+#include <vector>
+
 #include "core/cuda_common.cuh"
 #include "core/rng.h"
 #include "sdm/sdm_op.cuh"
@@ -79,6 +82,20 @@ static void repeat_first_slots(Case *c) {
                 memcpy(c->wslot + i * c->W, c->wslot + i0 * c->W, c->W * sizeof(int));
                 memcpy(c->rslot + i * c->R, c->rslot + i0 * c->R, c->R * sizeof(int));
             }
+}
+
+// Every token of a stream draws its write and read slots from one hot set of `hot` slots spread over [0, N) (as
+// tests/bench_sdm_op.cu's concentrated addressing): at hot = 4 W each slot of a chunk is hit by about a quarter of its
+// tokens, at hot = W (and hot = R) by all of them.
+static void draw_hot_slots(Case *c, uint64_t seed, int hot) {
+    Rng rng = rng_make(seed);
+    size_t tok = (size_t)c->B * c->T * c->H;
+    for (size_t i = 0; i < tok; i++) {
+        rand_slots(&rng, hot, c->W, c->wslot + i * c->W);
+        rand_slots(&rng, hot, c->R, c->rslot + i * c->R);
+        for (int k = 0; k < c->W; k++) c->wslot[i * c->W + k] *= c->N / hot;
+        for (int k = 0; k < c->R; k++) c->rslot[i * c->R + k] *= c->N / hot;
+    }
 }
 
 static void free_case(Case *c) {
@@ -222,9 +239,47 @@ static void free_result(Result *r) {
 
 static void poison(void *p, size_t bytes) { cudaCheck(cudaMemset(p, 0xFF, bytes)); } // NaN in fp32 and bf16
 
+// ---- phase 1 against its definitions ----------------------------------------------------------------------------
+
+// What phase 1 (sdm/sdm_op_wy.cuh) saves, on the host, in its layout: per write entry [S][Tp][W], per read entry
+// [S][Tp][R], beta [S][Tp], the Gram matrices and Linv [S][nc][C][C].
+typedef struct {
+    int *w_slot, *w_prev, *w_next, *w_lastread, *r_slot, *r_prevw, *r_prevr, *r_nextr, *r_nearw;
+    float *w_kappa, *w_lam, *w_gath, *w_scat, *w_pi, *w_elam_tot, *r_rho, *r_lam, *r_gath, *beta, *A, *Sm, *Linv;
+} Phase1;
+
+template <typename T> static T *saved_part(const void *saved, size_t off, size_t n) {
+    T *h = (T *)sdm_malloc(n * sizeof(T));
+    cudaCheck(cudaMemcpy(h, (const char *)saved + off, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static Phase1 phase1_download(const SdmOpShape *s, const void *saved) {
+    SdmOpLayout L = sdm_op_layout(s);
+    size_t ew = (size_t)L.S * L.Tp * s->W, er = (size_t)L.S * L.Tp * s->R, cc = (size_t)L.S * L.nc * L.C * L.C;
+    Phase1 p;
+#define P1_INT(f, n) p.f = saved_part<int>(saved, L.f, n)
+#define P1_FLT(f, n) p.f = saved_part<float>(saved, L.f, n)
+    P1_INT(w_slot, ew); P1_INT(w_prev, ew); P1_INT(w_next, ew); P1_INT(w_lastread, ew);
+    P1_INT(r_slot, er); P1_INT(r_prevw, er); P1_INT(r_prevr, er); P1_INT(r_nextr, er); P1_INT(r_nearw, er);
+    P1_FLT(w_kappa, ew); P1_FLT(w_lam, ew); P1_FLT(w_gath, ew); P1_FLT(w_scat, ew); P1_FLT(w_pi, ew);
+    P1_FLT(w_elam_tot, ew); P1_FLT(r_rho, er); P1_FLT(r_lam, er); P1_FLT(r_gath, er);
+    P1_FLT(beta, (size_t)L.S * L.Tp); P1_FLT(A, cc); P1_FLT(Sm, cc); P1_FLT(Linv, cc);
+#undef P1_INT
+#undef P1_FLT
+    return p;
+}
+
+static void phase1_free(Phase1 *p) {
+    free(p->w_slot); free(p->w_prev); free(p->w_next); free(p->w_lastread); free(p->r_slot); free(p->r_prevw);
+    free(p->r_prevr); free(p->r_nextr); free(p->r_nearw); free(p->w_kappa); free(p->w_lam); free(p->w_gath);
+    free(p->w_scat); free(p->w_pi); free(p->w_elam_tot); free(p->r_rho); free(p->r_lam); free(p->r_gath);
+    free(p->beta); free(p->A); free(p->Sm); free(p->Linv);
+}
+
 // The forward of shape s on the GPU, then with s->training the backward (a prefill leaves the gradients NULL).
-// rounded_bank: the initial bank in the bank dtype.
-static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_bank) {
+// rounded_bank: the initial bank in the bank dtype. p1: when set, what phase 1 saved, downloaded after the forward.
+static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_bank, Phase1 *p1 = NULL) {
     Dev D = dev_alloc(c, s);
     size_t tok = (size_t)c->B * c->T * c->H;
     upload_bank(c, s->bank_fp32, D.bank, rounded_bank);
@@ -234,6 +289,7 @@ static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_
     poison(D.g.dkappa, tok * c->W * 4); poison(D.g.dgamma, tok * c->W * 4); poison(D.g.drho, tok * c->R * 4);
     poison(D.g.dbeta, tok * 4); poison(D.g.dv, tok * c->d * 4); poison(D.g.dbank_init, bank_elems(c) * 4);
     sdm_op_forward(s, &D.in, D.bank, D.out, D.saved, 0);
+    if (p1) *p1 = phase1_download(s, D.saved);
     Result r;
     memset(&r, 0, sizeof(r));
     r.bank_final = bank_to_host(c, s->bank_fp32, D.bank);
@@ -343,13 +399,209 @@ static void test_fresh_process(const char *self) {
     printf("  fresh process: digest %016llx here, %016llx there\n", here, there);
 }
 
+// Position of `slot` in the ascending list x[0..k), or -1.
+static int find_slot(const int *x, int k, int slot) {
+    const int *p = std::lower_bound(x, x + k, slot);
+    return p < x + k && *p == slot ? (int)(p - x) : -1;
+}
+
+// The phase-1 outputs of case c at chunk length C from their definitions (docs/SDM.md#decay-sums,
+// docs/SDM.md#gram-matrices, sdm/sdm_op_wy.cuh), token by token and slot by slot, on the float inputs the GPU gets:
+// links by searching the other tokens' lists, lambda and nu as fp32 sums in the order phase 1 adds them (one slot's
+// decays in time order from zero; nu from the chunk's end back), so those and every link and copy must match bit for
+// bit; the exponentials (host expf), A, S (double sums) and Linv (double forward substitution) to a tolerance.
+static Phase1 phase1_expected(const Case *c, const SdmOpShape *s) {
+    SdmOpLayout L = sdm_op_layout(s);
+    const int C = L.C, W = c->W, R = c->R;
+    size_t ew = (size_t)L.S * L.Tp * W, er = (size_t)L.S * L.Tp * R, cc = (size_t)L.S * L.nc * C * C;
+    Phase1 p;
+    p.w_slot = (int *)sdm_malloc(ew * 4); p.w_prev = (int *)sdm_malloc(ew * 4); p.w_next = (int *)sdm_malloc(ew * 4);
+    p.w_lastread = (int *)sdm_malloc(ew * 4); p.r_slot = (int *)sdm_malloc(er * 4);
+    p.r_prevw = (int *)sdm_malloc(er * 4); p.r_prevr = (int *)sdm_malloc(er * 4);
+    p.r_nextr = (int *)sdm_malloc(er * 4); p.r_nearw = (int *)sdm_malloc(er * 4);
+    p.w_kappa = (float *)sdm_malloc(ew * 4); p.w_lam = (float *)sdm_malloc(ew * 4);
+    p.w_gath = (float *)sdm_malloc(ew * 4); p.w_scat = (float *)sdm_malloc(ew * 4);
+    p.w_pi = (float *)sdm_malloc(ew * 4); p.w_elam_tot = (float *)sdm_malloc(ew * 4);
+    p.r_rho = (float *)sdm_malloc(er * 4); p.r_lam = (float *)sdm_malloc(er * 4);
+    p.r_gath = (float *)sdm_malloc(er * 4); p.beta = (float *)sdm_malloc((size_t)L.S * L.Tp * 4);
+    p.A = (float *)sdm_malloc(cc * 4); p.Sm = (float *)sdm_malloc(cc * 4); p.Linv = (float *)sdm_malloc(cc * 4);
+    std::vector<double> A(C * C), S(C * C), X(C * C);
+    for (int st = 0; st < L.S; st++)
+        for (int ch = 0; ch < L.nc; ch++) {
+            const int b = st / c->H, h = st % c->H, nv = SDM_MIN(C, c->T - ch * C);
+            const size_t t0 = (size_t)st * L.Tp + (size_t)ch * C, e0 = t0 * W, r0 = t0 * R;
+            auto ks = [&](int t) { return c->wslot + sdm_tok_off(c->T, c->H, b, ch * C + t, h, W); };
+            auto qs = [&](int t) { return c->rslot + sdm_tok_off(c->T, c->H, b, ch * C + t, h, R); };
+            auto gam = [&](int t, int i) { return (float)c->gamma[sdm_tok_off(c->T, c->H, b, ch * C + t, h, W) + i]; };
+            for (int t = 0; t < C; t++) { // padding first: inert, no links
+                p.beta[t0 + t] = t < nv ? (float)c->beta[sdm_tok_off(c->T, c->H, b, ch * C + t, h, 1)] : 0.f;
+                if (t < nv) continue;
+                for (int i = 0; i < W; i++) {
+                    size_t e = e0 + t * W + i;
+                    p.w_slot[e] = p.w_prev[e] = p.w_next[e] = p.w_lastread[e] = -1;
+                    p.w_kappa[e] = p.w_lam[e] = p.w_gath[e] = p.w_scat[e] = 0.f;
+                    p.w_pi[e] = p.w_elam_tot[e] = 1.f;
+                }
+                for (int j = 0; j < R; j++) {
+                    size_t r = r0 + t * R + j;
+                    p.r_slot[r] = p.r_prevw[r] = p.r_prevr[r] = p.r_nextr[r] = p.r_nearw[r] = -1;
+                    p.r_rho[r] = p.r_lam[r] = p.r_gath[r] = 0.f;
+                }
+            }
+            for (int t = 0; t < nv; t++)
+                for (int i = 0; i < W; i++) {
+                    const size_t e = e0 + t * W + i;
+                    const int sl = ks(t)[i];
+                    int prev = -1, next = -1, last = -1, lr = -1, j;
+                    for (int u = t - 1; u >= 0 && prev < 0; u--)
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) prev = u * W + j;
+                    for (int u = t + 1; u < nv && next < 0; u++)
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) next = u * W + j;
+                    for (int u = nv - 1; u >= 0 && lr < 0; u--)
+                        if ((j = find_slot(qs(u), R, sl)) >= 0) lr = u * R + j;
+                    float lam = 0.f, lamtot = 0.f, nu = 0.f;
+                    bool first = true;
+                    for (int u = 0; u < nv; u++) // lambda up to t, Lambda up to the slot's last write
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) {
+                            lamtot = first ? gam(u, j) : lamtot + gam(u, j);
+                            first = false;
+                            if (u <= t) lam = lamtot;
+                            last = u;
+                        }
+                    for (int u = last; u > t; u--) // nu = the later decays added from the slot's last write back
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) nu = gam(u, j) + nu;
+                    const float kap = (float)c->kappa[sdm_tok_off(c->T, c->H, b, ch * C + t, h, W) + i];
+                    p.w_slot[e] = sl; p.w_prev[e] = prev; p.w_next[e] = next; p.w_lastread[e] = lr;
+                    p.w_kappa[e] = kap; p.w_lam[e] = lam; p.w_gath[e] = kap * expf(lam);
+                    p.w_pi[e] = expf(nu); p.w_scat[e] = p.w_pi[e] * kap; p.w_elam_tot[e] = expf(lamtot);
+                }
+            for (int t = 0; t < nv; t++)
+                for (int i = 0; i < R; i++) {
+                    const size_t r = r0 + t * R + i;
+                    const int sl = qs(t)[i];
+                    int prevw = -1, prevr = -1, nextr = -1, nearw = -1, j;
+                    for (int u = t; u >= 0 && prevw < 0; u--)
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) prevw = u * W + j;
+                    for (int u = t - 1; u >= 0 && prevr < 0; u--)
+                        if ((j = find_slot(qs(u), R, sl)) >= 0) prevr = u * R + j;
+                    for (int u = t + 1; u < nv && nextr < 0; u++)
+                        if ((j = find_slot(qs(u), R, sl)) >= 0) nextr = u * R + j;
+                    for (int u = t + 1; u < nv && prevw < 0 && nearw < 0; u++)
+                        if ((j = find_slot(ks(u), W, sl)) >= 0) nearw = u * W + j;
+                    const float rho = (float)c->rho[sdm_tok_off(c->T, c->H, b, ch * C + t, h, R) + i];
+                    p.r_slot[r] = sl; p.r_prevw[r] = prevw; p.r_prevr[r] = prevr; p.r_nextr[r] = nextr;
+                    p.r_nearw[r] = prevw >= 0 ? prevw : nearw;
+                    p.r_rho[r] = rho; p.r_lam[r] = prevw >= 0 ? p.w_lam[e0 + prevw] : 0.f;
+                    p.r_gath[r] = rho * expf(p.r_lam[r]);
+                }
+            // A (u < t) and S (u <= t) over the common slots, in double from the fp32 weights and log-decays above
+            for (int t = 0; t < C; t++)
+                for (int u = 0; u < C; u++) {
+                    double av = 0.0, sv = 0.0;
+                    for (int i = 0; t < nv && u < t && i < W; i++) {
+                        int j = find_slot(ks(u), W, ks(t)[i]);
+                        if (j < 0) continue;
+                        size_t et = e0 + t * W + i, eu = e0 + u * W + j;
+                        av += (double)p.w_kappa[et] * p.w_kappa[eu] * exp((double)p.w_lam[et] - p.w_lam[eu]);
+                    }
+                    for (int i = 0; t < nv && u <= t && i < R; i++) {
+                        int j = find_slot(ks(u), W, qs(t)[i]);
+                        if (j < 0) continue;
+                        size_t rt = r0 + t * R + i, eu = e0 + u * W + j;
+                        sv += (double)p.r_rho[rt] * p.w_kappa[eu] * exp((double)p.r_lam[rt] - p.w_lam[eu]);
+                    }
+                    A[t * C + u] = av;
+                    S[t * C + u] = sv;
+                }
+            for (int j = 0; j < C; j++) // Linv = (I + diag(beta) A)^-1, column j by forward substitution
+                for (int t = 0; t < C; t++) {
+                    double x = t == j ? 1.0 : 0.0;
+                    for (int u = j; u < t; u++) x -= p.beta[t0 + t] * A[t * C + u] * X[u * C + j];
+                    X[t * C + j] = t < j ? 0.0 : x;
+                }
+            size_t m0 = ((size_t)st * L.nc + ch) * C * C;
+            for (int i = 0; i < C * C; i++) {
+                p.A[m0 + i] = (float)A[i];
+                p.Sm[m0 + i] = (float)S[i];
+                p.Linv[m0 + i] = (float)X[i];
+            }
+        }
+    return p;
+}
+
+// Entries where x and y differ, bit for bit (tol = 0) or by more than tol |y| + 1e-30 (the exponentials and the
+// Gram sums, positive: a zero on one side must be a zero, or a denormal, on the other); the first one printed.
+template <typename T>
+static long phase1_diff(const char *name, const char *what, const T *x, const T *y, size_t n, double tol) {
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        bool ok = tol > 0 ? fabs((double)x[i] - (double)y[i]) <= tol * fabs((double)y[i]) + 1e-30
+                          : !memcmp(&x[i], &y[i], sizeof(T));
+        if (ok) continue;
+        if (!bad++) printf("  %s: %s[%zu] = %.9g, expected %.9g\n", name, what, i, (double)x[i], (double)y[i]);
+    }
+    CHECK(bad == 0, "%s: phase-1 %s differs at %ld of %zu entries", name, what, bad, n);
+    return bad;
+}
+
+// A device expf against the host's: a few ulp.
+#define TOL_P1_EXP 1e-6
+// Sums of up to W positive fp32 terms against double: each term's exponent lambda_t - lambda_u is rounded to fp32
+// (|lambda_t - lambda_u| 2^-24 relative, below 5e-6 for the terms above 1e-30), each product and expf a few ulp, the
+// sum at most W 2^-24 (8e-6 at W = 128).
+#define TOL_P1_GRAM 3e-5
+#define TOL_P1_LINV 1e-4 // relative L2 error of all Linv blocks (from the A above)
+
+// Phase 1 of case c at chunk length C against phase1_expected: every link, slot and copy and lambda exactly, the
+// exponentials, A and S per element, Linv as a whole.
+static void check_phase1(const Case *c, int C, const char *name) {
+    SdmOpShape s = shape_of(c, C, 0, SDM_SNAP_NONE, 1);
+    SdmOpLayout L = sdm_op_layout(&s);
+    Dev D = dev_alloc(c, &s);
+    poison(D.saved, sdm_op_saved_bytes(&s));
+    sdm_op_forward_wy(&s, &D.in, D.saved, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    Phase1 g = phase1_download(&s, D.saved), x = phase1_expected(c, &s);
+    size_t ew = (size_t)L.S * L.Tp * c->W, er = (size_t)L.S * L.Tp * c->R, cc = (size_t)L.S * L.nc * L.C * L.C;
+    long bad = 0; // exact: slots, links, copies, lambda
+    bad += phase1_diff(name, "w_slot", g.w_slot, x.w_slot, ew, 0);
+    bad += phase1_diff(name, "w_prev", g.w_prev, x.w_prev, ew, 0);
+    bad += phase1_diff(name, "w_next", g.w_next, x.w_next, ew, 0);
+    bad += phase1_diff(name, "w_lastread", g.w_lastread, x.w_lastread, ew, 0);
+    bad += phase1_diff(name, "r_slot", g.r_slot, x.r_slot, er, 0);
+    bad += phase1_diff(name, "r_prevw", g.r_prevw, x.r_prevw, er, 0);
+    bad += phase1_diff(name, "r_prevr", g.r_prevr, x.r_prevr, er, 0);
+    bad += phase1_diff(name, "r_nextr", g.r_nextr, x.r_nextr, er, 0);
+    bad += phase1_diff(name, "r_nearw", g.r_nearw, x.r_nearw, er, 0);
+    bad += phase1_diff(name, "w_kappa", g.w_kappa, x.w_kappa, ew, 0);
+    bad += phase1_diff(name, "w_lam", g.w_lam, x.w_lam, ew, 0);
+    bad += phase1_diff(name, "r_rho", g.r_rho, x.r_rho, er, 0);
+    bad += phase1_diff(name, "r_lam", g.r_lam, x.r_lam, er, 0);
+    bad += phase1_diff(name, "beta", g.beta, x.beta, (size_t)L.S * L.Tp, 0);
+    bad += phase1_diff(name, "w_gath", g.w_gath, x.w_gath, ew, TOL_P1_EXP); // to a tolerance
+    bad += phase1_diff(name, "w_scat", g.w_scat, x.w_scat, ew, TOL_P1_EXP);
+    bad += phase1_diff(name, "w_pi", g.w_pi, x.w_pi, ew, TOL_P1_EXP);
+    bad += phase1_diff(name, "w_elam_tot", g.w_elam_tot, x.w_elam_tot, ew, TOL_P1_EXP);
+    bad += phase1_diff(name, "r_gath", g.r_gath, x.r_gath, er, TOL_P1_EXP);
+    bad += phase1_diff(name, "A", g.A, x.A, cc, TOL_P1_GRAM);
+    bad += phase1_diff(name, "S", g.Sm, x.Sm, cc, TOL_P1_GRAM);
+    std::vector<double> gl(g.Linv, g.Linv + cc), xl(x.Linv, x.Linv + cc);
+    double el = rel_error(gl.data(), xl.data(), cc);
+    CHECK(el <= TOL_P1_LINV, "%s: phase-1 Linv relative error %.2e > %.0e", name, el, TOL_P1_LINV);
+    printf("  phase 1 %-50s %s memory: %s (Linv rel err %.1e)\n", name, L.wy_work_bytes ? "global" : "shared",
+           bad ? "DIFFERS" : "links, scans, Gram as defined", el);
+    phase1_free(&g); phase1_free(&x);
+    dev_free(&D);
+}
+
 // ---- test groups ----------------------------------------------------------------------------------------------
 
 typedef struct {
     int B, T, H, N, d, W, R, C;
     GammaMode gm;
     int collide; // 1: the case must have in-chunk slot collisions
-    int hot;     // heavily repeated slots, run in every mode; 2: every token repeats its first slot sets
+    int hot;     // heavily repeated slots, run in every mode; 2: every token repeats its first slot sets; 3: every
+                 // token draws its slots from a hot set of 4 W (each slot in about a quarter of a chunk's tokens)
 } Spec;
 
 static void test_against_oracle(void) {
@@ -368,6 +620,8 @@ static void test_against_oracle(void) {
         {2, 150, 1, 64, 16, 56, 48, 64, GAMMA_UNIFORM, 1, 1},     // W, R close to N = 64
         {2, 130, 2, 256, 16, 32, 24, 64, GAMMA_UNIFORM, 1, 2},    // every token the same 32 + 24 slots
         {1, 300, 1, 256, 8, 16, 16, 256, GAMMA_UNIFORM, 1, 2},    // the same at C = 256: chains of 256 entries
+        {1, 150, 2, 4096, 16, 64, 64, 64, GAMMA_UNIFORM, 1, 2},   // the flagship's W, R, C: the same 64 + 64 slots
+        {1, 200, 2, 4096, 16, 64, 64, 64, GAMMA_UNIFORM, 1, 3},   // the same from a hot set of 256
     };
     int n = (int)(sizeof(specs) / sizeof(specs[0]));
     for (int fp32 = 1; fp32 >= 0; fp32--)
@@ -376,6 +630,7 @@ static void test_against_oracle(void) {
             if (!fp32 && i > 3 && !p->hot) continue; // bf16 bank: the first four shapes and the hot ones
             Case c = make_case(1000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
             if (p->hot == 2) repeat_first_slots(&c);
+            if (p->hot == 3) draw_hot_slots(&c, 3000 + i, 4 * p->W);
             if (p->collide)
                 CHECK(count_collisions(&c, SDM_MIN(p->C, p->T)) > 0, "case %d has no in-chunk collisions", i);
             double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
@@ -383,7 +638,8 @@ static void test_against_oracle(void) {
             Result ref = run_ref(&c, rb);
             char name[128];
             snprintf(name, sizeof(name), "%s B%d T%d H%d N%d d%d W%d R%d C%d g%d%s", fp32 ? "fp32" : "bf16", p->B,
-                     p->T, p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm, p->hot == 2 ? " same-slots" : "");
+                     p->T, p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm,
+                     p->hot == 2 ? " same-slots" : p->hot == 3 ? " hot-set" : "");
             compare(name, &c, &g, &ref, fp32 ? TOL_FP32 : TOL_BF16);
             free_result(&g); free_result(&ref); free(rb); free_case(&c);
         }
@@ -615,6 +871,85 @@ static void test_decode(int fp32, int B, int T, int N, int d, int W, int R) {
     free_case(&c);
 }
 
+// The cases of the phase-1 checks: uniform slots (few repeats), slots from a hot set (hot > 0: each slot of a chunk in
+// about W / hot of its tokens: a quarter at 4 W, all at W), every token the slots of its stream's first token
+// (hot < 0: chains of C entries), W != R, one slot per token, partial last chunks, the flagship's W = R = 64 at C = 64,
+// and large chunks (C = 256; W = R = 128), whose working set phase 1 keeps in global memory.
+typedef struct {
+    int B, T, H, N, W, R, C, hot;
+    GammaMode gm;
+} Phase1Spec;
+
+static const Phase1Spec k_phase1_specs[] = {
+    {2, 150, 2, 65536, 64, 64, 64, 0, GAMMA_UNIFORM},        // the flagship's addressing, uniform, T % C != 0
+    {1, 200, 2, 65536, 64, 64, 64, 256, GAMMA_UNIFORM},      // hot set of 256
+    {1, 100, 2, 4096, 64, 64, 64, -1, GAMMA_UNIFORM},        // every token the same 64 + 64 slots
+    {1, 130, 1, 4096, 64, 64, 64, 64, GAMMA_VERY_NEGATIVE},  // hot set of 64 (= W), full wipe
+    {2, 90, 1, 64, 12, 20, 32, 0, GAMMA_UNIFORM},            // W != R, dense N
+    {1, 100, 2, 512, 16, 48, 64, -1, GAMMA_ZERO},            // W != R, same slots, no decay
+    {1, 77, 2, 16, 1, 1, 16, 0, GAMMA_UNIFORM},              // one slot per token
+    {1, 70, 1, 256, 64, 1, 64, 64, GAMMA_UNIFORM},           // every token writes the same 64 slots, reads one
+    {1, 300, 1, 256, 32, 32, 256, 128, GAMMA_UNIFORM},       // C = 256, hot set of 128
+    {1, 130, 1, 2048, 128, 128, 64, 512, GAMMA_UNIFORM},     // W = R = 128, hot set of 512
+};
+
+static Case phase1_case(int i) {
+    const Phase1Spec *p = &k_phase1_specs[i];
+    Case c = make_case(5000 + i, p->B, p->T, p->H, p->N, 8, p->W, p->R, p->gm, 0);
+    if (p->hot < 0) repeat_first_slots(&c);
+    if (p->hot > 0) draw_hot_slots(&c, 6000 + i, p->hot);
+    return c;
+}
+
+static void phase1_name(int i, char *buf, size_t n) {
+    const Phase1Spec *p = &k_phase1_specs[i];
+    snprintf(buf, n, "B%d T%d H%d N%d W%d R%d C%d %s g%d", p->B, p->T, p->H, p->N, p->W, p->R, p->C,
+             p->hot < 0 ? "same-slots" : p->hot > 0 ? "hot-set" : "uniform", (int)p->gm);
+}
+
+static void test_phase1(void) {
+    for (int i = 0; i < (int)(sizeof(k_phase1_specs) / sizeof(k_phase1_specs[0])); i++) {
+        Case c = phase1_case(i);
+        char name[96];
+        phase1_name(i, name, sizeof(name));
+        check_phase1(&c, k_phase1_specs[i].C, name);
+        free_case(&c);
+    }
+}
+
+static unsigned long long fnv1a(unsigned long long h, const void *p, size_t bytes) {
+    for (size_t k = 0; k < bytes; k++) h = (h ^ ((const unsigned char *)p)[k]) * 0x100000001B3ull;
+    return h;
+}
+
+// --wy-digest: for each phase-1 case (fp32 bank), a digest of everything phase 1 saved and one of every output and
+// gradient of the forward and backward. Equal lines from two builds mean the same bits: how a rewrite of the WY
+// kernels is checked against the kernels it replaces (run this at both commits and compare).
+static void print_wy_digests(void) {
+    for (int i = 0; i < (int)(sizeof(k_phase1_specs) / sizeof(k_phase1_specs[0])); i++) {
+        Case c = phase1_case(i);
+        SdmOpShape s = shape_of(&c, k_phase1_specs[i].C, 1, SDM_SNAP_NONE, 1);
+        SdmOpLayout L = sdm_op_layout(&s);
+        size_t ew = (size_t)L.S * L.Tp * c.W * 4, er = (size_t)L.S * L.Tp * c.R * 4;
+        size_t cc = (size_t)L.S * L.nc * L.C * L.C * 4;
+        double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+        Phase1 p;
+        Result r = run_gpu_shape(&c, &s, rb, &p);
+        unsigned long long h = 0xCBF29CE484222325ull;
+        const void *wparts[] = {p.w_slot, p.w_prev, p.w_next, p.w_lastread, p.w_kappa, p.w_lam, p.w_gath, p.w_scat,
+                                p.w_pi, p.w_elam_tot};
+        const void *rparts[] = {p.r_slot, p.r_prevw, p.r_prevr, p.r_nextr, p.r_nearw, p.r_rho, p.r_lam, p.r_gath};
+        for (int k = 0; k < 10; k++) h = fnv1a(h, wparts[k], ew);
+        for (int k = 0; k < 8; k++) h = fnv1a(h, rparts[k], er);
+        h = fnv1a(h, p.beta, (size_t)L.S * L.Tp * 4);
+        h = fnv1a(h, p.A, cc); h = fnv1a(h, p.Sm, cc); h = fnv1a(h, p.Linv, cc);
+        char name[96];
+        phase1_name(i, name, sizeof(name));
+        printf("%-48s phase1 %016llx op %016llx\n", name, h, result_digest(&c, &r));
+        phase1_free(&p); free_result(&r); free(rb); free_case(&c);
+    }
+}
+
 static void test_refusals(void) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
@@ -634,7 +969,9 @@ static void test_refusals(void) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--digest")) { printf("%016llx\n", fixed_case_digest()); return 0; }
+    if (argc > 1 && !strcmp(argv[1], "--wy-digest")) { print_wy_digests(); return 0; }
     test_refusals();
+    test_phase1();
     test_against_oracle();
     test_chunk_invariance_and_determinism(0);
     test_chunk_invariance_and_determinism(1);
