@@ -1,7 +1,7 @@
 // sdm/sdm_op_wy.cuh: phase 1 of the chunked SDM op (docs/SDM.md#chunked-wy-form, docs/SDM.md#numerics): the per-chunk
-// WY quantities, one block per (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa, gamma
-// [B,T,H,W], beta [B,T,H], rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot lists
-// and links between the chunk's entries (previous/next write and read of a slot, the last write a read sees, the
+// WY quantities, one block per (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa,
+// gamma [B,T,H,W], beta [B,T,H], rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot
+// lists and links between the chunk's entries (previous/next write and read of a slot, the last write a read sees, the
 // nearest write of a read's slot, the last read of a slot) [S][Tp][W|R], per-slot decay scans lam, gather/scatter
 // weights, e^Lambda [S][Tp][W], beta [S][Tp], and per chunk the Gram matrices A (strictly lower), S (lower with
 // diagonal) and Linv = (I + diag(beta) A)^-1, each [S][nc][C][C]. Used by the forward (training and prefill); the
@@ -251,7 +251,8 @@ __global__ void __launch_bounds__(SDM_WY_THREADS) sdm_wy_kernel(SdmOpArgs a, con
         a.w_scat[o] = pi * kap[e];
         a.w_elam_tot[o] = expf(a.w_elam_tot[o]);
     }
-    for (int r = threadIdx.x; r < nvalid * R; r += blockDim.x) a.r_gath[er + r] = a.r_rho[er + r] * expf(a.r_lam[er + r]);
+    for (int r = threadIdx.x; r < nvalid * R; r += blockDim.x)
+        a.r_gath[er + r] = a.r_rho[er + r] * expf(a.r_lam[er + r]);
     // Gram matrices A (strictly lower) and S (lower with diagonal), one warp per row t in a buffer of its own, then
     // into A, Sm and (for the solve) Am; rows of padding are zero
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
