@@ -16,7 +16,7 @@
 //                    bscatter (one warp per entry: the dense fp32 bank gradient G at the touched rows, bank rows
 //                    restored from the snapshots, the dots psi, phi, eta against the chunk-start rows), then
 //                    bwy_kernel (per (stream, chunk): the C x C products, the Gram backward and the per-slot dgamma
-//                    scans, one thread per slot).
+//                    sums, one thread per entry walking its slot's links in shared memory).
 //   decode_kernel    one token per stream, the recurrence in place (docs/SDM.md#the-recurrence).
 // No floating-point atomics anywhere (an integer atomicAdd only lists phase 1's slot groups, in an order no result
 // depends on): bitwise deterministic.

@@ -182,6 +182,26 @@ SDM_HOST_DEVICE static inline SdmWyLayout sdm_wy_layout(int C, int W, int R) {
     return L;
 }
 
+// The backward's per-chunk WY kernel (sdm_bwy_kernel in sdm/sdm_op_bwd.cuh) likewise: its working set for one chunk in
+// shared memory when it fits in SDM_WY_SMEM_MAX bytes (112 KB at the flagship's chunk), else in `scratch` (bwy_work).
+typedef struct {
+    size_t mats;  // dS, dL [C][C] fp32, then beta [C]
+    size_t links; // prev, next [C W], then prevr, prevw [C R] uint16 (0xffff: none)
+    size_t vals;  // kappa, lambda [C W], rho [C R] fp32; later dlam, dmu [C W], dlam' [C R]; before them the tiles of
+                  // the C x C products, [2][64][33] fp32
+    size_t bytes;
+} SdmBwyLayout;
+
+SDM_HOST_DEVICE static inline SdmBwyLayout sdm_bwy_layout(int C, int W, int R) {
+    const size_t vals = (size_t)C * (2 * W + R) * 4, tiles = 2 * 64 * 33 * 4;
+    SdmBwyLayout L;
+    L.mats = 0;
+    L.links = ((size_t)(2 * C + 1) * C * 4 + 15) & ~(size_t)15;
+    L.vals = L.links + (((size_t)C * (W + R) * 4 + 15) & ~(size_t)15);
+    L.bytes = (L.vals + (vals > tiles ? vals : tiles) + 15) & ~(size_t)15;
+    return L;
+}
+
 // Offsets of every buffer inside `saved` / `scratch` (bytes). Streams are stream-major: [S = B*H][Tp][...] with
 // Tp = chunks * C (padded tokens are inert).
 typedef struct {
@@ -201,10 +221,11 @@ typedef struct {
     // scratch (backward)
     size_t wsum;                  // [S][C][d] write-path gradient of delta for the current chunk
     size_t dx;                    // [S][Tp][d]
-    size_t omega, eta, psi, dmu;  // [S][Tp][W]: per-entry dots, then gradients of kappa, gamma, lambda, mu
-    size_t phi, dlamr;            // [S][Tp][R]: per-entry dots, then gradients of rho, lambda'
+    size_t omega, eta, psi, dmu;  // [S][Tp][W]: per-entry dots omega, eta, psi, then gradients of lambda, mu
+    size_t phi, dlamr;            // [S][Tp][R]: per-entry dot phi, gradient of lambda'
 
-    size_t dS, dL;                // [S][nc][C][C]
+    size_t bwy_work;              // [S][nc] the backward WY kernel's working sets (sdm_bwy_layout) when one exceeds
+    size_t bwy_work_bytes;        // SDM_WY_SMEM_MAX, and their bytes; 0: in shared memory
     size_t scratch_bytes;
 } SdmOpLayout;
 
@@ -245,7 +266,9 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     SDM_OP_TAKE(dx, rows * 4);
     SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(dmu, ew * 4);
     SDM_OP_TAKE(phi, er * 4); SDM_OP_TAKE(dlamr, er * 4);
-    SDM_OP_TAKE(dS, cc * 4); SDM_OP_TAKE(dL, cc * 4);
+    size_t bwy = sdm_bwy_layout(L.C, s->W, s->R).bytes;
+    L.bwy_work_bytes = bwy > SDM_WY_SMEM_MAX ? (size_t)L.S * L.nc * bwy : 0;
+    SDM_OP_TAKE(bwy_work, L.bwy_work_bytes);
     L.scratch_bytes = off;
 #undef SDM_OP_TAKE
     return L;

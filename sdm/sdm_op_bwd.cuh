@@ -206,56 +206,97 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Backward, batched over all chunks: grid (nc, S), 256 threads.
+// Backward, batched over all chunks: grid (nc, S), SDM_BWY_THREADS threads.
+
+#define SDM_BWY_THREADS 512 // sdm_chunk_gram's tiling is for this many
 
 // out[t][u] = scale * <X_t, Y_u> over d for u <= t (u < t when strict), 0 elsewhere. X, Y: [C][d] fp32 rows with row
 // stride d (X rows may be token-major: xrow(t) gives the row pointer or NULL for padding). 64x64 output tiles,
-// 32-column smem slices, 4x4 outputs per thread.
+// 32-column slices in shared memory (`sm`: [2][64][33] floats), each thread loading one float4 of X's and of Y's slice,
+// the next slice's loads in flight while one is multiplied, 2x4 outputs per thread (SDM_BWY_THREADS = 512). Each
+// output is one fma chain over the columns in order.
 template <typename RowX>
 __device__ void sdm_chunk_gram(int C, int d, RowX xrow, const float *Y, float scale, bool strict, float *out,
                                float *sm) {
     float *xs = sm, *ys = sm + 64 * 33;
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, lr = threadIdx.x / 8, lc = threadIdx.x % 8 * 4;
+    // this thread's float4 of a row's slice from column k (d is a multiple of 8: a float4 is in or out whole), and
+    // its place in a staged slice
+    auto load = [&](const float *row, int k) {
+        return row && k < d ? *(const float4 *)(row + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+    auto stage = [&](float *m, float4 v) {
+        m[lr * 33 + lc] = v.x; m[lr * 33 + lc + 1] = v.y; m[lr * 33 + lc + 2] = v.z; m[lr * 33 + lc + 3] = v.w;
+    };
     for (int t0 = 0; t0 < C; t0 += 64)
         for (int u0 = 0; u0 <= t0; u0 += 64) {
-            float acc[4][4] = {};
+            const float *xr = t0 + lr < C ? xrow(t0 + lr) : NULL, *yr = u0 + lr < C ? Y + (size_t)(u0 + lr) * d : NULL;
+            float4 xv = load(xr, lc), yv = load(yr, lc);
+            float acc[2][4] = {};
             for (int k0 = 0; k0 < d; k0 += 32) {
                 __syncthreads();
-                for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
-                    int r = i / 32, k = i % 32;
-                    const float *xr = t0 + r < C ? xrow(t0 + r) : NULL;
-                    xs[r * 33 + k] = xr && k0 + k < d ? xr[k0 + k] : 0.f;
-                    ys[r * 33 + k] = u0 + r < C && k0 + k < d ? Y[(size_t)(u0 + r) * d + k0 + k] : 0.f;
-                }
+                stage(xs, xv);
+                stage(ys, yv);
                 __syncthreads();
+                xv = load(xr, k0 + 32 + lc); // the next slice, in flight during this one's products
+                yv = load(yr, k0 + 32 + lc);
                 for (int k = 0; k < 32; k++)
-                    for (int i = 0; i < 4; i++)
+                    for (int i = 0; i < 2; i++)
                         for (int j = 0; j < 4; j++)
-                            acc[i][j] = fmaf(xs[(ty * 4 + i) * 33 + k], ys[(tx * 4 + j) * 33 + k], acc[i][j]);
+                            acc[i][j] = fmaf(xs[(ty * 2 + i) * 33 + k], ys[(tx * 4 + j) * 33 + k], acc[i][j]);
             }
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 2; i++)
                 for (int j = 0; j < 4; j++) {
-                    int t = t0 + ty * 4 + i, u = u0 + tx * 4 + j;
+                    int t = t0 + ty * 2 + i, u = u0 + tx * 4 + j;
                     if (t < C && u < C) out[t * C + u] = (u < t || (u == t && !strict)) ? scale * acc[i][j] : 0.f;
                 }
         }
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *dout, float *dkappa, float *dgamma,
-                                                      float *dbeta, float *drho) {
-    __shared__ float sm[2 * 64 * 33];
-    const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R;
+// A link staged as 16 bits (entries number below 49152; 0xffff: none).
+__device__ __forceinline__ int sdm_link16(unsigned short x) { return x == 0xffffu ? -1 : (int)x; }
+
+// Grid (nc, S), SDM_BWY_THREADS threads; SMEM: the working set (sdm_bwy_layout) in dynamic shared memory, else in
+// a.bwy_work. Two blocks an SM at the flagship's chunk (112 KB each, at most 64 registers): one block's products or
+// row loads overlap the other's chain walks.
+template <bool SMEM>
+__global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a, const float *dout, float *dkappa,
+                                                                  float *dgamma, float *dbeta, float *drho) {
+    extern __shared__ __align__(16) unsigned char sdm_bwy_smem[];
+    const int c = blockIdx.x, s = blockIdx.y, C = a.C, W = a.W, R = a.R, CW = C * W, CR = C * R;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * C) * W, er = ((size_t)s * a.Tp + (size_t)c * C) * R;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
-    const int nvalid = min(C, a.T - c * C);
+    const int nvalid = min(C, a.T - c * C), nw = nvalid * W, nr = nvalid * R;
+    const SdmBwyLayout L = sdm_bwy_layout(C, W, R);
+    unsigned char *work = SMEM ? sdm_bwy_smem : (unsigned char *)a.bwy_work + ((size_t)s * a.nc + c) * L.bytes;
+    float *dS = (float *)(work + L.mats), *dL = dS + C * C, *bt = dL + C * C;
+    unsigned short *prev = (unsigned short *)(work + L.links), *next = prev + CW, *prevr = next + CW,
+                   *prevw = prevr + CR;
+    float *vals = (float *)(work + L.vals), *kap = vals, *lam = kap + CW, *rho = lam + CW;
+    // lambda' of read r: that of its last write (phase 1 saves r_lam as exactly this)
+    auto rlam = [&](int r) { int pw = sdm_link16(prevw[r]); return pw >= 0 ? lam[pw] : 0.f; };
     const float *Dl = a.delta + tok0 * a.d, *DX = a.dx + tok0 * a.d;
-    float *dS = a.dS + cc, *dL = a.dL + cc;
-    // dS = dO Delta^T (u <= t), dL = -dX Delta^T (u < t)
+    // the links and beta of the chunk (padding has none); the Gram products read neither
+    for (int e = threadIdx.x; e < CW; e += blockDim.x) {
+        prev[e] = (unsigned short)a.w_prev[ew + e];
+        next[e] = (unsigned short)a.w_next[ew + e];
+    }
+    for (int r = threadIdx.x; r < CR; r += blockDim.x) {
+        prevr[r] = (unsigned short)a.r_prevr[er + r];
+        prevw[r] = (unsigned short)a.r_prevw[er + r];
+    }
+    for (int t = threadIdx.x; t < C; t += blockDim.x) bt[t] = a.beta[tok0 + t];
+    // dS = dO Delta^T (u <= t), dL = -dX Delta^T (u < t); the tiles over the per-entry values, staged after them
     sdm_chunk_gram(
         C, a.d, [&](int t) { return t < nvalid ? dout + sdm_tok_off(a, s, c * C + t, a.d) : (const float *)NULL; },
-        Dl, 1.f, false, dS, sm);
-    sdm_chunk_gram(C, a.d, [&](int t) { return DX + (size_t)t * a.d; }, Dl, -1.f, true, dL, sm);
+        Dl, 1.f, false, dS, vals);
+    sdm_chunk_gram(C, a.d, [&](int t) { return DX + (size_t)t * a.d; }, Dl, -1.f, true, dL, vals);
+    for (int e = threadIdx.x; e < CW; e += blockDim.x) {
+        kap[e] = a.w_kappa[ew + e];
+        lam[e] = a.w_lam[ew + e];
+    }
+    for (int r = threadIdx.x; r < CR; r += blockDim.x) rho[r] = a.r_rho[er + r];
     // dbeta_t = <V - R0, dX>_t + sum_{u<t} A[t,u] dL[t,u], one warp per token
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int t = warp; t < nvalid; t += blockDim.x / 32) {
@@ -265,81 +306,77 @@ __global__ void __launch_bounds__(256) sdm_bwy_kernel(SdmOpArgs a, const float *
         x = core_warp_sum(x);
         if (lane == 0) dbeta[sdm_tok_off(a, s, c * C + t, 1)] = x;
     }
+    __syncthreads();
     // Per-entry terms, in gather form: one thread per write or read entry sums everything its entry receives, the
     // direct terms, then the Gram backward over the other entries of its slot (walking the chunk's links, in chain
     // order), so a slot hit by many tokens spreads over as many threads and every sum has one owner and a fixed order
-    // (no atomics). Padding has no links: only the (zero) direct terms.
+    // (no atomics). Padding (no links, dropped gradients) is skipped.
     //   write entry q:  dkappa = pi omega + e^lam psi, dlam = kappa e^lam psi, dmu = kappa pi omega, then per A pair
     //                   with an earlier write b (q is the row), a later write b (q is the column), and per S pair
-    //                   with a read at or after q; omega, psi become dkappa, dlam in place
-    //   read entry r:   drho = e^lam' phi, dlam' = rho e^lam' phi, then per S pair with a write at or before r;
-    //                   phi becomes drho in place
-    // An S pair whose write entry is prevw[r] has lam' = lam: its two log-decay terms cancel and are skipped.
-    float *dk = a.omega + ew, *dg = a.eta + ew, *dlam = a.psi + ew, *dmu = a.dmu + ew, *dr = a.phi + er,
-          *dlr = a.dlamr + er;
-    const float *kap = a.w_kappa + ew, *lam = a.w_lam + ew, *rho = a.r_rho + er, *rlam = a.r_lam + er;
-    const float *bt = a.beta + tok0;
-    const int *prev = a.w_prev + ew, *next = a.w_next + ew, *lastread = a.w_lastread + ew, *prevr = a.r_prevr + er,
-              *prevw = a.r_prevw + er;
-    for (int e = threadIdx.x; e < C * (W + R); e += blockDim.x) {
-        if (e < C * W) {
+    //                   with a read at or after q
+    //   read entry r:   drho = e^lam' phi, dlam' = rho e^lam' phi, then per S pair with a write at or before r
+    // An S pair whose write entry is prevw[r] has lam' = lam: its two log-decay terms cancel and are skipped. dkappa
+    // and drho are final; dlam, dmu, dlam' go to psi, dmu, dlamr for the dgamma sums.
+    for (int e = threadIdx.x; e < nw + nr; e += blockDim.x) {
+        if (e < nw) {
             const int q = e, tq = q / W;
-            const float kq = kap[q], lq = lam[q], pi = a.w_pi[ew + q], el = expf(lq), om = dk[q], ps = dlam[q];
+            const float kq = kap[q], lq = lam[q], pi = a.w_pi[ew + q], el = expf(lq), om = a.omega[ew + q],
+                        ps = a.psi[ew + q];
             float k = pi * om + el * ps, l = kq * el * ps;
-            dmu[q] = kq * pi * om;
-            for (int b = prev[q]; b >= 0; b = prev[b]) { // A[tq, tb]
+            a.dmu[ew + q] = kq * pi * om;
+            for (int b = sdm_link16(prev[q]); b >= 0; b = sdm_link16(prev[b])) { // A[tq, tb]
                 float gA = bt[tq] * dL[tq * C + b / W], E = expf(lq - lam[b]);
                 k += gA * kap[b] * E;
                 l += gA * kq * kap[b] * E;
             }
-            for (int b = next[q]; b >= 0; b = next[b]) { // A[tb, tq]
+            for (int b = sdm_link16(next[q]); b >= 0; b = sdm_link16(next[b])) { // A[tb, tq]
                 int tb = b / W;
                 float gA = bt[tb] * dL[tb * C + tq], E = expf(lam[b] - lq);
                 k += gA * kap[b] * E;
                 l -= gA * kap[b] * kq * E;
             }
-            for (int r = lastread[q]; r >= 0 && r / R >= tq; r = prevr[r]) { // S[tr, tq]
-                float gS = dS[(r / R) * C + tq], E = expf(rlam[r] - lq);
+            for (int r = a.w_lastread[ew + q]; r >= 0 && r / R >= tq; r = sdm_link16(prevr[r])) { // S[tr, tq]
+                float gS = dS[(r / R) * C + tq], E = expf(rlam(r) - lq);
                 k += gS * rho[r] * E;
-                if (q != prevw[r]) l -= gS * rho[r] * kq * E;
+                if (q != sdm_link16(prevw[r])) l -= gS * rho[r] * kq * E;
             }
-            dk[q] = k;
-            dlam[q] = l;
+            dkappa[sdm_tok_off(a, s, c * C + tq, W) + q % W] = k;
+            a.psi[ew + q] = l;
         } else {
-            const int r = e - C * W, tr = r / R, pw = prevw[r];
-            const float rr = rho[r], lr = rlam[r], el = expf(lr), ph = dr[r];
+            const int r = e - nw, tr = r / R, pw = sdm_link16(prevw[r]);
+            const float rr = rho[r], lr = rlam(r), el = expf(lr), ph = a.phi[er + r];
             float k = el * ph, l = rr * el * ph;
-            for (int q = pw; q >= 0; q = prev[q]) { // S[tr, tq]
+            for (int q = pw; q >= 0; q = sdm_link16(prev[q])) { // S[tr, tq]
                 float gS = dS[tr * C + q / W], E = expf(lr - lam[q]);
                 k += gS * kap[q] * E;
                 if (q != pw) l += gS * rr * kap[q] * E;
             }
-            dr[r] = k;
-            dlr[r] = l;
+            drho[sdm_tok_off(a, s, c * C + tr, R) + r % R] = k;
+            a.dlamr[er + r] = l;
         }
     }
+    __syncthreads();
+    // the dgamma sums walk the same chains over dlam, dmu, dlam', staged over the values
+    float *dlam = vals, *dmu = dlam + CW, *dlr = dmu + CW;
+    for (int q = threadIdx.x; q < nw; q += blockDim.x) {
+        dlam[q] = a.psi[ew + q];
+        dmu[q] = a.dmu[ew + q];
+    }
+    for (int r = threadIdx.x; r < nr; r += blockDim.x) dlr[r] = a.dlamr[er + r];
     __syncthreads();
     // dgamma_q = eta_q + sum_{writes b at or after q} dlam_b + sum_{writes b before q} dmu_b
     //          + sum_{reads at or after q} dlam'_r, one thread per write entry
     // (docs/SDM.md#per-entry-gradients also lists -kappa pi omega for q and dmu_q itself: they cancel exactly since
     // pi_q = e^{mu_q - gamma_q} does not depend on gamma_q, and dropping both avoids a catastrophic cancellation when
     // gamma << 0)
-    for (int q = threadIdx.x; q < C * W; q += blockDim.x) {
+    for (int q = threadIdx.x; q < nw; q += blockDim.x) {
         const int tq = q / W;
-        float x = dg[q];
-        for (int b = q; b >= 0; b = next[b]) x += dlam[b];
-        for (int b = prev[q]; b >= 0; b = prev[b]) x += dmu[b];
-        for (int r = lastread[q]; r >= 0 && r / R >= tq; r = prevr[r]) x += dlr[r];
-        dg[q] = x;
+        float x = a.eta[ew + q];
+        for (int b = q; b >= 0; b = sdm_link16(next[b])) x += dlam[b];
+        for (int b = sdm_link16(prev[q]); b >= 0; b = sdm_link16(prev[b])) x += dmu[b];
+        for (int r = a.w_lastread[ew + q]; r >= 0 && r / R >= tq; r = sdm_link16(prevr[r])) x += dlr[r];
+        dgamma[sdm_tok_off(a, s, c * C + tq, W) + q % W] = x;
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < nvalid * W; e += blockDim.x) {
-        size_t o = sdm_tok_off(a, s, c * C + e / W, W) + e % W;
-        dkappa[o] = dk[e];
-        dgamma[o] = dg[e];
-    }
-    for (int e = threadIdx.x; e < nvalid * R; e += blockDim.x)
-        drho[sdm_tok_off(a, s, c * C + e / R, R) + e % R] = dr[e];
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).
@@ -362,7 +399,15 @@ static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int ba
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
-    sdm_bwy_kernel<<<dim3(a.nc, a.S), 256, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
+    const dim3 grid(a.nc, a.S);
+    if (a.bwy_work) {
+        sdm_bwy_kernel<false><<<grid, SDM_BWY_THREADS, 0, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta, g->drho);
+    } else {
+        size_t smem = sdm_bwy_layout(a.C, a.W, a.R).bytes;
+        cudaCheck(cudaFuncSetAttribute(sdm_bwy_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        sdm_bwy_kernel<true><<<grid, SDM_BWY_THREADS, smem, stream>>>(a, dout, g->dkappa, g->dgamma, g->dbeta,
+                                                                       g->drho);
+    }
     cudaCheckLast();
 }
 

@@ -175,7 +175,8 @@ struct SdmOpArgs {
     SdmSnapView snap;
     char *wy_work; // phase 1's working sets in global memory ([S][nc] of sdm_wy_layout bytes), or NULL: shared memory
     // backward scratch
-    float *wsum, *dx, *omega, *eta, *psi, *phi, *dS, *dL, *dmu, *dlamr;
+    float *wsum, *dx, *omega, *eta, *psi, *phi, *dmu, *dlamr;
+    char *bwy_work; // the backward WY kernel's working sets in global memory ([S][nc] of sdm_bwy_layout), or NULL
 };
 
 static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scratch) {
@@ -208,8 +209,8 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
     if (scratch) {
         sv = (char *)scratch;
         SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);
-        SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dS, float); SDM_OP_PTR(dL, float);
-        SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
+        SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
+        a.bwy_work = L.bwy_work_bytes ? sv + L.bwy_work : NULL;
     }
 #undef SDM_OP_PTR
     return a;

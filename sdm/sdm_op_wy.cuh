@@ -1,7 +1,7 @@
 // sdm/sdm_op_wy.cuh: phase 1 of the chunked SDM op (docs/SDM.md#chunked-wy-form, docs/SDM.md#numerics): the per-chunk
-// WY quantities, one block per (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa, gamma
-// [B,T,H,W], beta [B,T,H], rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot lists
-// and links between the chunk's entries (previous/next write and read of a slot, the last write a read sees, the
+// WY quantities, one block per (chunk, stream), no bank access. Inputs: the op's token-major inputs (wslot, kappa,
+// gamma [B,T,H,W], beta [B,T,H], rslot, rho [B,T,H,R]); outputs into `saved` (stream-major, padded tokens inert): slot
+// lists and links between the chunk's entries (previous/next write and read of a slot, the last write a read sees, the
 // nearest write of a read's slot, the last read of a slot) [S][Tp][W|R], per-slot decay scans lam, gather/scatter
 // weights, e^Lambda [S][Tp][W], beta [S][Tp], and per chunk the Gram matrices A (strictly lower), S (lower with
 // diagonal) and Linv = (I + diag(beta) A)^-1, each [S][nc][C][C]. Used by the forward (training and prefill); the
@@ -42,34 +42,36 @@ __device__ __forceinline__ void sdm_wy_cas(SdmWyKey *keys, int i, int j, int n) 
 // in ascending runs of `run` (a power of two) at multiples of it. Bitonic merges: each level merges sorted runs into
 // runs twice as long, by comparing each position of a run's first half with its mirror image in the second half,
 // then half-cleaners at halving strides; positions from n up count as +infinity (their compare-exchanges skipped).
-// About 70 barriers at the flagship's 8,192 keys.
+// Each warp owns a contiguous range of the compare-exchanges of every stage, and so of the positions: a stage within
+// blocks no longer than the range stays inside it and needs no block-wide barrier, only the warp's (at the
+// flagship's 8,192 keys, 10 block barriers and 60 warp barriers).
 __device__ __forceinline__ void sdm_wy_sort(SdmWyKey *keys, int n, int run) {
     int np = run;
     while (np < n) np <<= 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pairs = np / 2;
+    const int per = max(32, pairs / (int)(blockDim.x / 32)); // compare-exchanges a warp (a power of two)
+    bool synced = true;                                      // every thread's keys visible to the block
+    // one stage: compare-exchanges within blocks of 2^lb positions, the mirror image (flip) or the position 2^(lb-1)
+    // further on
+    auto stage = [&](int lb, bool flip) {
+        const bool local = (1 << lb) <= 2 * per;
+        if (!local && !synced) __syncthreads();
+        const int lh = lb - 1;
+        for (int q = warp * per + lane; q < min((warp + 1) * per, pairs); q += 32) {
+            const int off = q & ((1 << lh) - 1), base = (q >> lh) << lb;
+            sdm_wy_cas(keys, base + off, flip ? base + (1 << lb) - 1 - off : base + off + (1 << lh), n);
+        }
+        if (local) __syncwarp();
+        else __syncthreads();
+        synced = !local;
+    };
     for (int lk = __ffs(2 * run) - 1; (1 << lk) <= np; lk++) { // merged runs of 2^lk
-        for (int q = threadIdx.x; q < np / 2; q += blockDim.x) {
-            int off = q & ((1 << (lk - 1)) - 1), base = (q >> (lk - 1)) << lk;
-            sdm_wy_cas(keys, base + off, base + (1 << lk) - 1 - off, n);
-        }
-        __syncthreads();
-        for (int ls = lk - 2; ls >= 0; ls--) {
-            for (int q = threadIdx.x; q < np / 2; q += blockDim.x) {
-                int i = ((q >> ls) << (ls + 1)) | (q & ((1 << ls) - 1));
-                sdm_wy_cas(keys, i, i + (1 << ls), n);
-            }
-            __syncthreads();
-        }
+        stage(lk, true);
+        for (int lb = lk - 1; lb >= 1; lb--) stage(lb, false);
     }
+    if (!synced) __syncthreads();
 }
 
-// One slot group, sorted positions [p0, ..): the slot's writes and reads in time order. Sets every link of its
-// entries, lambda in place of gamma in lam[] (and w_lam), lambda' of its reads, and, until the pass that takes their
-// exponentials, nu in w_pi and Lambda in w_elam_tot. The fp32 sums are those of the per-slot recurrences from zero
-// inside the chunk: lambda from the slot's first write on (lam_e = lam_prev + gamma_e), nu from its last write back
-// (nu_e = gamma_next + nu_next, 0 at the last), Lambda = lambda of the last write. For the Gram sums it then leaves
-// the group's writes in time order at the start of its positions, keys[p0 + o] = sdm_wy_compacted(token, entry) for
-// the o-th, and for each of its entries the writes before it, span[] = p0 | count << 16 (a write: those of earlier
-// tokens; a read: those up to its own token).
 // A write as sdm_wy_walk stores it over the group's keys: the token and the entry in the low word, an impossible slot
 // in the high one, so that the walker of the group before, reading this position for its end, stops there.
 __device__ __forceinline__ SdmWyKey sdm_wy_compacted(int t, int e) {
@@ -249,7 +251,8 @@ __global__ void __launch_bounds__(SDM_WY_THREADS) sdm_wy_kernel(SdmOpArgs a, con
         a.w_scat[o] = pi * kap[e];
         a.w_elam_tot[o] = expf(a.w_elam_tot[o]);
     }
-    for (int r = threadIdx.x; r < nvalid * R; r += blockDim.x) a.r_gath[er + r] = a.r_rho[er + r] * expf(a.r_lam[er + r]);
+    for (int r = threadIdx.x; r < nvalid * R; r += blockDim.x)
+        a.r_gath[er + r] = a.r_rho[er + r] * expf(a.r_lam[er + r]);
     // Gram matrices A (strictly lower) and S (lower with diagonal), one warp per row t in a buffer of its own, then
     // into A, Sm and (for the solve) Am; rows of padding are zero
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -164,8 +164,9 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     float bw = time_ms(reps, [&] { sdm_op_launch_bwy(a, dout, g, 0); });
     cudaCheckLast();
     printf("  parts (ms): phase1 %.3f (%zu KB a chunk in %s memory) | fgather %.3f fsolve %.3f fscatter %.3f | token "
-           "%.3f bsolve %.3f bscatter %.3f bwy %.3f\n", p1, sdm_wy_layout(a.C, a.W, a.R).bytes >> 10,
-           a.wy_work ? "global" : "shared", fg, fs, fc, tk, bs, bc, bw);
+           "%.3f bsolve %.3f bscatter %.3f bwy %.3f (%zu KB a chunk in %s memory)\n", p1,
+           sdm_wy_layout(a.C, a.W, a.R).bytes >> 10, a.wy_work ? "global" : "shared", fg, fs, fc, tk, bs, bc, bw,
+           sdm_bwy_layout(a.C, a.W, a.R).bytes >> 10, a.bwy_work ? "global" : "shared");
 }
 
 // Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
