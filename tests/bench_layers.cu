@@ -6,7 +6,8 @@
 // dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this part also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
 // Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernel
-// and cuBLASLt, each called directly (see bench_products).
+// and cuBLASLt, each called directly (see bench_products). Last, the cost of one more kernel in a decode step
+// (bench_chain).
 #include "core/layers.cuh"
 #include "core/matmul.cuh"
 #include "tests/bench.h"
@@ -208,6 +209,60 @@ static void bench_products(void) {
     cudaCheck(cudaFree(x));
 }
 
+// ---- the dependent-kernel floor of a decode step -------------------------------------------------------------------
+// A decode step at batch 1 is a chain of ~185 kernels, each of which reads what the one before it wrote. This times
+// such a chain with nothing else in it: CHAIN_KERNELS launches in a CUDA graph, each of CHAIN_BLOCKS blocks that read
+// the previous kernel's [D] row (L2), sum it (warp butterflies, a barrier) and write their part of the next row, with
+// programmatic dependent launch and without. Its time per kernel is what one more kernel in the step costs at least.
+
+#define CHAIN_KERNELS 200
+#define CHAIN_BLOCKS 16
+#define CHAIN_D 2048
+
+__global__ void __launch_bounds__(256) chain_kernel(const float *in, float *out) {
+    __shared__ float warp_sum[8];
+    pdl_enter();
+    float v = 0.0f;
+    for (int k = threadIdx.x; k < CHAIN_D; k += blockDim.x) v += in[k];
+    v = core_warp_sum(v);
+    if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < 8; w++) s += warp_sum[w];
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < CHAIN_D) out[k] = in[k] + 1e-9f * s;
+}
+
+static void bench_chain(void) {
+    float *row;
+    cudaCheck(cudaMalloc((void **)&row, 2 * CHAIN_D * sizeof(float)));
+    cudaCheck(cudaMemset(row, 0, 2 * CHAIN_D * sizeof(float)));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    printf("\ndependent kernels in a CUDA graph (%d launches of %d blocks, each reading the last one's row)\n",
+           CHAIN_KERNELS, CHAIN_BLOCKS);
+    for (int pdl = 1; pdl >= 0; pdl--) {
+        g_pdl = pdl;
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        for (int i = 0; i < CHAIN_KERNELS; i++)
+            launch_pdl(chain_kernel, CHAIN_BLOCKS, 256, 0, st, (const float *)row + (i % 2) * CHAIN_D,
+                       row + (1 - i % 2) * CHAIN_D);
+        cudaCheck(cudaStreamEndCapture(st, &graph));
+        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+        BenchTime t = bench_time(2, 9, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+        printf("| %s | %.2f us a kernel |\n", pdl ? "programmatic dependent launch" : "plain launches",
+               t.median * 1e3 / CHAIN_KERNELS);
+        CHECK(t.median > 0.0f, "chain: no time measured");
+        cudaCheck(cudaGraphExecDestroy(exec));
+        cudaCheck(cudaGraphDestroy(graph));
+    }
+    g_pdl = 1;
+    cudaCheck(cudaStreamDestroy(st));
+    cudaCheck(cudaFree(row));
+}
+
 int main(void) {
     const int n = 4 * 4096, D = 2048, F = 5632, L = 24, warm = 3, reps = 20;
     size_t nd = (size_t)n * D, nf = (size_t)n * F;
@@ -251,6 +306,7 @@ int main(void) {
                     b.flush};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     bench_products();
+    bench_chain();
     matmul_destroy();
     return test_summary();
 }
