@@ -288,7 +288,7 @@ static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p
     const AttnDims *a = &I->a;
     if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
     attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
-    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, I->o, s);
+    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, NULL, I->k_cache, I->v_cache, I->C, pos, I->o, s);
     attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, 0, y, s);
 }
 

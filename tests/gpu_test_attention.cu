@@ -213,7 +213,9 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
 // Decode token by token (one attn_decode per step: RoPE on the newest q and k, k and v appended to the cache, the
 // newest query attended) for B streams and compare every step's output with the full forward on the rotated
 // inputs: the CPU reference and the GPU's own (attn_rope, then attn_forward). The cache rows the steps wrote must be
-// the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied.
+// the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied. Each step runs
+// again with a random gate z (appending the same rows to the same slots): its og must be the bits of
+// attn_gate_forward on z and the ungated output.
 static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype dt) {
     CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
     AttnDims a = dims_of(&c);
@@ -221,11 +223,15 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     int C = window > 0 ? window : T; // ring of w entries for SWA, the whole sequence for full attention
     size_t nq = (size_t)B * T * nh * D, nk = (size_t)B * T * nkv * D, es = esize(dt);
     Rng rng = rng_make(77 + window + D);
-    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk), *z = random_vec(&rng, nq);
     char *dq_in = (char *)upload(q, nq, dt), *dk_in = (char *)upload(k, nk, dt), *dv_in = (char *)upload(v, nk, dt);
+    char *dz_in = (char *)upload(z, nq, dt);
     // per-step inputs [B, one token]: gathered from the [B,T,...] tensors
     char *qt = (char *)dev_alloc((size_t)B * nh * D * es), *kt = (char *)dev_alloc((size_t)B * nkv * D * es);
     char *vt = (char *)dev_alloc((size_t)B * nkv * D * es), *ot = (char *)dev_alloc((size_t)B * nh * D * es);
+    char *zt = (char *)dev_alloc((size_t)B * nh * D * es), *ogt = (char *)dev_alloc((size_t)B * nh * D * es);
+    char *og_ref = (char *)dev_alloc((size_t)B * nh * D * es);
+    int gate_same = 1;
     char *kc = (char *)dev_alloc((size_t)B * C * nkv * D * es), *vc = (char *)dev_alloc((size_t)B * C * nkv * D * es);
     char *dec = (char *)dev_alloc(nq * es), *full = (char *)dev_alloc(nq * es);
     char *kdec = (char *)dev_alloc(nk * es), *vdec = (char *)dev_alloc(nk * es); // each step's cache rows
@@ -240,9 +246,13 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
             CK(cudaMemcpy(qt + b * qrow, dq_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
             CK(cudaMemcpy(kt + b * krow, dk_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
             CK(cudaMemcpy(vt + b * krow, dv_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(zt + b * qrow, dz_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
         }
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        attn_decode(&a, B, dt, &rope, qt, kt, vt, kc, vc, C, dpos, ot, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, NULL, kc, vc, C, dpos, ot, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, kc, vc, C, dpos, ogt, 0);
+        attn_gate_forward(dt, (size_t)B * nh * D, zt, ot, og_ref, 0);
+        gate_same &= bitwise_equal(ogt, og_ref, B * qrow);
         for (int b = 0; b < B; b++) {
             size_t bt = (size_t)b * T + t, cslot = ((size_t)b * C + t % C) * krow;
             CK(cudaMemcpy(dec + bt * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
@@ -257,6 +267,9 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: cache keys are attn_rope's, values copied",
              dt_name(dt), B, T, nh, nkv, D, window);
     CHECK(bitwise_equal(kdec, dk_in, nk * es) && bitwise_equal(vdec, dv_in, nk * es), "%s", what);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: gated og = attn_gate_forward's bits", dt_name(dt),
+             B, T, nh, nkv, D, window);
+    CHECK(gate_same, "%s", what);
     double *ref = (double *)sdm_malloc(nq * sizeof(double));
     attn_rope_ref(q, B, T, nh, D, a.rope_theta, 1);
     attn_rope_ref(k, B, T, nkv, D, a.rope_theta, 1);
@@ -270,9 +283,9 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == DT_FP32 ? 1e-6 : TOL_BF16);
     printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
            nkv, D, window, C, e_ref, e_gpu);
-    free(q); free(k); free(v); free(ref); free(gdec); free(gfull); free(hpos);
+    free(q); free(k); free(v); free(z); free(ref); free(gdec); free(gfull); free(hpos);
     attn_rope_destroy(&rope);
-    void *bufs[] = {dq_in, dk_in, dv_in, qt, kt, vt, ot, kc, vc, dec, full, kdec, vdec, dpos};
+    void *bufs[] = {dq_in, dk_in, dv_in, dz_in, qt, kt, vt, zt, ot, ogt, og_ref, kc, vc, dec, full, kdec, vdec, dpos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
 }
 
@@ -375,6 +388,10 @@ int main(void) {
         test_decode(3, 60, 4, 2, 64, 17, dts[d]);
         test_decode(3, 60, 4, 2, 128, 0, dts[d]);
         test_decode(2, 40, 8, 1, 128, 128, dts[d]);
+        test_decode(1, 200, 16, 16, 128, 128, dts[d]); // the flagship's heads, the ring wrapped
+        test_decode(1, 300, 2, 1, 128, 0, dts[d]);     // several batches of keys a warp
+        test_decode(1, 300, 2, 2, 64, 0, dts[d]);
+        test_decode(2, 20, 4, 2, 64, 1, dts[d]);       // window 1: the newest key alone
         test_rope(dts[d]);
         test_gate(dts[d]);
     }
