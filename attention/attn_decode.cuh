@@ -18,7 +18,8 @@
 // of ATTN_DECODE_LOADS 16-byte loads of K and of V a lane (AttnDecodeMap: 8 keys a batch for bf16 rows of 128);
 // the pieces merge through their maxima and sums in piece order. Every sum has one order fixed by the position and
 // the window: a stream's bits depend neither on the batch nor on the launch. Two blocks an SM (64 registers) keep
-// batch 32's 512 blocks at two waves, each SM with 128 KB of loads in flight, where the keys' bytes bind.
+// the flagship's 512 blocks at batch 32 to two waves, each SM with 128 KB of loads in flight, where the keys' bytes
+// bind.
 // q, out [B,n_h,d_h]; k, v [B,n_kv,d_h]; z [B,n_h,d_h] or NULL (not gated); caches [B,C,n_kv,d_h]; inv_freq [d_h/2].
 #define ATTN_DECODE_WARPS 16
 #define ATTN_DECODE_LOADS 4
@@ -30,8 +31,8 @@ template <typename T, int D> struct AttnDecodeMap {
     static_assert(LPR <= 32 && 32 % LPR == 0, "attn_decode: a row must fill whole lanes of a warp");
 };
 
-// x summed (or maxed) over the lanes whose ids differ in the bits FROM <= bit < TO: a butterfly, so every such lane
-// gets the same bits.
+// x summed (or maxed) over the lanes whose ids differ only in the bits FROM, 2 FROM, .. below TO (powers of two): a
+// butterfly, so each of those lanes gets the same bits.
 template <int FROM, int TO> __device__ __forceinline__ float attn_lanes_sum(float x) {
 #pragma unroll
     for (int off = FROM; off < TO; off *= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
@@ -150,7 +151,6 @@ attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc,
         d = attn_lanes_sum<1, 32>(d);
         if (lane == 0) part_m[W] = d * scale_log2;
     }
-#pragma unroll 1 // a batch's loads are all in flight at once; unrolled, the batches would hold more registers
     for (int s = s0; s <= s1; s += Map::KEYS) {
         if (s != s0) attn_decode_load<T, D>(kr, vr, kv, s, s1);
         attn_decode_attend<T, D>(q_rot, kr, vr, s, s1, scale_log2, m, l, o);
