@@ -101,16 +101,25 @@ static inline void attn_layer_destroy(AttnLayer *L) {
     memset(L, 0, sizeof *L);
 }
 
-// q [n, n_h*d_h], k, v [n, n_kv*d_h] = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of x [n, D] (before RoPE).
+// q [n, n_h*d_h], k, v [n, n_kv*d_h] = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of x [n, D] (before RoPE), and with z
+// (not NULL: a gated layer's decode) the gate's z [n, n_h*d_h] = x Wgᵀ as a fourth part of the same product.
 static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x, int n,
-                                  void *q, void *k, void *v, cudaStream_t s) {
+                                  void *q, void *k, void *v, void *z, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
-    MatmulParts P = {3, {p->wq, p->wk, p->wv}, {q, k, v}, {NULL, NULL, NULL}, {nq, nk, nk}, {nq, nk, nk}};
+    MatmulParts P = {z ? 4 : 3, {p->wq, p->wk, p->wv, p->wg}, {q, k, v, z}, {NULL, NULL, NULL, NULL},
+                     {nq, nk, nk, nq}, {nq, nk, nk, nq}};
     matmul_forward_parts(&P, ct, x, ct, n, D, s); // one launch at decode
 }
 
+// y [n, D] = mixed Woᵀ for mixed [n, n_h*d_h]: og of a gated layer, else o.
+static inline void attn_layer_wo(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *mixed, int n,
+                                 void *y, cudaStream_t s) {
+    int D = a->dim, nq = a->n_heads * a->head_dim;
+    matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
+}
+
 // y [n, D] = og Woᵀ with og = sigmoid(x Wgᵀ) * o when gated (z, og: its buffers), else o [n, n_h*d_h]. z and og
-// keep their values when `keep` (training's backward reads them); else a few rows (inference) take the gate in
+// keep their values when `keep` (training's backward reads them); else a few rows (a prefill's) take the gate in
 // x Wgᵀ's store, the same bits in og alone.
 static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x,
                                   const void *o, void *z, void *og, int n, int keep, void *y, cudaStream_t s) {
@@ -123,7 +132,7 @@ static inline void attn_layer_out(const AttnDims *a, Dtype ct, const AttnLayerPa
         }
         mixed = og;
     }
-    matmul_forward(y, ct, D, mixed, p->wo, NULL, ct, n, D, nq, s);
+    attn_layer_wo(a, ct, p, mixed, n, y, s);
 }
 
 // Marks of the step profile (core/profile.cuh). The region since the last mark was the layer's projections, of
@@ -157,7 +166,7 @@ static inline double attn_layer_out_flops(const AttnDims *a, int n) {
 static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, const void *x, void *y, cudaStream_t s) {
     const AttnDims *a = &L->a;
     int n = L->B * L->T;
-    attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, s);
+    attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, NULL, s);
     attn_layer_mark_proj(L, attn_layer_qkv_flops(a, n), s);
     attn_rope(&L->rope, a, L->B, L->T, L->ctype, L->q, L->k, NULL, 1, s);
     attn_forward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, s);
@@ -265,7 +274,7 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
     const AttnDims *a = &I->a;
     if (T > I->rows) sdm_die("attention inference: a prompt of %d tokens exceeds the state's %d", T, I->rows);
     if (a->window == 0 && T > I->C) sdm_die("attention inference: %d tokens exceed the KV cache of %d", T, I->C);
-    attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, s);
+    attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, NULL, s);
     attn_rope(&I->rope, a, 1, T, I->ctype, I->q, I->k, NULL, 1, s);
     attn_forward(a, 1, T, I->ctype, I->q, I->k, I->v, I->o, NULL, s);
     attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, T, 0, y, s);
@@ -282,14 +291,17 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
 }
 
 // Decode step of streams 0..B-1: y [B, D] = the layer of one new token per stream x [B, D] at position pos[b]
-// (device), attending over positions 0..pos[b]. Full attention needs pos[b] < C (the caller checks).
+// (device), attending over positions 0..pos[b]. Full attention needs pos[b] < C (the caller checks). A gated layer's
+// z joins the q, k, v product and attn_decode writes og = sigmoid(z) * o (the bits of attn_gate_forward on z and
+// o): three launches, the gate's product and element-wise step none of their own.
 static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
                                      const int *pos, int B, cudaStream_t s) {
     const AttnDims *a = &I->a;
     if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
-    attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, s);
-    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, I->k_cache, I->v_cache, I->C, pos, I->o, s);
-    attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, B, 0, y, s);
+    void *z = a->gated ? I->z : NULL, *mixed = a->gated ? I->og : I->o;
+    attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, z, s);
+    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, z, I->k_cache, I->v_cache, I->C, pos, mixed, s);
+    attn_layer_wo(a, I->ctype, p, mixed, B, y, s);
 }
 
 // Stream `to`'s KV caches = stream `from`'s (a generator compacting its active streams).

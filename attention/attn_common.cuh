@@ -1,8 +1,8 @@
 // attention/attn_common.cuh: what the attention kernels share (docs/MODEL.md#attention): the bf16 alias, small device
 // helpers (the mask's first visible key), AttnArgs (the core kernels' arguments: q, out [B,T,n_h,d_h]; k, v
-// [B,T,n_kv,d_h]; lse, delta [B,n_h,T] fp32), the row-per-warp building blocks of the fp32 core and of decode (one
-// query row per warp, online softmax over a source of key/value rows), and the host helpers every entry point uses
-// (dimension check, arguments, launches).
+// [B,T,n_kv,d_h]; lse, delta [B,n_h,T] fp32), the row-per-warp building blocks of the fp32 core (one query row per
+// warp, online softmax over a source of key/value rows; decode reads its cache through AttnKvRows too), and the host
+// helpers every entry point uses (dimension check, arguments, launches).
 #ifndef SDM_ATTN_COMMON_CUH
 #define SDM_ATTN_COMMON_CUH
 

@@ -1,88 +1,205 @@
 // attention/attn_decode.cuh: the attention decode step on the GPU (docs/MODEL.md#inference, docs/MODEL.md#attention),
 // one launch: RoPE on each stream's newest q [B,n_h,d_h] and k [B,n_kv,d_h] at its position pos[b], the rotated k and
 // v appended to its KV cache [B,C,n_kv,d_h] (position p lives in slot p % C), and out [B,n_h,d_h] = attention of the
-// newest query over positions 0..pos[b] (the last w of them for SWA), one block per (stream, head).
+// newest query over positions 0..pos[b] (the last w of them for SWA), one block per (stream, head); for a gated
+// layer out = og = sigmoid(z) * o, the gate of attn_gate_forward applied in the store.
 #ifndef SDM_ATTN_DECODE_CUH
 #define SDM_ATTN_DECODE_CUH
 
 #include "attention/attn_common.cuh"
 #include "attention/attn_rope_gate.cuh"
 
-// One block per (stream b, head j). First the block turns its query row and its kv head's newest k row by RoPE (the
-// bits of attn_rope) and writes k and v to cache slot pos % C: every block of a kv head's group writes the same
-// values, and each reads the slot only after its own write, so no block waits for another (one launch where RoPE,
-// the append and the attention took three, each a few microseconds of latency at a decode's few rows). Then the
-// positions visible to the query are split into ATTN_DECODE_WARPS consecutive pieces, one per warp, each attended
-// with the online softmax; the pieces merge through their log-sum-exps, in warp order (deterministic). The warps
-// fetch their keys at once, where one warp walking every key in turn is bound by memory latency.
-// q, out [B,n_h,d_h]; k, v [B,n_kv,d_h]; caches [B,C,n_kv,d_h]; inv_freq [d_h/2] (AttnRope).
+// A decode step at a few streams is a chain of dependent memory round trips, so the kernel is built to have few:
+// after pdl_wait, (1) pos, the newest q, k, v and z rows; (2) every cached key and value row a warp attends, all
+// loads in flight at once (the positions before p: none is the slot this step writes), while the block turns q and
+// k by RoPE and appends k and v to the cache; then shuffles, shared memory and one store. The newest key is attended
+// from shared memory, never re-read from the cache. The old positions lo..p-1 are split into ATTN_DECODE_WARPS
+// consecutive pieces, one per warp; the newest position is a piece of its own. A warp attends its piece in batches
+// of ATTN_DECODE_LOADS 16-byte loads of K and of V a lane (AttnDecodeMap: 8 keys a batch for bf16 rows of 128);
+// the pieces merge through their maxima and sums in piece order. Every sum has one order fixed by the position and
+// the window: a stream's bits depend neither on the batch nor on the launch. Two blocks an SM (64 registers) keep
+// the flagship's 512 blocks at batch 32 to two waves, each SM with 128 KB of loads in flight, where the keys' bytes
+// bind.
+// q, out [B,n_h,d_h]; k, v [B,n_kv,d_h]; z [B,n_h,d_h] or NULL (not gated); caches [B,C,n_kv,d_h]; inv_freq [d_h/2].
 #define ATTN_DECODE_WARPS 16
+#define ATTN_DECODE_LOADS 4
 
+// How a warp's lanes hold K and V rows: lane l holds the 16-byte chunk c = l % LPR (elements c*VEC ..) of row slot
+// r = l / LPR of each load, so a warp load covers RPL consecutive positions, a batch KEYS.
+template <typename T, int D> struct AttnDecodeMap {
+    static constexpr int VEC = 16 / sizeof(T), LPR = D / VEC, RPL = 32 / LPR, KEYS = ATTN_DECODE_LOADS * RPL;
+    static_assert(LPR <= 32 && 32 % LPR == 0, "attn_decode: a row must fill whole lanes of a warp");
+};
+
+// x summed (or maxed) over the lanes whose ids differ only in the bits FROM, 2 FROM, .. below TO (powers of two): a
+// butterfly, so each of those lanes gets the same bits.
+template <int FROM, int TO> __device__ __forceinline__ float attn_lanes_sum(float x) {
+#pragma unroll
+    for (int off = FROM; off < TO; off *= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+template <int FROM, int TO> __device__ __forceinline__ float attn_lanes_max(float x) {
+#pragma unroll
+    for (int off = FROM; off < TO; off *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+// kr, vr = this lane's chunks of the K, V rows of the batch of positions s, s+1, .. (AttnDecodeMap), zero past s1.
 template <typename T, int D>
-__global__ void __launch_bounds__(32 * ATTN_DECODE_WARPS)
-attn_decode_kernel(const T *q, const T *k, const T *v, T *kc, T *vc, T *out, const int *pos, const float *inv_freq,
-                   int nh, int nkv, int C, int window, float scale_log2) {
-    __shared__ float part_o[ATTN_DECODE_WARPS][D], part_lse[ATTN_DECODE_WARPS]; // each piece's softmax output, lse
-    __shared__ T q_rot[D];
-    pdl_enter();
-    int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), p = pos[b], L = p + 1;
-    const T *qrow = q + (size_t)bh * D, *krow = k + ((size_t)b * nkv + g) * D, *vrow = v + ((size_t)b * nkv + g) * D;
-    size_t slot = (((size_t)b * C + p % C) * nkv + g) * D;
-    for (int m = threadIdx.x; m < D / 2; m += blockDim.x) {
+__device__ __forceinline__ void attn_decode_load(uint4 (&kr)[ATTN_DECODE_LOADS], uint4 (&vr)[ATTN_DECODE_LOADS],
+                                                 const AttnKvRows<T> &kv, int s, int s1) {
+    typedef AttnDecodeMap<T, D> Map;
+    int lane = threadIdx.x % 32, r = lane / Map::LPR, c = lane % Map::LPR;
+#pragma unroll
+    for (int u = 0; u < ATTN_DECODE_LOADS; u++) {
+        int t = s + u * Map::RPL + r;
+        if (t <= s1) {
+            kr[u] = *(const uint4 *)(kv.krow(t) + c * Map::VEC);
+            vr[u] = *(const uint4 *)(kv.vrow(t) + c * Map::VEC);
+        } else {
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// Online softmax over one batch (positions s.., up to s1) of a warp's piece. m (the running maximum score, base 2)
+// is the same in every lane; l and o (elements c*VEC .. of the weighted sum of V rows) are this lane's row slot's
+// share, added over the slots when the piece ends.
+template <typename T, int D>
+__device__ __forceinline__ void attn_decode_attend(const T *q_rot, const uint4 (&kr)[ATTN_DECODE_LOADS],
+                                                   const uint4 (&vr)[ATTN_DECODE_LOADS], int s, int s1,
+                                                   float scale_log2, float &m, float &l, float (&o)[16 / sizeof(T)]) {
+    typedef AttnDecodeMap<T, D> Map;
+    int r = threadIdx.x % 32 / Map::LPR, c = threadIdx.x % Map::LPR;
+    const uint4 q = *(const uint4 *)(q_rot + c * Map::VEC); // from shared memory each batch: registers are scarce
+    float sc[ATTN_DECODE_LOADS], mb = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < ATTN_DECODE_LOADS; u++) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < Map::VEC; e++) d = fmaf(dtype_unpack16<T>(q, e), dtype_unpack16<T>(kr[u], e), d);
+        sc[u] = attn_lanes_sum<1, Map::LPR>(d);
+    }
+#pragma unroll
+    for (int u = 0; u < ATTN_DECODE_LOADS; u++) {
+        sc[u] = s + u * Map::RPL + r <= s1 ? sc[u] * scale_log2 : -INFINITY; // past the piece: weight 0
+        mb = fmaxf(mb, sc[u]);
+    }
+    float m_new = fmaxf(m, attn_lanes_max<Map::LPR, 32>(mb)), alpha = exp2f(m - m_new);
+    l *= alpha;
+#pragma unroll
+    for (int e = 0; e < Map::VEC; e++) o[e] *= alpha;
+#pragma unroll
+    for (int u = 0; u < ATTN_DECODE_LOADS; u++) {
+        float p = exp2f(sc[u] - m_new);
+        l += p;
+#pragma unroll
+        for (int e = 0; e < Map::VEC; e++) o[e] = fmaf(p, dtype_unpack16<T>(vr[u], e), o[e]);
+    }
+    m = m_new;
+}
+
+// The block's newest rows (threads < d_h): q_rot, k_new = q (head j) and k (kv head g) turned by RoPE at position p
+// with attn_rope's bits, v_new = v, in shared memory; k_new, v_new also to the cache rows kslot, vslot.
+template <typename T, int D>
+__device__ __forceinline__ void attn_decode_append(const T *qrow, const T *krow, const T *vrow, T *kslot, T *vslot,
+                                                   int p, const float *inv_freq, T *q_rot, T *k_new, T *v_new) {
+    int i = threadIdx.x;
+    if (i < D / 2) {
         float sn, cs, y0, y1;
-        sincosf((float)p * inv_freq[m], &sn, &cs);
-        attn_rope_turn(dtype_to_float(qrow[2 * m]), dtype_to_float(qrow[2 * m + 1]), sn, cs, y0, y1);
-        q_rot[2 * m] = dtype_from_float<T>(y0);
-        q_rot[2 * m + 1] = dtype_from_float<T>(y1);
-        attn_rope_turn(dtype_to_float(krow[2 * m]), dtype_to_float(krow[2 * m + 1]), sn, cs, y0, y1);
-        kc[slot + 2 * m] = dtype_from_float<T>(y0);
-        kc[slot + 2 * m + 1] = dtype_from_float<T>(y1);
+        sincosf((float)p * inv_freq[i], &sn, &cs);
+        attn_rope_turn(dtype_to_float(qrow[2 * i]), dtype_to_float(qrow[2 * i + 1]), sn, cs, y0, y1);
+        q_rot[2 * i] = dtype_from_float<T>(y0);
+        q_rot[2 * i + 1] = dtype_from_float<T>(y1);
+        attn_rope_turn(dtype_to_float(krow[2 * i]), dtype_to_float(krow[2 * i + 1]), sn, cs, y0, y1);
+        kslot[2 * i] = k_new[2 * i] = dtype_from_float<T>(y0);
+        kslot[2 * i + 1] = k_new[2 * i + 1] = dtype_from_float<T>(y1);
     }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) vc[slot + i] = vrow[i];
-    __syncthreads(); // the block's cache writes and q_rot are visible to its warps
-    int w = threadIdx.x / 32, lane = threadIdx.x & 31;
-    int lo = attn_first_key_dev(L - 1, window), per = (L - lo + ATTN_DECODE_WARPS - 1) / ATTN_DECODE_WARPS;
-    int s0 = lo + w * per, s1 = min(L - 1, s0 + per - 1);
-    float lse = -INFINITY; // an empty piece weighs nothing
-    if (s0 <= s1) {
-        AttnKvRows<T> kv = {kc + ((size_t)b * C * nkv + g) * D, vc + ((size_t)b * C * nkv + g) * D, (size_t)nkv * D,
-                            C};
-        float qv[D / 32], o[D / 32], l;
-        attn_load_row<T, D>(qv, q_rot);
-        attn_warp_attend<T, D>(qv, kv, s0, s1, scale_log2, o, l, lse);
-        for (int i = 0; i < D / 32; i++) part_o[w][i * 32 + lane] = o[i] / l;
+    if (i < D) vslot[i] = v_new[i] = vrow[i];
+}
+
+// One block per (stream b, head j); see above.
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * ATTN_DECODE_WARPS, 2)
+attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc, T *out, const int *pos,
+                   const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2) {
+    typedef AttnDecodeMap<T, D> Map;
+    constexpr int W = ATTN_DECODE_WARPS;
+    static_assert(32 * W >= D, "attn_decode: a thread per element of a row");
+    __shared__ __align__(16) float part_o[W][D]; // each piece's unnormalised output
+    __shared__ float part_m[W + 1], part_l[W];   // its maximum score (base 2; [W]: the newest key's) and sum
+    __shared__ __align__(16) T q_rot[D], k_new[D], v_new[D];
+    pdl_enter();
+    const int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), p = pos[b];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float zc = z && threadIdx.x < D ? dtype_to_float(z[(size_t)bh * D + threadIdx.x]) : 0.0f;
+    // this warp's piece s0..s1 of the old positions lo..p-1, its first batch's loads issued before the append
+    const int lo = attn_first_key_dev(p, window), per = (p - lo + W - 1) / W, s0 = lo + w * per;
+    const int s1 = min(p - 1, s0 + per - 1);
+    const size_t row = (size_t)nkv * D, head = ((size_t)b * C * nkv + g) * D;
+    const AttnKvRows<T> kv = {kc + head, vc + head, row, C};
+    uint4 kr[ATTN_DECODE_LOADS], vr[ATTN_DECODE_LOADS];
+    attn_decode_load<T, D>(kr, vr, kv, s0, s1);
+    attn_decode_append<T, D>(q + (size_t)bh * D, k + ((size_t)b * nkv + g) * D, v + ((size_t)b * nkv + g) * D,
+                             kc + head + (size_t)(p % C) * row, vc + head + (size_t)(p % C) * row, p, inv_freq, q_rot,
+                             k_new, v_new);
+    __syncthreads(); // q_rot, k_new, v_new are visible to every warp
+    float o[Map::VEC] = {}, m = -INFINITY, l = 0.0f; // an empty piece weighs nothing
+    if (w == W - 1) { // the newest key's score (the last warp's piece is the shortest)
+        float d = 0.0f;
+        for (int i = lane; i < D; i += 32) d = fmaf(dtype_to_float(q_rot[i]), dtype_to_float(k_new[i]), d);
+        d = attn_lanes_sum<1, 32>(d);
+        if (lane == 0) part_m[W] = d * scale_log2;
     }
-    if (lane == 0) part_lse[w] = lse;
+    for (int s = s0; s <= s1; s += Map::KEYS) {
+        if (s != s0) attn_decode_load<T, D>(kr, vr, kv, s, s1);
+        attn_decode_attend<T, D>(q_rot, kr, vr, s, s1, scale_log2, m, l, o);
+    }
+    l = attn_lanes_sum<Map::LPR, 32>(l);
+#pragma unroll
+    for (int e = 0; e < Map::VEC; e++) o[e] = attn_lanes_sum<Map::LPR, 32>(o[e]);
+    if (lane < Map::LPR)
+#pragma unroll
+        for (int e = 0; e < Map::VEC; e++) part_o[w][lane * Map::VEC + e] = o[e];
+    if (lane == 0) {
+        part_m[w] = m;
+        part_l[w] = l;
+    }
     __syncthreads();
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
-        float mx = -INFINITY, num = 0.0f, den = 0.0f;
-        for (int i = 0; i < ATTN_DECODE_WARPS; i++) mx = fmaxf(mx, part_lse[i]);
-        for (int i = 0; i < ATTN_DECODE_WARPS; i++)
-            if (part_lse[i] > -INFINITY) {
-                float e = expf(part_lse[i] - mx);
-                den += e;
-                num += e * part_o[i][c];
-            }
-        out[(size_t)bh * D + c] = dtype_from_float<T>(num / den);
+    const int i = threadIdx.x;
+    if (i >= D) return;
+    float mx = part_m[W];
+    for (int u = 0; u < W; u++) mx = fmaxf(mx, part_m[u]);
+    float num = 0.0f, den = 0.0f;
+    for (int u = 0; u < W; u++) {
+        float e = exp2f(part_m[u] - mx); // 0 for an empty piece, whose sums are 0
+        den += e * part_l[u];
+        num += e * part_o[u][i];
     }
+    float e = exp2f(part_m[W] - mx);
+    den += e;
+    num += e * dtype_to_float(v_new[i]);
+    T oi = dtype_from_float<T>(num / den);
+    out[(size_t)bh * D + i] = z ? dtype_from_float<T>(core_sigmoid_gate(zc, dtype_to_float(oi))) : oi;
 }
 
 template <typename T, int D>
 static inline void attn_decode_launch(const AttnDims *a, int B, const AttnRope *r, const void *q, const void *k,
-                                      const void *v, void *kc, void *vc, int C, const int *pos, void *out,
-                                      cudaStream_t st) {
+                                      const void *v, const void *z, void *kc, void *vc, int C, const int *pos,
+                                      void *out, cudaStream_t st) {
     launch_pdl(attn_decode_kernel<T, D>, (unsigned)(B * a->n_heads), 32 * ATTN_DECODE_WARPS, 0, st, (const T *)q,
-               (const T *)k, (const T *)v, (T *)kc, (T *)vc, (T *)out, pos, (const float *)r->inv_freq, a->n_heads,
-               a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
+               (const T *)k, (const T *)v, (const T *)z, (T *)kc, (T *)vc, (T *)out, pos, (const float *)r->inv_freq,
+               a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
     cudaCheckLast();
 }
 
 // Decode step of B streams: the newest token's q [B,n_h,d_h], k, v [B,n_kv,d_h] (before RoPE) at positions pos[b]
 // (device): k, v appended to the caches [B,C,n_kv,d_h] after RoPE, out [B,n_h,d_h] = attention of q over positions
-// 0..pos[b]. SWA needs C >= w, full attention C > pos[b] (the caller checks).
+// 0..pos[b], or with z [B,n_h,d_h] (NULL: none) the gated og = sigmoid(z) * that attention, the bits of
+// attn_gate_forward on it. SWA needs C >= w, full attention C > pos[b] (the caller checks).
 static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRope *r, const void *q, const void *k,
-                               const void *v, void *k_cache, void *v_cache, int C, const int *pos, void *out,
-                               cudaStream_t st) {
+                               const void *v, const void *z, void *k_cache, void *v_cache, int C, const int *pos,
+                               void *out, cudaStream_t st) {
     attn_check_dims(a);
     if (a->window > 0 && C < a->window)
         sdm_die("attention: KV cache of %d entries is shorter than the window %d", C, a->window);
@@ -91,7 +208,7 @@ static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRop
     if (B == 0) return;
     auto launch = dt == DT_BF16 ? (a->head_dim == 64 ? attn_decode_launch<bf16, 64> : attn_decode_launch<bf16, 128>)
                                 : (a->head_dim == 64 ? attn_decode_launch<float, 64> : attn_decode_launch<float, 128>);
-    launch(a, B, r, q, k, v, k_cache, v_cache, C, pos, out, st);
+    launch(a, B, r, q, k, v, z, k_cache, v_cache, C, pos, out, st);
 }
 
 #endif

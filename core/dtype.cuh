@@ -60,6 +60,20 @@ template <typename T, int W> struct alignas(W * sizeof(T)) DtypePack {
 };
 template <typename T> using DtypeVec = DtypePack<T, 16 / sizeof(T)>;
 
+// Element i of 16 bytes u holding 16 / sizeof(T) elements of T, as a float: rows a loop holds stay packed in u's
+// 4 registers until used, where an array of bf16 would take a register an element.
+__device__ __forceinline__ unsigned dtype_word(const uint4 &u, int w) {
+    return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w;
+}
+template <typename T> __device__ __forceinline__ float dtype_unpack16(const uint4 &u, int i);
+template <> __device__ __forceinline__ float dtype_unpack16<float>(const uint4 &u, int i) {
+    return __uint_as_float(dtype_word(u, i));
+}
+template <> __device__ __forceinline__ float dtype_unpack16<__nv_bfloat16>(const uint4 &u, int i) {
+    unsigned w = dtype_word(u, i / 2); // element 2k in the low half of word k (little-endian)
+    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+}
+
 template <typename P, typename T> __device__ __forceinline__ P dtype_pack_load(const T *p) {
     return *(const P *)p;
 }

@@ -1,6 +1,8 @@
 // tests/bench_attention.cu: bf16 attention forward and backward at the flagship shape (B=4, T=4096, 16 heads of 128),
 // full causal and sliding window w=128. Median of many CUDA-event timings after warm-up; TFLOP/s counts only the
 // (query, key) pairs inside the mask: forward 4*d flops per pair (Q K^T and P V), backward 10*d (five products).
+// Then the decode step (attn_decode, gated as the flagship's layers) at 1, 8 and 32 streams: SWA w=128 at position
+// 200 and full attention over 4096 positions.
 #include "attention/attention.cuh"
 #include "tests/bench.h"
 #include "tests/test.h"
@@ -56,6 +58,68 @@ static double rel_diff(const float *a, const float *b, size_t n) {
     double num = 0.0, den = 0.0;
     for (size_t i = 0; i < n; i++) num += (double)(a[i] - b[i]) * (a[i] - b[i]), den += (double)b[i] * b[i];
     return sqrt(num / den);
+}
+
+// ---- decode ----------------------------------------------------------------------------------------------------
+// One attn_decode (RoPE, cache append, attention, gate) of B streams at position P - 1 (P positions, the last w
+// visible for SWA), 16 heads of 128. A time is the mean of DEC_REPS dependent launches in a CUDA graph with
+// programmatic dependent launch (decode replays its step so), each on the next copy of the KV caches in a pool of
+// DEC_POOL_BYTES, so that the keys come from HBM as in a model whose other layers evict them from L2. GB/s count
+// the visible keys' and values' bytes.
+#define DEC_POOL_BYTES ((size_t)1 << 30)
+#define DEC_REPS 20
+
+static void bench_decode(void) {
+    const int H = 16, D = 128, Bs[3] = {1, 8, 32};
+    const struct { int window, P; } cases[2] = {{128, 200}, {0, 4096}};
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    printf("\ndecode step (attn_decode: RoPE, append, attention, gate), bf16, %d heads of %d, mean of %d dependent "
+           "launches in a CUDA graph, caches from HBM\n", H, D, DEC_REPS);
+    printf("| mask | positions | streams | us | GB/s (visible K, V) |\n|---|---|---|---|---|\n");
+    for (int c = 0; c < 2; c++)
+        for (int i = 0; i < 3; i++) {
+            int B = Bs[i], P = cases[c].P, C = cases[c].window ? cases[c].window : P;
+            AttnDims a;
+            a.dim = H * D; a.n_heads = H; a.n_kv_heads = H; a.head_dim = D; a.window = cases[c].window; a.gated = 1;
+            a.rope_theta = 10000.0;
+            AttnRope rope = attn_rope_create(D, a.rope_theta);
+            size_t row = (size_t)B * H * D, cache = (size_t)B * C * H * D; // elements
+            int copies = (int)SDM_MAX(1, SDM_MIN(DEC_REPS, DEC_POOL_BYTES / (2 * cache * sizeof(bf16))));
+            bf16 *qkvz, *out, *pool;
+            CK(cudaMalloc((void **)&qkvz, 4 * row * sizeof(bf16)));
+            CK(cudaMalloc((void **)&out, row * sizeof(bf16)));
+            CK(cudaMalloc((void **)&pool, 2 * cache * copies * sizeof(bf16)));
+            bench_fill<<<(unsigned)((4 * row + 255) / 256), 256>>>(qkvz, 4 * row, 77u);
+            bench_fill<<<(unsigned)((2 * cache * copies + 255) / 256), 256>>>(pool, 2 * cache * copies, 78u);
+            int *hpos = (int *)sdm_malloc(B * sizeof(int)), *pos;
+            for (int b = 0; b < B; b++) hpos[b] = P - 1;
+            CK(cudaMalloc((void **)&pos, B * sizeof(int)));
+            CK(cudaMemcpy(pos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+            for (int r = 0; r < DEC_REPS; r++) {
+                bf16 *kc = pool + 2 * cache * (r % copies), *vc = kc + cache;
+                attn_decode(&a, B, DT_BF16, &rope, qkvz, qkvz + row, qkvz + 2 * row, qkvz + 3 * row, kc, vc, C, pos,
+                            out, st);
+            }
+            CK(cudaStreamEndCapture(st, &graph));
+            CK(cudaGraphInstantiate(&exec, graph, 0));
+            BenchTime t = bench_time(2, 9, [](int) {}, [&] { CK(cudaGraphLaunch(exec, st)); }, st);
+            double us = t.median * 1e3 / DEC_REPS, visible = cases[c].window ? SDM_MIN(P, cases[c].window) : P;
+            double bytes = 2.0 * B * visible * H * D * sizeof(bf16);
+            printf("| %s | %d | %d | %.2f | %.0f |\n", cases[c].window ? "SWA w=128" : "full", P, B, us,
+                   bytes / (us * 1e-6) / 1e9);
+            CK(cudaDeviceSynchronize());
+            CHECK(count_nonfinite(out, row) == 0, "decode B%d P%d: non-finite output", B, P);
+            CK(cudaGraphExecDestroy(exec));
+            CK(cudaGraphDestroy(graph));
+            CK(cudaFree(qkvz)); CK(cudaFree(out)); CK(cudaFree(pool)); CK(cudaFree(pos));
+            free(hpos);
+            attn_rope_destroy(&rope);
+        }
+    CK(cudaStreamDestroy(st));
 }
 
 int main(void) {
@@ -136,5 +200,6 @@ int main(void) {
            ms[0][1] / ms[1][1], (ms[0][0] + ms[0][1]) / (ms[1][0] + ms[1][1]));
     for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));
     CK(cudaFree(lse));
+    bench_decode();
     return test_summary();
 }

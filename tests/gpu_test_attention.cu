@@ -1,9 +1,11 @@
 // tests/gpu_test_attention.cu: the GPU attention kernels against the double-precision CPU reference on fresh random
 // inputs: core forward (out, lse) and backward (dq, dk, dv), determinism, inference = training forward, decode
-// against a KV cache = teacher-forced forward, RoPE and the sigmoid gate.
+// against a KV cache = teacher-forced forward, RoPE and the sigmoid gate; and a gated layer's decode step (the gate
+// folded into the q, k, v product and the decode kernel) = the unfolded layer, bit for bit.
 // Tolerances (relative, ||gpu - ref|| / ||ref|| over a whole tensor): fp32 mode 1e-5, bf16 1e-2. Inputs are rounded to
 // the element type before the reference sees them, so both compute the same function.
 #include "attention/attention.cuh"
+#include "attention/attention_layer.cuh"
 #include "attention/attention_ref.h"
 #include "core/rng.h"
 #include "tests/test.h"
@@ -213,7 +215,9 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
 // Decode token by token (one attn_decode per step: RoPE on the newest q and k, k and v appended to the cache, the
 // newest query attended) for B streams and compare every step's output with the full forward on the rotated
 // inputs: the CPU reference and the GPU's own (attn_rope, then attn_forward). The cache rows the steps wrote must be
-// the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied.
+// the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied. Each step runs
+// again with a random gate z (appending the same rows to the same slots): its og must be the bits of
+// attn_gate_forward on z and the ungated output.
 static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype dt) {
     CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
     AttnDims a = dims_of(&c);
@@ -221,11 +225,15 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     int C = window > 0 ? window : T; // ring of w entries for SWA, the whole sequence for full attention
     size_t nq = (size_t)B * T * nh * D, nk = (size_t)B * T * nkv * D, es = esize(dt);
     Rng rng = rng_make(77 + window + D);
-    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk);
+    double *q = random_vec(&rng, nq), *k = random_vec(&rng, nk), *v = random_vec(&rng, nk), *z = random_vec(&rng, nq);
     char *dq_in = (char *)upload(q, nq, dt), *dk_in = (char *)upload(k, nk, dt), *dv_in = (char *)upload(v, nk, dt);
+    char *dz_in = (char *)upload(z, nq, dt);
     // per-step inputs [B, one token]: gathered from the [B,T,...] tensors
     char *qt = (char *)dev_alloc((size_t)B * nh * D * es), *kt = (char *)dev_alloc((size_t)B * nkv * D * es);
     char *vt = (char *)dev_alloc((size_t)B * nkv * D * es), *ot = (char *)dev_alloc((size_t)B * nh * D * es);
+    char *zt = (char *)dev_alloc((size_t)B * nh * D * es), *ogt = (char *)dev_alloc((size_t)B * nh * D * es);
+    char *og_ref = (char *)dev_alloc((size_t)B * nh * D * es);
+    int gate_same = 1;
     char *kc = (char *)dev_alloc((size_t)B * C * nkv * D * es), *vc = (char *)dev_alloc((size_t)B * C * nkv * D * es);
     char *dec = (char *)dev_alloc(nq * es), *full = (char *)dev_alloc(nq * es);
     char *kdec = (char *)dev_alloc(nk * es), *vdec = (char *)dev_alloc(nk * es); // each step's cache rows
@@ -240,9 +248,13 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
             CK(cudaMemcpy(qt + b * qrow, dq_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
             CK(cudaMemcpy(kt + b * krow, dk_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
             CK(cudaMemcpy(vt + b * krow, dv_in + bt * krow, krow, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(zt + b * qrow, dz_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
         }
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        attn_decode(&a, B, dt, &rope, qt, kt, vt, kc, vc, C, dpos, ot, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, NULL, kc, vc, C, dpos, ot, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, kc, vc, C, dpos, ogt, 0);
+        attn_gate_forward(dt, (size_t)B * nh * D, zt, ot, og_ref, 0);
+        gate_same &= bitwise_equal(ogt, og_ref, B * qrow);
         for (int b = 0; b < B; b++) {
             size_t bt = (size_t)b * T + t, cslot = ((size_t)b * C + t % C) * krow;
             CK(cudaMemcpy(dec + bt * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
@@ -257,6 +269,9 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: cache keys are attn_rope's, values copied",
              dt_name(dt), B, T, nh, nkv, D, window);
     CHECK(bitwise_equal(kdec, dk_in, nk * es) && bitwise_equal(vdec, dv_in, nk * es), "%s", what);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: gated og = attn_gate_forward's bits", dt_name(dt),
+             B, T, nh, nkv, D, window);
+    CHECK(gate_same, "%s", what);
     double *ref = (double *)sdm_malloc(nq * sizeof(double));
     attn_rope_ref(q, B, T, nh, D, a.rope_theta, 1);
     attn_rope_ref(k, B, T, nkv, D, a.rope_theta, 1);
@@ -270,9 +285,9 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     double e_gpu = check_err(what, gdec, gfull, nq, 0.0, dt == DT_FP32 ? 1e-6 : TOL_BF16);
     printf("decode %s B%d T%d h%d/%d d%d w%d cache %d: vs reference %.1e, vs GPU forward %.1e\n", dt_name(dt), B, T, nh,
            nkv, D, window, C, e_ref, e_gpu);
-    free(q); free(k); free(v); free(ref); free(gdec); free(gfull); free(hpos);
+    free(q); free(k); free(v); free(z); free(ref); free(gdec); free(gfull); free(hpos);
     attn_rope_destroy(&rope);
-    void *bufs[] = {dq_in, dk_in, dv_in, qt, kt, vt, ot, kc, vc, dec, full, kdec, vdec, dpos};
+    void *bufs[] = {dq_in, dk_in, dv_in, dz_in, qt, kt, vt, zt, ot, ogt, og_ref, kc, vc, dec, full, kdec, vdec, dpos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
 }
 
@@ -354,6 +369,75 @@ static void test_gate(Dtype dt) {
     cudaFree(dz_in); cudaFree(do_in); cudaFree(ddog); cudaFree(og); cudaFree(d_o); cudaFree(dz);
 }
 
+// A gated layer's decode step (attn_infer_decode: z = x Wgᵀ a fourth part of the q, k, v product, the gate in
+// attn_decode's store) against the unfolded path on a second state: the q, k, v product, the gate product alone by
+// the kernel the four-part launch takes, attn_decode, attn_gate_forward, og Woᵀ. Every step's z, og, y and the caches
+// must be the same bits (random weights and inputs, B streams at positions 0..T-1). Where the gate product alone
+// takes that kernel too (one row; fp32 up to 8 rows; cuBLASLt beyond the small-M kernels) they must also be the bits
+// of attn_layer_out's gate, the decode before the fold; elsewhere (bf16, 2..64 rows) z moved from cuBLASLt to the MMA
+// kernel, as q, k and v took it before.
+static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int window) {
+    const int dim = 256, T = 8;
+    AttnDims a;
+    a.dim = dim; a.n_heads = nh; a.n_kv_heads = nkv; a.head_dim = hd; a.window = window; a.gated = 1;
+    a.rope_theta = 10000.0;
+    int nq = nh * hd, nk = nkv * hd;
+    size_t es = esize(dt), wn[5] = {(size_t)nq * dim, (size_t)nk * dim, (size_t)nk * dim, (size_t)nq * dim,
+                                    (size_t)dim * nq};
+    Rng rng = rng_make(300 + B + hd + window);
+    void *w[5];
+    for (int i = 0; i < 5; i++) {
+        double *h = random_vec(&rng, wn[i]);
+        for (size_t j = 0; j < wn[i]; j++) h[j] /= sqrt((double)dim); // unit-scale products
+        w[i] = upload(h, wn[i], dt);
+        free(h);
+    }
+    AttnLayerParams p = {w[0], w[1], w[2], w[3], w[4]};
+    AttnInferState I = attn_infer_create(&a, B, T, dt), J = attn_infer_create(&a, B, T, dt);
+    void *z = dev_alloc((size_t)B * nq * es), *og = dev_alloc((size_t)B * nq * es);
+    void *y = dev_alloc((size_t)B * dim * es), *y_ref = dev_alloc((size_t)B * dim * es);
+    void *y_old = dev_alloc((size_t)B * dim * es);
+    int *dpos = (int *)dev_alloc(B * sizeof(int)), *hpos = (int *)sdm_malloc(B * sizeof(int));
+    MatmulParts Pg = {1, {p.wg}, {z}, {NULL}, {nq}, {nq}};
+    int same = 1, same_old = 1, old_applies = 0;
+    for (int t = 0; t < T; t++) {
+        double *hx = random_vec(&rng, (size_t)B * dim);
+        void *x = upload(hx, (size_t)B * dim, dt);
+        free(hx);
+        for (int b = 0; b < B; b++) hpos[b] = t;
+        CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
+        attn_infer_decode(&I, &p, x, y, dpos, B, 0);
+        MatmulKernel k4 = matmul_small_m_kernel(dt, B, dim, 4, matmul_parts_addr(&Pg, x));
+        old_applies = matmul_small_m_kernel(dt, B, dim, 1, matmul_parts_addr(&Pg, x)) == k4;
+        attn_layer_qkv(&a, dt, &p, x, B, J.q, J.k, J.v, NULL, 0);
+        matmul_parts_run(k4, &Pg, dt, x, dt, B, dim, 0);
+        attn_decode(&a, B, dt, &J.rope, J.q, J.k, J.v, NULL, J.k_cache, J.v_cache, J.C, dpos, J.o, 0);
+        attn_gate_forward(dt, (size_t)B * nq, z, J.o, og, 0);
+        attn_layer_wo(&a, dt, &p, og, B, y_ref, 0);
+        if (old_applies) attn_layer_out(&a, dt, &p, x, J.o, J.z, J.og, B, 1, y_old, 0);
+        CK(cudaDeviceSynchronize());
+        same &= bitwise_equal(I.z, z, (size_t)B * nq * es) && bitwise_equal(I.og, og, (size_t)B * nq * es) &&
+                bitwise_equal(y, y_ref, (size_t)B * dim * es);
+        if (old_applies)
+            same_old &= bitwise_equal(J.og, og, (size_t)B * nq * es) && bitwise_equal(y_old, y, (size_t)B * dim * es);
+        cudaFree(x);
+    }
+    size_t cache = (size_t)B * I.C * nk * es;
+    same &= bitwise_equal(I.k_cache, J.k_cache, cache) && bitwise_equal(I.v_cache, J.v_cache, cache);
+    CHECK(same, "layer decode %s B%d h%d/%d d%d w%d: the folded gate differs from the unfolded path", dt_name(dt), B,
+          nh, nkv, hd, window);
+    CHECK(same_old, "layer decode %s B%d h%d/%d d%d w%d: the folded gate differs from attn_layer_out's", dt_name(dt), B,
+          nh, nkv, hd, window);
+    printf("layer decode %s B%d h%d/%d d%d w%d: folded gate = unfolded path bitwise %s, = attn_layer_out %s\n",
+           dt_name(dt), B, nh, nkv, hd, window, same ? "yes" : "NO",
+           old_applies ? (same_old ? "yes" : "NO") : "(another gate kernel)");
+    attn_infer_destroy(&I);
+    attn_infer_destroy(&J);
+    void *bufs[] = {w[0], w[1], w[2], w[3], w[4], z, og, y, y_ref, y_old, dpos};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    free(hpos);
+}
+
 int main(void) {
     printf("| type | B | T | n_h/n_kv | d_h | w | rows | out | lse | dq | dk | dv | 2 runs bitwise equal |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -375,8 +459,18 @@ int main(void) {
         test_decode(3, 60, 4, 2, 64, 17, dts[d]);
         test_decode(3, 60, 4, 2, 128, 0, dts[d]);
         test_decode(2, 40, 8, 1, 128, 128, dts[d]);
+        test_decode(1, 200, 16, 16, 128, 128, dts[d]); // the flagship's heads, the ring wrapped
+        test_decode(1, 300, 2, 1, 128, 0, dts[d]);     // several batches of keys a warp
+        test_decode(1, 300, 2, 2, 64, 0, dts[d]);
+        test_decode(2, 20, 4, 2, 64, 1, dts[d]);       // window 1: the newest key alone
         test_rope(dts[d]);
         test_gate(dts[d]);
+        // B: one row (GEMV), a few (fp32 GEMV, bf16 MMA), more than the small-M kernels take (cuBLASLt)
+        const int bs[3] = {1, 3, 70};
+        for (int i = 0; i < 3; i++) {
+            test_layer_decode_gate(dts[d], bs[i], 4, 2, 64, 5);
+            test_layer_decode_gate(dts[d], bs[i], 2, 1, 128, 0);
+        }
     }
     return test_summary();
 }
