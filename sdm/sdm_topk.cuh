@@ -334,7 +334,8 @@ __device__ __forceinline__ void sdm_block_bitonic_pairs(unsigned long long *a, i
         for (int q = ((int)threadIdx.x - q0 % SDM_TOPK_THREADS + SDM_TOPK_THREADS) % SDM_TOPK_THREADS;
              q < (len[s] >> 1); q += SDM_TOPK_THREADS) {
             int lo = 2 * q - (q & (stride - 1));
-            unsigned long long *x = a + off[s] + lo, *y = x + stride, u = *x, v = *y;
+            unsigned long long *x = a + off[s] + lo, *y = x + stride;
+            unsigned long long u = *x, v = *y;
             if ((u < v) == ((lo & size) == 0)) { *x = v; *y = u; }
         }
         q0 += len[s] >> 1;
