@@ -981,11 +981,14 @@ int main(int argc, char **argv) {
     test_snapshot_batch_independence();
     // decode at batch 1, 8, 32 (x 2 heads): reads of rows the same token writes (12 + 10 of 96 slots, 100 + 90 of
     // 256), and more entries than the decode kernel holds per warp (W, R > 64: rows loaded in turn, reads after the
-    // writes); d = 40: a block's last lanes idle
+    // writes); d = 40: a block's last lanes idle; the flagship's W = R = 64 and d = 1024 (every entry held, several
+    // blocks a stream), on 256 slots so that reads of written rows are common
     for (int fp32 = 1; fp32 >= 0; fp32--) {
         test_decode(fp32, 1, 150, 96, 32, 12, 10);
         test_decode(fp32, 8, 60, 96, 32, 12, 10);
         test_decode(fp32, 32, 40, 256, 40, 100, 90);
+        test_decode(fp32, 1, 24, 256, 1024, 64, 64);
+        test_decode(fp32, 4, 12, 256, 1024, 64, 48);
     }
     test_fresh_process(argv[0]);
     return test_summary();
