@@ -38,6 +38,15 @@ static inline void cuda_require_gpu(void) {
 }
 
 // Every device buffer comes from here: `bytes` under category `kind` of the ledger (core/memory.h); NULL in a dry run.
+// SDM_POISON=1 in the environment (a debugging aid) fills every new device buffer with 0xFF bytes: NaN as fp32 and
+// as bf16, -1 as an int. cudaMalloc promises no contents, so a kernel that reads memory nothing wrote may pass by
+// luck on zeroed pages; poisoned, such a read turns into NaNs or bad indices that a test reports.
+static inline int device_poison(void) {
+    static int poison = -1;
+    if (poison < 0) poison = getenv("SDM_POISON") && atoi(getenv("SDM_POISON")) != 0;
+    return poison;
+}
+
 static inline void *device_alloc(MemKind kind, size_t bytes) {
     if (g_mem.dry_run) {
         mem_record(kind, bytes);
@@ -45,6 +54,7 @@ static inline void *device_alloc(MemKind kind, size_t bytes) {
     }
     void *p = NULL;
     cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
+    if (device_poison()) cudaCheck(cudaMemset(p, 0xFF, bytes));
     mem_remember(p, kind, bytes);
     return p;
 }
