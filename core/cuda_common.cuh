@@ -38,12 +38,16 @@ static inline void cuda_require_gpu(void) {
 }
 
 // Every device buffer comes from here: `bytes` under category `kind` of the ledger (core/memory.h); NULL in a dry run.
-// SDM_POISON=1 in the environment (a debugging aid) fills every new device buffer with 0xFF bytes: NaN as fp32 and
-// as bf16, -1 as an int. cudaMalloc promises no contents, so a kernel that reads memory nothing wrote may pass by
-// luck on zeroed pages; poisoned, such a read turns into NaNs or bad indices that a test reports.
+// SDM_POISON=B in the environment (a debugging aid; B a byte, e.g. 0xff or 0x7f) fills every new device buffer with
+// bytes B. cudaMalloc promises no contents, so a kernel that reads memory nothing wrote may pass by luck on zeroed
+// pages; poisoned, such a read turns into values a test reports: 0xff gives NaN (fp32, bf16) and index -1, but a
+// NaN vanishes in fmaxf and comparisons, where 0x7f's 3.4e38 (and index 2.1e9) does not. Returns B, or -1: off.
 static inline int device_poison(void) {
-    static int poison = -1;
-    if (poison < 0) poison = getenv("SDM_POISON") && atoi(getenv("SDM_POISON")) != 0;
+    static int poison = -2;
+    if (poison == -2) {
+        const char *v = getenv("SDM_POISON");
+        poison = v && *v ? (int)(strtol(v, NULL, 0) & 0xff) : -1;
+    }
     return poison;
 }
 
@@ -54,7 +58,7 @@ static inline void *device_alloc(MemKind kind, size_t bytes) {
     }
     void *p = NULL;
     cudaCheck(cudaMalloc(&p, bytes ? bytes : 1));
-    if (device_poison()) cudaCheck(cudaMemset(p, 0xFF, bytes));
+    if (device_poison() >= 0) cudaCheck(cudaMemset(p, device_poison(), bytes));
     mem_remember(p, kind, bytes);
     return p;
 }
