@@ -62,9 +62,10 @@ static inline void sdm_bank_init(void *bank, Dtype bank_dt, const void *m0, Dtyp
 // The bank dtype of a layer (SdmDims.bank_fp32).
 static inline Dtype sdm_bank_dtype(const SdmDims *s) { return s->bank_fp32 ? DT_FP32 : DT_BF16; }
 
+// Bytes of one bank row [d] in the bank dtype.
+static inline int sdm_bank_row_bytes(const SdmDims *s) { return s->head_dim * (int)dtype_size(sdm_bank_dtype(s)); }
+
 // Bytes of one sequence's bank [H, N, d] in the bank dtype.
-static inline size_t sdm_bank_bytes(const SdmDims *s) {
-    return (size_t)s->heads * s->slots * s->head_dim * (s->bank_fp32 ? 4 : 2);
-}
+static inline size_t sdm_bank_bytes(const SdmDims *s) { return (size_t)s->heads * s->slots * sdm_bank_row_bytes(s); }
 
 #endif

@@ -306,7 +306,7 @@ static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, c
 // selected rows the block top-k then prefetches into L2 for the op (NULL: none).
 static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, const void *warm, cudaStream_t st) {
     const SdmDims *s = &L->s;
-    int row = s->head_dim * (s->bank_fp32 ? 4 : 2);
+    int row = sdm_bank_row_bytes(s);
     SdmGates gates = {p->A_log, p->dt_bias, L->col_v, L->col_a, L->col_c, s->dim, L->v, L->g, L->beta};
     SdmTopkJob jobs[2] = {
         {&L->tw, L->col_zk,
