@@ -1,6 +1,6 @@
 // sdm/sdm_common.cuh: small device helpers of the SDM layer's kernels (sdm/sdm_topk.cuh, sdm/sdm_readout.cuh,
-// sdm/sdm_layer.cuh): sigmoid, softplus, the decay gate, warp max, a bank row's prefetch into L2, and the
-// order-preserving float <-> uint32 map of the top-k keys.
+// sdm/sdm_layer.cuh): sigmoid, softplus, the decay gate, warp max, and the order-preserving float <-> uint32 map of the
+// top-k keys.
 #ifndef SDM_SDM_COMMON_CUH
 #define SDM_SDM_COMMON_CUH
 
@@ -20,14 +20,6 @@ __device__ __forceinline__ float sdm_gate_decay(float a, float A_log, float dt_b
 __device__ __forceinline__ float sdm_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SDM_FULL_MASK, v, o));
     return v;
-}
-
-// Starts the bytes (a multiple of 16) at p (16-byte aligned) on their way into L2 and goes on (sm_90 bulk prefetch:
-// one instruction for a whole bank row, nothing to wait for).
-__device__ __forceinline__ void sdm_prefetch_row_l2(const void *p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
 }
 
 // Order-preserving map float32 -> uint32 (a < b  <=>  ord(a) < ord(b)); -0 maps like +0 since the CPU reference

@@ -67,7 +67,7 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
     sdm_infer_shape(I, 1, T);
     if (sdm_op_saved_bytes(&I->L.op) > I->saved_bytes)
         sdm_die("SDM inference: prefill scratch too small for T = %d", T);
-    sdm_layer_address(&I->L, p, x, NULL, st);
+    sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_forward(&I->L.op, &in, sdm_infer_bank(I, b), I->L.o, I->L.saved, st);
     sdm_layer_output(&I->L, p, y, st);
@@ -78,7 +78,7 @@ static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, c
                                     cudaStream_t st) {
     if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
     sdm_infer_shape(I, n, 1);
-    sdm_layer_address(&I->L, p, x, I->banks, st); // the top-k warms the op's bank rows in L2
+    sdm_layer_address(&I->L, p, x, st);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
     sdm_layer_output(&I->L, p, y, st);

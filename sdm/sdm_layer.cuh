@@ -302,27 +302,23 @@ static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, c
 }
 
 // The gates, values and both top-k selections with their weights from the fused projection L->z, for the
-// L->B * L->T tokens (one launch at decode: sdm/sdm_topk.cuh). warm: a decode step's banks [B*T, H, N, d], whose
-// selected rows the block top-k then prefetches into L2 for the op (NULL: none).
-static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, const void *warm, cudaStream_t st) {
+// L->B * L->T tokens (one launch at decode: sdm/sdm_topk.cuh).
+static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st) {
     const SdmDims *s = &L->s;
-    int row = sdm_bank_row_bytes(s);
     SdmGates gates = {p->A_log, p->dt_bias, L->col_v, L->col_a, L->col_c, s->dim, L->v, L->g, L->beta};
     SdmTopkJob jobs[2] = {
-        {&L->tw, L->col_zk,
-         {L->wslot, L->kappa, NULL, L->gamma, L->g, s->key_weighted_decay, s->write_scale, warm, row}},
-        {&L->tr, L->col_zq, {L->rslot, L->rho, NULL, NULL, NULL, 0, s->read_scale, warm, row}}};
+        {&L->tw, L->col_zk, {L->wslot, L->kappa, NULL, L->gamma, L->g, s->key_weighted_decay, s->write_scale}},
+        {&L->tr, L->col_zq, {L->rslot, L->rho, NULL, NULL, NULL, 0, s->read_scale}}};
     sdm_topk_forward(jobs, 2, L->z, L->ctype, L->ldz, s->heads, L->B * L->T * s->heads, &gates, st);
 }
 
-// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select (warm as
-// there), for the L->B * L->T tokens of x [B,T,D].
-static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, const void *warm,
-                                     cudaStream_t st) {
+// z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select, for the
+// L->B * L->T tokens of x [B,T,D].
+static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
     int BT = L->B * L->T, D = L->s.dim;
     matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
-    sdm_layer_select(L, p, warm, st);
+    sdm_layer_select(L, p, st);
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);
 }
 
@@ -340,7 +336,7 @@ static inline void sdm_layer_output(SdmLayer *L, const SdmLayerParams *p, void *
 static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const void *x, void *y, cudaStream_t st) {
     const SdmDims *s = &L->s;
     sdm_layer_pack_biases(L, p, st);
-    sdm_layer_address(L, p, x, NULL, st);
+    sdm_layer_address(L, p, x, st);
     sdm_bank_init(L->bank, sdm_bank_dtype(s), s->learned_bank ? p->bank0 : NULL, L->ctype,
               (size_t)s->heads * s->slots * s->head_dim, L->B, st);
     sdm_layer_mark(L, SDM_EV_F_BANK, st);

@@ -2,13 +2,13 @@
 // docs/SDM.md#tie-rule, docs/SDM.md#key-weighted-decay, docs/SDM.md#layer-chain-rule). Forward (sdm_topk_forward):
 // the gates and values of every token, and for each of one or two jobs (the write and the read addressing, one launch)
 // and every problem p = token*H + h, the product-key scores of its K = sum of factor widths columns of the fused
-// projection z [tokens, ldz] (bf16 or fp32), the k best slots by an exact top-k, sorted by ascending slot:
+// projection z [tokens, ldz] (bf16 or fp32), the k best slots by the exact radix top-k, sorted by ascending slot:
 // slot [P,k] int32, weight [P,k] = softmax(scale * score) fp32, optionally score [P,k] and the write decays gamma
 // [P,k]. Backward: the softmax backward and the routing of each score's gradient to its sub-key entries, written as
 // the K-wide block of dz, and for writes the gate gradients (key-weighted decay, a, c) into dz and the fp32 per-token
 // gate terms gate_grad [tokens, 3H]. One warp per problem (many problems: training, prefill) or one block per problem
 // (few: decode, where the block kernel also forms the gates, so that the whole addressing is one launch); integer
-// histograms, counts and sorts only: deterministic, and the two forward kernels agree bit for bit.
+// histograms and counts only: deterministic, and the two forward kernels agree bit for bit.
 #ifndef SDM_SDM_TOPK_CUH
 #define SDM_SDM_TOPK_CUH
 
@@ -62,52 +62,47 @@ __global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int H, SdmG
 
 #define SDM_TOPK_WARPS_MAX 4
 #define SDM_TOPK_THREADS 512        // threads of the block kernel
-#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (it sorts all of a factor's sub-keys)
-// Largest P for the block kernel. Its radix-select version filled an SM (512 threads of 80-100 registers), so P
-// problems took about ceil(P / 132) times its latency, while the warp kernel's first wave (~2000 problems) takes ~38
-// us whatever P: on the H200 (bench_sdm_layer 3 prints both over P; 0b9d593) 30.8 vs 35.1 us at 256 problems, 60.3
-// vs 35.5 at 512. The sorting version (56 registers, ~12 KB at the flagship: two blocks an SM) is to be measured.
+#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its ranks of kept sub-keys cost up to n^2)
+// Largest P for the block kernel. Its block fills an SM (512 threads of 80-100 registers), so P problems take about
+// ceil(P / 132) times its latency, while the warp kernel's first wave (~2000 problems) takes ~38 us whatever P: on
+// the H200 (bench_sdm_layer 3 prints both over P; 0b9d593) 30.8 vs 35.1 us at 256 problems, 60.3 vs 35.5 at 512.
 // Training (P = 32768) stays on the warp kernel; decode batches of up to 128 streams of 2 heads take the block one.
 #ifndef SDM_TOPK_BLOCK_MAX_P // -D to move the threshold when measuring
 #define SDM_TOPK_BLOCK_MAX_P 256
 #endif
 #define SDM_TOPK_JOBS 2 // write and read addressing
-#define SDM_TOPK_MISC 24 // ints of the block kernel's misc region
+#define SDM_TOPK_MISC 48 // ints of the block kernel's misc region
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
 
 typedef struct {
     int F, dims[SDM_MAX_FACTORS], N, key_dim; // factor widths (first factor most significant), N = prod, K = sum
     int k, cap;                               // slots selected per problem; table bound min(2k, 256)
-    int n_table, n_table_k;                   // |R_cap|, |R_k| (positions clipped to the factor widths)
-    uint32_t *table;                          // device [n_table]: positions, one byte per factor (factor f at 8f),
-                                              // R_k first
+    int n_table;                              // |R_cap| (positions clipped to the factor widths)
+    uint32_t *table;                          // device [n_table]: positions, one byte per factor (factor f at 8f)
     int sort_len[SDM_MAX_FACTORS];            // per-factor sort length (next power of two >= n_f)
     int sort_total;                           // sum of sort_len
     int sort_max;                             // max of sort_len (raw-score staging buffer)
-    int sort_k;                               // next power of two >= n_table_k (block kernel: R_k's scores sorted)
     size_t smem_per_warp;                     // shared memory per warp (bytes)
     int warps;                                // problems per block
-    // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, R_k's scores [sort_k], candidates
-    // [cap], selected keys [k]; u32 table [n_table]; int misc [SDM_TOPK_MISC]
-    int off_rk, off_cand, off_sel, off_tab, off_misc;
+    int key_dim4;                             // sum of factor widths rounded up to multiples of 4 (block kernel)
+    // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, kept keys [key_dim], candidates
+    // [cap], selected keys [k]; u32 sub-key ords [key_dim4], table [n_table], table scores [n_table]; int histograms
+    // [2][SDM_MAX_FACTORS][256], misc [SDM_TOPK_MISC]
+    int off_kept, off_cand, off_sel, off_ords, off_tab, off_rval, off_hist, off_misc;
     size_t smem_block;                        // total (bytes)
     int block_ok;                             // the block kernel supports this plan
     int path;                                 // SdmTopkPath: AUTO picks by P; tests and benches force one
 } SdmTopkPlan;
 
 // The outputs of the forward, [P,k] each, sorted by ascending slot; score and gamma may be NULL (gamma: writes only,
-// g[p] * weight with key-weighted decay, else g[p]). warm (block kernel; may be NULL): the banks the slots address,
-// problem p's row `slot` at warm + (p N + slot) warm_row bytes: each selected row is prefetched into L2 (a decode
-// step's op then finds them there instead of paying a random HBM row's latency after its own launch).
+// g[p] * weight with key-weighted decay, else g[p]).
 typedef struct {
     int *slot;
     float *weight, *score, *gamma;
     const float *g;
     int kwd;
     float scale; // weight = softmax(scale * score)
-    const void *warm;
-    int warm_row;
 } SdmTopkOut;
 
 // One selection over the P problems: its plan, the first score column of head 0 in z, its outputs.
@@ -132,28 +127,29 @@ typedef struct {
 
 static inline int sdm_next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
 
-// Visits every position p (p_f < dims[f]) with lo < prod(p_f + 1) <= cap; stores them when out != NULL; returns
-// count.
-static inline int sdm_topk_table_fill(const int *dims, int F, int f, int prod, uint32_t packed, int lo, int cap,
-                                      uint32_t *out, int n) {
+// Visits every position p (p_f < dims[f]) with prod(p_f + 1) <= cap; stores them when out != NULL; returns count.
+static inline int sdm_topk_table_fill(const int *dims, int F, int f, int prod, uint32_t packed, int cap, uint32_t *out,
+                                  int n) {
     if (f == F) {
-        if (prod <= lo) return n;
         if (out) out[n] = packed;
         return n + 1;
     }
     for (int p = 0; p < dims[f] && prod * (p + 1) <= cap; p++)
-        n = sdm_topk_table_fill(dims, F, f + 1, prod * (p + 1), packed | ((uint32_t)p << (8 * f)), lo, cap, out, n);
+        n = sdm_topk_table_fill(dims, F, f + 1, prod * (p + 1), packed | ((uint32_t)p << (8 * f)), cap, out, n);
     return n;
 }
 
 // The block kernel's shared-memory layout of plan pl (see SdmTopkPlan); regions 16-byte aligned.
 static inline void sdm_topk_block_layout(SdmTopkPlan *pl) {
     size_t o = 8 * (size_t)pl->sort_total;
-    pl->off_rk = (int)o;    o += 8 * (size_t)pl->sort_k;
+    pl->off_kept = (int)o;  o += 8 * (size_t)pl->key_dim;
     pl->off_cand = (int)o;  o += 8 * (size_t)pl->cap;
     pl->off_sel = (int)o;   o += 8 * (size_t)pl->k;
     o = (o + 15) & ~(size_t)15;
+    pl->off_ords = (int)o;  o += 4 * (size_t)pl->key_dim4;
     pl->off_tab = (int)o;   o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
+    pl->off_rval = (int)o;  o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
+    pl->off_hist = (int)o;  o += 4 * (size_t)2 * SDM_MAX_FACTORS * 256;
     pl->off_misc = (int)o;  o += 4 * (size_t)SDM_TOPK_MISC;
     pl->smem_block = o;
 }
@@ -168,6 +164,7 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
         pl.dims[f] = s->factor_dims[f];
         pl.N *= pl.dims[f];
         pl.key_dim += pl.dims[f];
+        pl.key_dim4 += (pl.dims[f] + 3) & ~3;
         pl.sort_len[f] = sdm_next_pow2(pl.dims[f]);
         pl.sort_total += pl.sort_len[f];
         pl.sort_max = SDM_MAX(pl.sort_max, pl.sort_len[f]);
@@ -178,12 +175,9 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
     if (k >= 256) sdm_die("top-k: the GPU top-k supports k < 256 (got %d)", k);
     if (((double)pl.key_dim + 1.0) * pl.N >= 4294967296.0)
         sdm_die("top-k: (sum of factor widths + 1) * N must stay below 2^32 (tie-break key)");
-    pl.n_table_k = sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, 0, k, NULL, 0);
-    pl.n_table = pl.n_table_k + sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, k, pl.cap, NULL, 0);
-    pl.sort_k = sdm_next_pow2(pl.n_table_k);
+    pl.n_table = sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
     uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * (size_t)pl.n_table);
-    sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, 0, k, tab, 0);
-    sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, k, pl.cap, tab, pl.n_table_k);
+    sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
     pl.table = (uint32_t *)device_alloc(MEM_SCRATCH, sizeof(uint32_t) * (size_t)pl.n_table);
     device_upload(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table);
     free(tab);
@@ -219,7 +213,8 @@ __device__ void sdm_warp_bitonic_sort_desc(unsigned long long *a, int n, int lan
 
 // A radix pass's 256-bin histogram keeps digit d at sdm_hist_bin(d), transposed (d % 8 major), so that the lanes of
 // sdm_radix_pick, each reading 8 consecutive digits, read 32 consecutive words at a time: no bank conflicts (the
-// plain layout had 8-way conflicts).
+// plain layout had 8-way conflicts, which made the block kernel's passes, where every warp reads the histogram,
+// cost ~4,500 cycles each).
 __device__ __forceinline__ int sdm_hist_bin(uint32_t d) { return (int)((d & 7u) * 32u + (d >> 3)); }
 
 // One pass of a radix select by one warp (every lane gets the same): from the 256-bin histogram of the pass's digit,
@@ -280,86 +275,68 @@ __device__ int sdm_block_sum_int(int v, int *red) {
     return t;
 }
 
-// The block kernel's bitonic sort: segment s < n_seg of a, a[off[s] .. off[s] + len[s]) (len a power of two), sorted
-// descending by the whole block. Stage (size, stride) puts the larger of elements i and i ^ stride of a segment first
-// when (i & size) == 0, last otherwise. A segment's chunks of 32 elements (a shorter segment is one chunk) go to the
-// warps in turn, chunk c (counted over all segments in order) to warp c % warps: stages with stride < 32 run in the
-// chunk's registers by shuffles, stages with stride >= 32 in shared memory, a barrier after each. At the flagship's
-// shapes (two factors of 256; R_64 of 280 points, sorted as 512) the two sorts take 10 and 15 barriers and 30 and 35
-// dependent shuffle stages, ~2k and ~2.5k cycles by count, where the two radix selects they replace (4 passes of
-// histogram atomics, two barriers and a warp's scan each) measured ~18k cycles together.
+// Digit d's bin += 1 for every lane with in (all 32 lanes call it): one atomic per distinct digit of the warp (in the
+// high digits most values of a block share a bin or two, and same-address atomics serialise: one per lane made a
+// radix pass of the block kernel cost ~3,000 cycles).
+__device__ __forceinline__ void sdm_hist_add(int *hist, bool in, uint32_t d) {
+    unsigned peers = __match_any_sync(SDM_FULL_MASK, in ? d : 256u);
+    if (in && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[sdm_hist_bin(d)], __popc(peers));
+}
 
-// The first i of this warp's chunks in the segment whose first chunk is c0 (step SDM_TOPK_THREADS).
+// The block kernel spreads the values of up to SDM_MAX_FACTORS sets (value i of set s at v[off[s] + i], i < n[s]) over
+// its warps in chunks of 32, chunk c (counted over all sets in order) to warp c % warps: the first i of this warp's
+// chunks in the set whose first chunk is c0 (step SDM_TOPK_THREADS).
 __device__ __forceinline__ int sdm_block_chunk0(int c0) {
     const int nw = SDM_TOPK_THREADS / 32;
     return ((int)(threadIdx.x >> 5) - c0 % nw + nw) % nw * 32;
 }
 
-// Element i's value after stage (size, stride), from its value x and its partner's y.
-__device__ __forceinline__ unsigned long long sdm_bitonic_pick(unsigned long long x, unsigned long long y, int i,
-                                                               int size, int stride) {
-    bool larger = ((i & stride) == 0) == ((i & size) == 0);
-    return (x > y) == larger ? x : y;
-}
-
-// The stages with stride < 32 of sizes size0 .. min(size1, len) of every segment at least size0 long, chunk by chunk
-// in registers; load(s, i) gives element i of segment s (the first pass reads the keys where they are made).
-template <typename Load>
-__device__ __forceinline__ void sdm_block_bitonic_chunks(unsigned long long *a, int n_seg, const int *off,
-                                                         const int *len, int size0, int size1, Load load) {
-    const int lane = threadIdx.x & 31;
+// The kth[s]-th largest value (with multiplicity) thr[s] of each set s < n_sets, and ge[s] = #{values >= thr[s]}, by
+// the whole block (v written before a barrier): the radix select of sdm_warp_kth_largest for all sets at once. Per
+// pass, the histograms (integer counts: deterministic), a barrier, warp s picks set s's digit into pick [3 s .. 3 s
+// + 3) (every warp picking for itself made a pass cost ~2,800 cycles), a barrier. Two histogram buffers hist
+// [2][SDM_MAX_FACTORS][256] alternate: the pass numbered q (*pass, counted over calls) fills buffer q % 2, which
+// must be zero, and clears the other, which the warps last read before the second barrier of pass q - 1.
+__device__ __forceinline__ void sdm_block_radix_select(const uint32_t *v, int n_sets, const int *off, const int *n,
+                                                       const int *kth, int *hist, int *pick, int *pass, uint32_t *thr,
+                                                       int *ge) {
+    static_assert(SDM_MAX_FACTORS <= SDM_TOPK_THREADS / 32, "a warp per set");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nb = SDM_MAX_FACTORS * 256;
+    uint32_t mask = 0;
+    int k[SDM_MAX_FACTORS];
 #pragma unroll
-    for (int s = 0, c0 = 0; s < SDM_MAX_FACTORS; c0 += (len[s] + 31) / 32, s++) {
-        if (s >= n_seg) break;
-        if (size0 > 32 && len[s] < size0) continue; // a later pass leaves a shorter segment as it is
-        for (int i0 = sdm_block_chunk0(c0); i0 < len[s]; i0 += SDM_TOPK_THREADS) {
-            int i = i0 + lane;
-            unsigned long long x = i < len[s] ? load(s, i) : 0ull;
-            for (int size = size0; size <= min(size1, len[s]); size <<= 1)
-                for (int stride = min(size >> 1, 16); stride > 0; stride >>= 1)
-                    x = sdm_bitonic_pick(x, __shfl_xor_sync(SDM_FULL_MASK, x, stride), i, size, stride);
-            if (i < len[s]) a[off[s] + i] = x;
-        }
-    }
-}
-
-// Stage (size, stride >= 32) of every segment at least size long, in shared memory: pair q of a segment is elements
-// lo = 2q - q % stride and lo + stride; pairs counted over the segments go to the threads in turn.
-__device__ __forceinline__ void sdm_block_bitonic_pairs(unsigned long long *a, int n_seg, const int *off,
-                                                        const int *len, int size, int stride) {
+    for (int s = 0; s < SDM_MAX_FACTORS; s++) { thr[s] = 0; k[s] = kth[s]; ge[s] = 0; }
+    for (int shift = 24; shift >= 0; shift -= 8, (*pass)++) {
+        int *h = hist + (*pass % 2) * nb, *next = hist + ((*pass + 1) % 2) * nb;
+        for (int i = threadIdx.x; i < nb; i += SDM_TOPK_THREADS) next[i] = 0;
 #pragma unroll
-    for (int s = 0, q0 = 0; s < SDM_MAX_FACTORS; s++) {
-        if (s >= n_seg) break;
-        if (len[s] < size) continue;
-        for (int q = ((int)threadIdx.x - q0 % SDM_TOPK_THREADS + SDM_TOPK_THREADS) % SDM_TOPK_THREADS;
-             q < (len[s] >> 1); q += SDM_TOPK_THREADS) {
-            int lo = 2 * q - (q & (stride - 1));
-            unsigned long long *x = a + off[s] + lo, *y = x + stride;
-            unsigned long long u = *x, v = *y;
-            if ((u < v) == ((lo & size) == 0)) { *x = v; *y = u; }
+        for (int s = 0, c0 = 0; s < SDM_MAX_FACTORS; s++) {
+            if (s >= n_sets) break;
+            for (int i0 = sdm_block_chunk0(c0); i0 < n[s]; i0 += SDM_TOPK_THREADS) {
+                int i = i0 + lane;
+                uint32_t x = i < n[s] ? v[off[s] + i] : 0u;
+                sdm_hist_add(h + s * 256, i < n[s] && (x & mask) == thr[s], (x >> shift) & 255u);
+            }
+            c0 += (n[s] + 31) / 32;
         }
-        q0 += len[s] >> 1;
-    }
-}
-
-// Sorts the segments (see above) of the values load(s, i), into a; ends with a barrier.
-template <typename Load>
-__device__ __forceinline__ void sdm_block_sort_desc(unsigned long long *a, int n_seg, const int *off, const int *len,
-                                                    Load load) {
-    int max_len = 0;
-#pragma unroll
-    for (int s = 0; s < SDM_MAX_FACTORS; s++)
-        if (s < n_seg) max_len = max(max_len, len[s]);
-    sdm_block_bitonic_chunks(a, n_seg, off, len, 2, 32, load);
-    __syncthreads();
-    auto stored = [&](int s, int i) { return a[off[s] + i]; };
-    for (int size = 64; size <= max_len; size <<= 1) {
-        for (int stride = size >> 1; stride >= 32; stride >>= 1) {
-            sdm_block_bitonic_pairs(a, n_seg, off, len, size, stride);
-            __syncthreads();
-        }
-        sdm_block_bitonic_chunks(a, n_seg, off, len, size, size, stored);
         __syncthreads();
+        if (warp < n_sets) {
+            int kw = 0;
+#pragma unroll
+            for (int s = 0; s < SDM_MAX_FACTORS; s++)
+                if (s == warp) kw = k[s];
+            int3 d = sdm_radix_pick(h + warp * 256, kw, lane);
+            if (lane == 0) { pick[3 * warp] = d.x; pick[3 * warp + 1] = d.y; pick[3 * warp + 2] = d.z; }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < SDM_MAX_FACTORS; s++) {
+            if (s >= n_sets) break;
+            thr[s] |= (uint32_t)pick[3 * s] << shift;
+            k[s] -= pick[3 * s + 1];
+            if (shift == 0) ge[s] = kth[s] - k[s] + pick[3 * s + 2]; // the values above thr, then those equal to it
+        }
+        mask |= 255u << shift;
     }
 }
 
@@ -388,29 +365,16 @@ __device__ __forceinline__ void sdm_table_pos(uint32_t pk, int *pos) {
     for (int f = 0; f < SDM_MAX_FACTORS; f++) pos[f] = (int)((pk >> (8 * f)) & 255u);
 }
 
-// Whether sorted positions pos lie inside the kept grid (m[f] kept sub-keys per factor).
-__device__ __forceinline__ bool sdm_in_kept_grid(const SdmTopkPlan &pl, const int *m, const int *pos) {
-    bool in = true;
-#pragma unroll
-    for (int f = 0; f < SDM_MAX_FACTORS; f++)
-        if (f < pl.F && pos[f] >= m[f]) in = false;
-    return in;
-}
-
-// Score word of table entry pk: ord(score) inside the kept grid, else 0.
+// Score word of table entry pk: ord(score) inside the kept grid (m[f] kept sub-keys per factor), else 0.
 __device__ __forceinline__ uint32_t sdm_table_score(const SdmTopkPlan &pl, const unsigned long long *sorted,
                                                     const int *m, uint32_t pk) {
     int pos[SDM_MAX_FACTORS];
     sdm_table_pos(pk, pos);
-    return sdm_in_kept_grid(pl, m, pos) ? (uint32_t)(sdm_grid_key(pl, sorted, pos) >> 32) : 0u;
-}
-
-// Key of table entry pk inside the kept grid, else 0.
-__device__ __forceinline__ unsigned long long sdm_table_key(const SdmTopkPlan &pl, const unsigned long long *sorted,
-                                                            const int *m, uint32_t pk) {
-    int pos[SDM_MAX_FACTORS];
-    sdm_table_pos(pk, pos);
-    return sdm_in_kept_grid(pl, m, pos) ? sdm_grid_key(pl, sorted, pos) : 0ull;
+    bool in = true;
+#pragma unroll
+    for (int f = 0; f < SDM_MAX_FACTORS; f++)
+        if (f < pl.F && pos[f] >= m[f]) in = false;
+    return in ? (uint32_t)(sdm_grid_key(pl, sorted, pos) >> 32) : 0u;
 }
 
 // Key of point g of the kept grid (m[f] kept sub-keys per factor, the last factor fastest).
@@ -572,12 +536,11 @@ __global__ void sdm_topk_forward_kernel(const __grid_constant__ SdmTopkArgs a) {
 }
 
 // One block of SDM_TOPK_THREADS threads per problem p = blockIdx.x % P of job blockIdx.x / P, the results of
-// sdm_topk_forward_kernel bit for bit, every phase spread over the block: the factors' sub-keys by one bitonic sort of
-// all factors (sdm_block_sort_desc), each factor's kept count by a binary search of its sorted keys, tau by a second
-// sort (of R_k's scores only: a down-set of k best points lies in R_k, so its k-th largest score is the warp kernel's
-// tau over R_cap), the candidates' and the selected slots' order by counting (8 threads a key). With a.gates, job 0's
-// blocks also form their problem's gates and values (sdm_unpack_kernel's work) and take g from them: the whole
-// addressing in one launch. With out.warm, each selected slot's bank row starts its way into L2 before the softmax.
+// sdm_topk_forward_kernel bit for bit, every phase spread over the block with a barrier or two: the factors'
+// thresholds by one radix select over all factors, each kept sub-key's place in its factor's sorted order by
+// counting the kept keys above it (4 threads a key), tau by a radix select of the table scores, the candidates' and
+// the selected slots' order by counting too (8 threads a key). With a.gates, job 0's blocks also form their
+// problem's gates and values (sdm_unpack_kernel's work) and take g from them: the whole addressing in one launch.
 __global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
     static_assert(SDM_TOPK_THREADS >= 256 && SDM_TOPK_THREADS % 32 == 0, "a thread per selected key (k < 256)");
@@ -587,32 +550,41 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(con
     const SdmTopkOut &out = a.out[job];
     const int k = pl.k, F = pl.F;
     unsigned char *sm = sdm_topk_bsmem;
-    unsigned long long *sorted = (unsigned long long *)sm, *rk = (unsigned long long *)(sm + pl.off_rk);
+    unsigned long long *sorted = (unsigned long long *)sm, *kept = (unsigned long long *)(sm + pl.off_kept);
     unsigned long long *cand = (unsigned long long *)(sm + pl.off_cand), *sel = (unsigned long long *)(sm + pl.off_sel);
-    uint32_t *tab = (uint32_t *)(sm + pl.off_tab);
-    int *misc = (int *)(sm + pl.off_misc);
-    // misc: candidate counter, g of the problem, the softmax norm (8-byte aligned), block sums [nw]
-    int *ccnt = misc, *red = misc + 4;
-    float *gp_s = (float *)(misc + 1);
-    float2 *norm_s = (float2 *)(misc + 2);
-    static_assert(4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC, "misc layout");
+    uint32_t *ords = (uint32_t *)(sm + pl.off_ords), *tab = (uint32_t *)(sm + pl.off_tab);
+    uint32_t *rval = (uint32_t *)(sm + pl.off_rval);
+    int *hist = (int *)(sm + pl.off_hist), *misc = (int *)(sm + pl.off_misc);
+    // misc: kept counters [SDM_MAX_FACTORS], candidate counter, g of the problem, the softmax norm (8-byte aligned),
+    // block sums [nw], radix picks [3 SDM_MAX_FACTORS]
+    int *kcnt = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 4, *pick = red + nw;
+    float *gp_s = (float *)(misc + SDM_MAX_FACTORS + 1);
+    float2 *norm_s = (float2 *)(misc + SDM_MAX_FACTORS + 2);
+    static_assert(SDM_MAX_FACTORS % 2 == 0 && 4 * SDM_MAX_FACTORS + 4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC,
+                  "misc layout");
 
-    // 0. before the wait, constant data only: the table; zero the candidate counter
+    // 0. before the wait, constant data only: the table; zero histograms and counters
     for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) tab[r] = pl.table[r];
-    if (t == 0) *ccnt = 0;
+    for (int i = t; i < SDM_MAX_FACTORS * 256; i += SDM_TOPK_THREADS) hist[i] = 0;
+    if (t <= SDM_MAX_FACTORS) kcnt[t] = 0; // and ccnt
     pdl_enter();
 
-    // 1. g (and the gates, values) of the problem
-    int n[SDM_MAX_FACTORS], foff[SDM_MAX_FACTORS], soff[SDM_MAX_FACTORS], m[SDM_MAX_FACTORS];
+    // 1. the sub-key ords (o_i = ord(score i), factor f's row at off4[f]); g (and the gates, values) of the problem
+    int n[SDM_MAX_FACTORS], kth[SDM_MAX_FACTORS], off4[SDM_MAX_FACTORS], soff[SDM_MAX_FACTORS];
 #pragma unroll
-    for (int f = 0, o = 0, so = 0; f < SDM_MAX_FACTORS; f++) {
+    for (int f = 0, o4 = 0, so = 0; f < SDM_MAX_FACTORS; f++) {
         n[f] = f < F ? pl.dims[f] : 0;
-        foff[f] = o;
+        kth[f] = min(k, n[f]);
+        off4[f] = o4;
         soff[f] = so;
-        o += n[f];
+        o4 += (n[f] + 3) & ~3;
         so += f < F ? pl.sort_len[f] : 0;
     }
     size_t zrow = (size_t)tok * a.ldz, zk = zrow + a.col0[job] + (size_t)h * pl.key_dim;
+#pragma unroll
+    for (int f = 0, off = 0; f < SDM_MAX_FACTORS; off += n[f], f++)
+        for (int i = t; i < n[f]; i += SDM_TOPK_THREADS)
+            ords[off4[f] + i] = sdm_f2ord(dtype_load(a.z, zk + off + i, a.fp32));
     if (job == 0 && a.gates.g) {
         const SdmGates &gt = a.gates;
         int d = gt.D / a.H;
@@ -626,55 +598,78 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(con
             *gp_s = g;
         }
     } else if (t == 0) *gp_s = out.gamma ? out.g[p] : 0.0f;
+    __syncthreads();
 
-    // 2. every factor's sub-key keys (ord(score) << 32 | i) sorted descending, as the warp kernel sorts its kept ones
-    //    (the padding, 0, last); the kept count m_f = #{ord >= the min(k, n_f)-th largest}: the best min(k, n_f)
-    //    sub-keys and every tie of the last one
-    sdm_block_sort_desc(sorted, F, soff, pl.sort_len, [&](int f, int i) {
-        return i < n[f] ? ((unsigned long long)sdm_f2ord(dtype_load(a.z, zk + foff[f] + i, a.fp32)) << 32) | (uint32_t)i
-                        : 0ull;
-    });
+    // 2. per factor the threshold t_f = the min(k, n_f)-th largest o and the kept count m_f = #{o >= t_f}: the best
+    //    min(k, n_f) sub-keys and every tie of the last one
+    uint32_t thr[SDM_MAX_FACTORS];
+    int m[SDM_MAX_FACTORS], pass = 0;
+    sdm_block_radix_select(ords, F, off4, n, kth, hist, pick, &pass, thr, m);
+
+    // 3. the kept keys (o << 32 | i), compacted per factor in any order at kofs[f], then each one's rank among its
+    //    factor's: sorted[rank] = key, the descending order of the warp kernel's bitonic sort
+    int kofs[SDM_MAX_FACTORS], M = 0;
     unsigned long long G = 1;
 #pragma unroll
     for (int f = 0; f < SDM_MAX_FACTORS; f++) {
-        m[f] = 1;
-        if (f >= F) continue;
-        const unsigned long long *sf = sorted + soff[f];
-        int lo = min(k, n[f]), hi = n[f]; // the first position past the kept ones lies in [lo, hi]
-        const uint32_t thr = (uint32_t)(sf[lo - 1] >> 32);
-        while (lo < hi) {
-            int mid = (lo + hi) >> 1;
-            if ((uint32_t)(sf[mid] >> 32) >= thr) lo = mid + 1;
-            else hi = mid;
-        }
-        m[f] = lo;
-        G *= (unsigned long long)lo;
+        kofs[f] = M;
+        if (f < F) { M += m[f]; G *= (unsigned long long)m[f]; }
+        else m[f] = 1;
     }
-
-    // 3. tau = the k-th largest score of R_k, the table's first n_table_k points (0 outside the kept grid)
-    const int zero[SDM_MAX_FACTORS] = {0}, len_k[SDM_MAX_FACTORS] = {pl.sort_k};
-    sdm_block_sort_desc(rk, 1, zero, len_k, [&](int, int r) {
-        return r < pl.n_table_k ? (unsigned long long)sdm_table_score(pl, sorted, m, tab[r]) << 32 : 0ull;
-    });
-    const uint32_t tau = (uint32_t)(rk[k - 1] >> 32);
-
-    // 4. the candidates, the n_ge table points scoring >= tau, in any order (slots from a shared counter, one atomic
-    //    per warp; only the first cap stored, all of them whenever step 5a runs)
-    for (int r0 = warp * 32; r0 < pl.n_table; r0 += SDM_TOPK_THREADS) {
-        int r = r0 + lane;
-        unsigned long long key = r < pl.n_table ? sdm_table_key(pl, sorted, m, tab[r]) : 0ull;
-        bool take = (uint32_t)(key >> 32) >= tau; // tau > 0: never outside the grid
-        unsigned b = __ballot_sync(SDM_FULL_MASK, take);
-        int base = lane == 0 && b ? atomicAdd(ccnt, __popc(b)) : 0;
-        base = __shfl_sync(SDM_FULL_MASK, base, 0) + __popc(b & ((1u << lane) - 1));
-        if (take && base < pl.cap) cand[base] = key;
+#pragma unroll
+    for (int f = 0, c0 = 0; f < SDM_MAX_FACTORS; c0 += (n[f] + 31) / 32, f++)
+        for (int i0 = sdm_block_chunk0(c0); i0 < n[f]; i0 += SDM_TOPK_THREADS) {
+            int i = i0 + lane;
+            uint32_t x = i < n[f] ? ords[off4[f] + i] : 0u;
+            bool keep = i < n[f] && x >= thr[f];
+            unsigned b = __ballot_sync(SDM_FULL_MASK, keep);
+            int base = lane == 0 && b ? atomicAdd(&kcnt[f], __popc(b)) : 0;
+            base = __shfl_sync(SDM_FULL_MASK, base, 0);
+            if (keep) kept[kofs[f] + base + __popc(b & ((1u << lane) - 1))] = ((unsigned long long)x << 32) | i;
+        }
+    __syncthreads();
+    for (int e0 = 0; e0 < M; e0 += SDM_TOPK_THREADS / 4) {
+        int e = e0 + (t >> 2), q = t & 3, lo = 0, hi = 0, so = 0;
+#pragma unroll
+        for (int f = 0; f < SDM_MAX_FACTORS; f++)
+            if (f < F && e >= kofs[f]) { lo = kofs[f]; hi = kofs[f] + m[f]; so = soff[f]; }
+        unsigned long long key = e < M ? kept[e] : 0ull;
+        int r = 0;
+#pragma unroll 4
+        for (int i = lo + q; e < M && i < hi; i += 4) r += kept[i] > key;
+        r += __shfl_xor_sync(SDM_FULL_MASK, r, 1);
+        r += __shfl_xor_sync(SDM_FULL_MASK, r, 2);
+        if (e < M && q == 0) sorted[so + r] = key;
     }
     __syncthreads();
-    const int n_ge = *ccnt;
+
+    // 4. score the table points inside the kept grid (0 = outside); tau = the k-th largest table score, n_ge = the
+    //    table points scoring >= tau
+    for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) rval[r] = sdm_table_score(pl, sorted, m, tab[r]);
+    __syncthreads();
+    int zero[SDM_MAX_FACTORS] = {0}, n_tab[SDM_MAX_FACTORS] = {pl.n_table}, k1[SDM_MAX_FACTORS] = {k};
+    uint32_t tau_s[SDM_MAX_FACTORS];
+    int ge_s[SDM_MAX_FACTORS];
+    sdm_block_radix_select(rval, 1, zero, n_tab, k1, hist, pick, &pass, tau_s, ge_s);
+    const uint32_t tau = tau_s[0];
+    const int n_ge = ge_s[0];
 
     if (n_ge < pl.cap || G <= (unsigned long long)pl.cap) {
-        // 5a. each candidate's rank among them (n_ge <= cap: G bounds the table points inside the grid): sel[rank] =
-        //     key for the k best
+        // 5a. the n_ge candidates in any order (slots from a shared counter, one atomic per warp), then each one's
+        //     rank among them: sel[rank] = key for the k best
+        for (int r0 = warp * 32; r0 < pl.n_table; r0 += SDM_TOPK_THREADS) {
+            int r = r0 + lane;
+            bool take = r < pl.n_table && rval[r] >= tau;
+            unsigned b = __ballot_sync(SDM_FULL_MASK, take);
+            int base = lane == 0 && b ? atomicAdd(ccnt, __popc(b)) : 0;
+            base = __shfl_sync(SDM_FULL_MASK, base, 0);
+            if (take) {
+                int pos[SDM_MAX_FACTORS];
+                sdm_table_pos(tab[r], pos);
+                cand[base + __popc(b & ((1u << lane) - 1))] = sdm_grid_key(pl, sorted, pos);
+            }
+        }
+        __syncthreads();
         for (int c0 = 0; c0 < n_ge; c0 += SDM_TOPK_THREADS / 8) {
             int c = c0 + (t >> 3), q = t & 7;
             unsigned long long key = c < n_ge ? cand[c] : 0ull;
@@ -708,15 +703,9 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(con
     }
     __syncthreads();
 
-    // 6. the selected slots (and their bank rows on their way to L2); softmax (warp 0, as the warp kernel); each
-    //    selected key's place among the slots (8 threads a key), write out
-    int *sel_slot = (int *)rk; // R_k's scores are no longer needed (sort_k >= |R_k| >= k)
-    if (t < k) {
-        int slot = (int)((uint32_t)sel[t] % (uint32_t)pl.N);
-        sel_slot[t] = slot;
-        if (out.warm) sdm_prefetch_row_l2((const char *)out.warm + ((size_t)p * pl.N + slot) * out.warm_row,
-                                          out.warm_row);
-    }
+    // 6. softmax (warp 0, as the warp kernel); each selected key's place among the slots (8 threads a key), write out
+    int *sel_slot = (int *)rval; // the table scores are no longer needed
+    if (t < k) sel_slot[t] = (int)((uint32_t)sel[t] % (uint32_t)pl.N);
     if (warp == 0) {
         float2 nm = sdm_topk_softmax_norm(sel, k, out.scale, lane);
         if (lane == 0) *norm_s = nm;

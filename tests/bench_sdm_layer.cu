@@ -69,7 +69,7 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
                matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, 0));
     TIME_PIECE("fwd GEMM out-projection", fout,
                matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, 0));
-    TIME_PIECE("addressing (gates, values, both top-k)", 0, sdm_layer_select(L, p, NULL, 0));
+    TIME_PIECE("addressing (gates, values, both top-k)", 0, sdm_layer_select(L, p, 0));
     TIME_PIECE("bank copy from M0", 0,
                sdm_bank_init(L->bank, DT_BF16, p->bank0, DT_BF16, (size_t)H * s->slots * d, L->B, 0));
     SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
@@ -286,7 +286,7 @@ static void bench_decode(int B, double target_us) {
         const SdmLayerParams *pi = &p[i % DECODE_COPIES];
         matmul_forward(L->z, L->ctype, L->ldz, x0, pi->w_in, L->b_packed, L->ctype, B, L->n_in, D, st);
     }).median;
-    float t_addr = decode_graph_us(st, [&](int) { sdm_layer_select(L, &p[0], I.banks, st); }).median;
+    float t_addr = decode_graph_us(st, [&](int) { sdm_layer_select(L, &p[0], st); }).median;
     SdmOpInputs in = sdm_layer_op_inputs(L);
     float t_op = decode_graph_us(st, [&](int) { sdm_op_decode(&L->op, &in, I.banks, L->o, st); }).median;
     SdmReadoutArgs ra = sdm_layer_readout_args(L, &p[0]);
@@ -331,7 +331,7 @@ static void bench_topk_paths(void) {
             cudaGraph_t graph;
             cudaGraphExec_t exec;
             cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            SdmTopkJob job = {&pl, 0, {slot, w, NULL, NULL, NULL, 0, 1.0f, NULL, 0}};
+            SdmTopkJob job = {&pl, 0, {slot, w, NULL, NULL, NULL, 0, 1.0f}};
             for (int r = 0; r < TOPK_REPS; r++) sdm_topk_forward(&job, 1, z, DT_BF16, ldz, H, Ps[i], NULL, st);
             cudaCheck(cudaStreamEndCapture(st, &graph));
             cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
