@@ -101,13 +101,14 @@ static inline void attn_layer_destroy(AttnLayer *L) {
     memset(L, 0, sizeof *L);
 }
 
-// q [n, n_h*d_h], k, v [n, n_kv*d_h] = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of x [n, D] (before RoPE), and with z
-// (not NULL: a gated layer's decode) the gate's z [n, n_h*d_h] = x Wgᵀ as a fourth part of the same product.
+// q [n, n_h*d_h] (row stride ldq), k, v [n, n_kv*d_h] (row stride ldkv) = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of
+// x [n, D] (before RoPE), and with z (not NULL: a gated layer's decode) the gate's z [n, n_h*d_h] (stride ldq) =
+// x Wgᵀ as a fourth part of the same product.
 static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x, int n,
-                                  void *q, void *k, void *v, void *z, cudaStream_t s) {
+                                  void *q, void *k, void *v, void *z, int ldq, int ldkv, cudaStream_t s) {
     int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
     MatmulParts P = {z ? 4 : 3, {p->wq, p->wk, p->wv, p->wg}, {q, k, v, z}, {NULL, NULL, NULL, NULL},
-                     {nq, nk, nk, nq}, {nq, nk, nk, nq}};
+                     {nq, nk, nk, nq}, {ldq, ldkv, ldkv, ldq}};
     matmul_forward_parts(&P, ct, x, ct, n, D, s); // one launch at decode
 }
 
@@ -166,7 +167,8 @@ static inline double attn_layer_out_flops(const AttnDims *a, int n) {
 static inline void attn_layer_forward(AttnLayer *L, const AttnLayerParams *p, const void *x, void *y, cudaStream_t s) {
     const AttnDims *a = &L->a;
     int n = L->B * L->T;
-    attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, NULL, s);
+    attn_layer_qkv(a, L->ctype, p, x, n, L->q, L->k, L->v, NULL, a->n_heads * a->head_dim,
+                   a->n_kv_heads * a->head_dim, s);
     attn_layer_mark_proj(L, attn_layer_qkv_flops(a, n), s);
     attn_rope(&L->rope, a, L->B, L->T, L->ctype, L->q, L->k, NULL, 1, s);
     attn_forward(a, L->B, L->T, L->ctype, L->q, L->k, L->v, L->o, L->lse, s);
@@ -220,6 +222,8 @@ typedef struct {
     Dtype ctype;
     AttnRope rope;
     void *q, *k, *v, *o, *z, *og; // [rows, ...] scratch of one call
+    void *qkv;                    // [streams, qkv_ld]: a decode step's q | k | v (| z) rows, one product in memory
+    int qkv_ld;                   // 2 n_h d_h + 2 n_kv d_h when gated, else n_h d_h + 2 n_kv d_h
     void *k_cache, *v_cache;      // [streams, C, n_kv, d_h]
 } AttnInferState;
 
@@ -243,6 +247,8 @@ static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, i
         I.z = device_alloc(MEM_ACTIVATIONS, qb);
         I.og = device_alloc(MEM_ACTIVATIONS, qb);
     }
+    I.qkv_ld = (a->gated ? 2 : 1) * a->n_heads * a->head_dim + 2 * a->n_kv_heads * a->head_dim;
+    I.qkv = device_alloc(MEM_ACTIVATIONS, (size_t)streams * I.qkv_ld * es);
     size_t cache = (size_t)streams * I.C * a->n_kv_heads * a->head_dim * es;
     I.k_cache = device_alloc(MEM_ACTIVATIONS, cache);
     I.v_cache = device_alloc(MEM_ACTIVATIONS, cache);
@@ -250,7 +256,7 @@ static inline AttnInferState attn_infer_create(const AttnDims *a, int streams, i
 }
 
 static inline void attn_infer_destroy(AttnInferState *I) {
-    void *bufs[] = {I->q, I->k, I->v, I->o, I->z, I->og, I->k_cache, I->v_cache};
+    void *bufs[] = {I->q, I->k, I->v, I->o, I->z, I->og, I->qkv, I->k_cache, I->v_cache};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     attn_rope_destroy(&I->rope);
     memset(I, 0, sizeof *I);
@@ -274,7 +280,8 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
     const AttnDims *a = &I->a;
     if (T > I->rows) sdm_die("attention inference: a prompt of %d tokens exceeds the state's %d", T, I->rows);
     if (a->window == 0 && T > I->C) sdm_die("attention inference: %d tokens exceed the KV cache of %d", T, I->C);
-    attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, NULL, s);
+    attn_layer_qkv(a, I->ctype, p, x, T, I->q, I->k, I->v, NULL, a->n_heads * a->head_dim,
+                   a->n_kv_heads * a->head_dim, s);
     attn_rope(&I->rope, a, 1, T, I->ctype, I->q, I->k, NULL, 1, s);
     attn_forward(a, 1, T, I->ctype, I->q, I->k, I->v, I->o, NULL, s);
     attn_layer_out(a, I->ctype, p, x, I->o, I->z, I->og, T, 0, y, s);
@@ -293,14 +300,18 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
 // Decode step of streams 0..B-1: y [B, D] = the layer of one new token per stream x [B, D] at position pos[b]
 // (device), attending over positions 0..pos[b]. Full attention needs pos[b] < C (the caller checks). A gated layer's
 // z joins the q, k, v product and attn_decode writes og = sigmoid(z) * o (the bits of attn_gate_forward on z and
-// o): three launches, the gate's product and element-wise step none of their own.
+// o): three launches, the gate's product and element-wise step none of their own. q, k, v (and z) are column
+// slices of one buffer, as their weights are of the model's table, so that every batch takes them as one product.
 static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
                                      const int *pos, int B, cudaStream_t s) {
     const AttnDims *a = &I->a;
     if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
-    void *z = a->gated ? I->z : NULL, *mixed = a->gated ? I->og : I->o;
-    attn_layer_qkv(a, I->ctype, p, x, B, I->q, I->k, I->v, z, s);
-    attn_decode(a, B, I->ctype, &I->rope, I->q, I->k, I->v, z, I->k_cache, I->v_cache, I->C, pos, mixed, s);
+    size_t es = dtype_size(I->ctype), nq = (size_t)a->n_heads * a->head_dim, nk = (size_t)a->n_kv_heads * a->head_dim;
+    char *q = (char *)I->qkv, *k = q + nq * es, *v = k + nk * es, *z = a->gated ? v + nk * es : NULL;
+    void *mixed = a->gated ? I->og : I->o;
+    attn_layer_qkv(a, I->ctype, p, x, B, q, k, v, z, I->qkv_ld, I->qkv_ld, s);
+    attn_decode(a, B, I->ctype, &I->rope, q, k, v, z, I->qkv_ld, I->qkv_ld, I->k_cache, I->v_cache, I->C, pos, mixed,
+                s);
     attn_layer_wo(a, I->ctype, p, mixed, B, y, s);
 }
 

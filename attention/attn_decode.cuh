@@ -20,7 +20,8 @@
 // the window: a stream's bits depend neither on the batch nor on the launch. Two blocks an SM (64 registers) keep
 // the flagship's 512 blocks at batch 32 to two waves, each SM with 128 KB of loads in flight, where the keys' bytes
 // bind.
-// q, out [B,n_h,d_h]; k, v [B,n_kv,d_h]; z [B,n_h,d_h] or NULL (not gated); caches [B,C,n_kv,d_h]; inv_freq [d_h/2].
+// q [B,n_h,d_h] (row stride ldq), k, v [B,n_kv,d_h] (ldkv), z [B,n_h,d_h] (ldq) or NULL (not gated); out [B,n_h,d_h];
+// caches [B,C,n_kv,d_h]; inv_freq [d_h/2].
 #define ATTN_DECODE_WARPS 16
 #define ATTN_DECODE_LOADS 4
 
@@ -121,8 +122,8 @@ __device__ __forceinline__ void attn_decode_append(const T *qrow, const T *krow,
 // One block per (stream b, head j); see above.
 template <typename T, int D>
 __global__ void __launch_bounds__(32 * ATTN_DECODE_WARPS, 2)
-attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc, T *out, const int *pos,
-                   const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2) {
+attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, int ldq, int ldkv, T *kc, T *vc, T *out,
+                   const int *pos, const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2) {
     typedef AttnDecodeMap<T, D> Map;
     constexpr int W = ATTN_DECODE_WARPS;
     static_assert(32 * W >= D, "attn_decode: a thread per element of a row");
@@ -132,7 +133,7 @@ attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc,
     pdl_enter();
     const int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), p = pos[b];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const float zc = z && threadIdx.x < D ? dtype_to_float(z[(size_t)bh * D + threadIdx.x]) : 0.0f;
+    const float zc = z && threadIdx.x < D ? dtype_to_float(z[(size_t)b * ldq + j * D + threadIdx.x]) : 0.0f;
     // this warp's piece s0..s1 of the old positions lo..p-1, its first batch's loads issued before the append
     const int lo = attn_first_key_dev(p, window), per = (p - lo + W - 1) / W, s0 = lo + w * per;
     const int s1 = min(p - 1, s0 + per - 1);
@@ -140,7 +141,7 @@ attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc,
     const AttnKvRows<T> kv = {kc + head, vc + head, row, C};
     uint4 kr[ATTN_DECODE_LOADS], vr[ATTN_DECODE_LOADS];
     attn_decode_load<T, D>(kr, vr, kv, s0, s1);
-    attn_decode_append<T, D>(q + (size_t)bh * D, k + ((size_t)b * nkv + g) * D, v + ((size_t)b * nkv + g) * D,
+    attn_decode_append<T, D>(q + (size_t)b * ldq + j * D, k + (size_t)b * ldkv + g * D, v + (size_t)b * ldkv + g * D,
                              kc + head + (size_t)(p % C) * row, vc + head + (size_t)(p % C) * row, p, inv_freq, q_rot,
                              k_new, v_new);
     __syncthreads(); // q_rot, k_new, v_new are visible to every warp
@@ -185,21 +186,22 @@ attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, T *kc, T *vc,
 
 template <typename T, int D>
 static inline void attn_decode_launch(const AttnDims *a, int B, const AttnRope *r, const void *q, const void *k,
-                                      const void *v, const void *z, void *kc, void *vc, int C, const int *pos,
-                                      void *out, cudaStream_t st) {
+                                      const void *v, const void *z, int ldq, int ldkv, void *kc, void *vc, int C,
+                                      const int *pos, void *out, cudaStream_t st) {
     launch_pdl(attn_decode_kernel<T, D>, (unsigned)(B * a->n_heads), 32 * ATTN_DECODE_WARPS, 0, st, (const T *)q,
-               (const T *)k, (const T *)v, (const T *)z, (T *)kc, (T *)vc, (T *)out, pos, (const float *)r->inv_freq,
-               a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
+               (const T *)k, (const T *)v, (const T *)z, ldq, ldkv, (T *)kc, (T *)vc, (T *)out, pos,
+               (const float *)r->inv_freq, a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
     cudaCheckLast();
 }
 
-// Decode step of B streams: the newest token's q [B,n_h,d_h], k, v [B,n_kv,d_h] (before RoPE) at positions pos[b]
-// (device): k, v appended to the caches [B,C,n_kv,d_h] after RoPE, out [B,n_h,d_h] = attention of q over positions
-// 0..pos[b], or with z [B,n_h,d_h] (NULL: none) the gated og = sigmoid(z) * that attention, the bits of
-// attn_gate_forward on it. SWA needs C >= w, full attention C > pos[b] (the caller checks).
+// Decode step of B streams: the newest token's q [B,n_h,d_h] (row stride ldq), k, v [B,n_kv,d_h] (row stride ldkv;
+// before RoPE) at positions pos[b] (device): k, v appended to the caches [B,C,n_kv,d_h] after RoPE, out [B,n_h,d_h]
+// = attention of q over positions 0..pos[b], or with z [B,n_h,d_h] (row stride ldq; NULL: none) the gated og =
+// sigmoid(z) * that attention, the bits of attn_gate_forward on it. SWA needs C >= w, full attention C > pos[b] (the
+// caller checks).
 static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRope *r, const void *q, const void *k,
-                               const void *v, const void *z, void *k_cache, void *v_cache, int C, const int *pos,
-                               void *out, cudaStream_t st) {
+                               const void *v, const void *z, int ldq, int ldkv, void *k_cache, void *v_cache, int C,
+                               const int *pos, void *out, cudaStream_t st) {
     attn_check_dims(a);
     if (a->window > 0 && C < a->window)
         sdm_die("attention: KV cache of %d entries is shorter than the window %d", C, a->window);
@@ -208,7 +210,7 @@ static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRop
     if (B == 0) return;
     auto launch = dt == DT_BF16 ? (a->head_dim == 64 ? attn_decode_launch<bf16, 64> : attn_decode_launch<bf16, 128>)
                                 : (a->head_dim == 64 ? attn_decode_launch<float, 64> : attn_decode_launch<float, 128>);
-    launch(a, B, r, q, k, v, z, k_cache, v_cache, C, pos, out, st);
+    launch(a, B, r, q, k, v, z, ldq, ldkv, k_cache, v_cache, C, pos, out, st);
 }
 
 #endif

@@ -506,10 +506,31 @@ static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x,
                      s);
 }
 
-// Every part of P (see MatmulParts): one launch when M is small, else one cuBLASLt product each.
+// P's parts as the one product they are in memory (returns 1 and sets *one): each W_p right after W_{p-1}, each
+// Y_p right after Y_{p-1}'s columns in rows of one stride, no bias, no output op. The small-M kernels' outputs do
+// not depend on how a product is cut into parts; cuBLASLt then takes it in one call where it would take one per
+// part (a decode step's q, k, v at 32 rows: 9.2 us as one product, 16.5 by the MMA kernel; BENCHMARKS.md).
+static inline int matmul_parts_merge(const MatmulParts *P, Dtype y_type, Dtype in_type, int K, MatmulParts *one) {
+    if (P->n < 2 || P->op != MATMUL_OUT_PLAIN) return 0;
+    int N = P->N[0];
+    for (int p = 1; p < P->n; p++) {
+        if (P->bias[p - 1] || P->bias[p] || P->ldy[p] != P->ldy[0] ||
+            P->w[p] != dtype_elem_ptr(P->w[p - 1], (size_t)P->N[p - 1] * K, in_type) ||
+            P->y[p] != dtype_elem_ptr(P->y[p - 1], P->N[p - 1], y_type))
+            return 0;
+        N += P->N[p];
+    }
+    *one = (MatmulParts){1, {P->w[0]}, {P->y[0]}, {NULL}, {N}, {P->ldy[0]}};
+    return 1;
+}
+
+// Every part of P (see MatmulParts): one launch when M is small or the parts are one product in memory
+// (matmul_parts_merge), else one cuBLASLt product each.
 static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, const void *x, Dtype in_type, int M,
                                         int K, cudaStream_t s) {
     if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
+    MatmulParts one;
+    if (matmul_parts_merge(P, y_type, in_type, K, &one)) P = &one;
     matmul_parts_run(matmul_small_m_kernel(in_type, M, K, P->n, matmul_parts_addr(P, x)), P, y_type, x, in_type, M, K,
                      s);
 }

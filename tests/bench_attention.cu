@@ -101,8 +101,8 @@ static void bench_decode(void) {
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
             for (int r = 0; r < DEC_REPS; r++) {
                 bf16 *kc = pool + 2 * cache * (r % copies), *vc = kc + cache;
-                attn_decode(&a, B, DT_BF16, &rope, qkvz, qkvz + row, qkvz + 2 * row, qkvz + 3 * row, kc, vc, C, pos,
-                            out, st);
+                attn_decode(&a, B, DT_BF16, &rope, qkvz, qkvz + row, qkvz + 2 * row, qkvz + 3 * row, H * D, H * D, kc,
+                            vc, C, pos, out, st);
             }
             CK(cudaStreamEndCapture(st, &graph));
             CK(cudaGraphInstantiate(&exec, graph, 0));

@@ -92,18 +92,21 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
 
 typedef struct {
     const char *name;
-    int K, n_parts, N[3], fp32_out;
+    int K, n_parts, N[3], fp32_out, bias;
 } Product;
 
 static const Product PRODUCTS[] = {
-    {"qkv 2048 -> 2048+1024+1024 (3 parts)", 2048, 3, {2048, 1024, 1024}, 0},
-    {"attention out 2048 -> 2048", 2048, 1, {2048}, 0},
-    {"FFN w13 2048 -> 11264", 2048, 1, {11264}, 0},
-    {"FFN w2 5632 -> 2048", 5632, 1, {2048}, 0},
-    {"LM head 2048 -> 32768, fp32 logits", 2048, 1, {PROD_MAX_N}, 1},
+    {"qkv 2048 -> 3 x 2048 (3 parts)", 2048, 3, {2048, 2048, 2048}, 0, 0},
+    {"qkv 2048 -> 6144 (the 3 parts as one)", 2048, 1, {6144}, 0, 0},
+    {"attention out 2048 -> 2048", 2048, 1, {2048}, 0, 0},
+    {"FFN w13 2048 -> 11264", 2048, 1, {11264}, 0, 0},
+    {"FFN w2 5632 -> 2048", 5632, 1, {2048}, 0, 0},
+    {"SDM input 2048 -> 6148 (+ bias)", 2048, 1, {6148}, 0, 1},
+    {"LM head 2048 -> 32768, fp32 logits", 2048, 1, {PROD_MAX_N}, 1, 0},
 };
 
-typedef enum { PATH_GEMV, PATH_MMA, PATH_LT, PATH_COUNT } Path;
+// PATH_LT1: one cuBLASLt call for a one-part product whatever its width (matmul_lt; PATH_LT splits off N % 64)
+typedef enum { PATH_GEMV, PATH_MMA, PATH_LT, PATH_LT1, PATH_COUNT } Path;
 
 static size_t product_weights(const Product *pr) {
     size_t n = 0;
@@ -117,9 +120,15 @@ static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *c
     MatmulParts P = {pr->n_parts, {NULL}, {NULL}, {NULL}, {0}, {0}};
     for (int p = 0; p < pr->n_parts; p++) {
         P.w[p] = w, P.y[p] = y[p], P.N[p] = P.ldy[p] = pr->N[p];
+        P.bias[p] = pr->bias ? x : NULL; // any bf16 values
         w += (size_t)pr->N[p] * pr->K;
     }
-    static const MatmulKernel KERNEL_OF[PATH_COUNT] = {MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_LT};
+    if (path == PATH_LT1) {
+        matmul_lt(y[0], pr->fp32_out ? DT_FP32 : DT_BF16, pr->N[0], w - (size_t)pr->N[0] * pr->K, pr->K, 1, x, pr->K, 0,
+                  DT_BF16, pr->N[0], M, pr->K, 0.0f, P.bias[0], st);
+        return;
+    }
+    static const MatmulKernel KERNEL_OF[PATH_LT1] = {MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_LT};
     matmul_parts_run(KERNEL_OF[path], &P, pr->fp32_out ? DT_FP32 : DT_BF16, x, DT_BF16, M, pr->K, st);
 }
 
@@ -163,7 +172,7 @@ static double product_diff(const Product *pr, void *const *a, void *const *b, in
 
 static void bench_products(void) {
     const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
-    static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "cuBLASLt"};
+    static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "cuBLASLt", "cuBLASLt, one call"};
     matmul_init(); // outside the graph captures: it allocates
     bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 20), *x = dev_random((size_t)PROD_MAX_M * PROD_MAX_K, 21);
     void *y[PATH_COUNT][3];
@@ -175,8 +184,8 @@ static void bench_products(void) {
            " "
            "per path: us, GB/s of weights, %% of 4.8 TB/s; last: relative L2 difference from cuBLASLt's output\n",
            PROD_REPS);
-    printf("| product | M | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|\n", PATH_NAMES[0], PATH_NAMES[1],
-           PATH_NAMES[2]);
+    printf("| product | M | %s | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|---|\n", PATH_NAMES[0],
+           PATH_NAMES[1], PATH_NAMES[2], PATH_NAMES[3]);
     for (size_t i = 0; i < sizeof PRODUCTS / sizeof PRODUCTS[0]; i++) {
         const Product *pr = &PRODUCTS[i];
         double bytes = product_weights(pr) * sizeof(bf16);
@@ -184,7 +193,7 @@ static void bench_products(void) {
             int M = Ms[j];
             printf("| %s | %d |", pr->name, M);
             for (int v = 0; v < PATH_COUNT; v++) {
-                if (v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) {
+                if ((v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) || (v == PATH_LT1 && pr->n_parts > 1)) {
                     printf(" - |");
                     continue;
                 }
@@ -193,8 +202,9 @@ static void bench_products(void) {
                 printf(" %.1f us, %.0f GB/s, %.0f%% |", ms * 1e3, bps / 1e9, 100.0 * bps / HBM_BYTES_PER_S);
                 CHECK(ms > 0.0f, "%s M=%d %s: no time measured", pr->name, M, PATH_NAMES[v]);
             }
-            for (int v = PATH_GEMV; v < PATH_LT; v++) {
-                if (v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) continue;
+            for (int v = PATH_GEMV; v < PATH_COUNT; v++) {
+                if (v == PATH_LT || (v == PATH_GEMV && M > MATMUL_GEMV_MAX_M) || (v == PATH_LT1 && pr->n_parts > 1))
+                    continue;
                 double d = product_diff(pr, y[v], y[PATH_LT], M);
                 printf(" %s %.1e", PATH_NAMES[v], d);
                 CHECK(d < 1e-2, "%s M=%d: %s differs from cuBLASLt by %.2e", pr->name, M, PATH_NAMES[v], d);

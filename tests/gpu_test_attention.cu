@@ -251,8 +251,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
             CK(cudaMemcpy(zt + b * qrow, dz_in + bt * qrow, qrow, cudaMemcpyDeviceToDevice));
         }
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        attn_decode(&a, B, dt, &rope, qt, kt, vt, NULL, kc, vc, C, dpos, ot, 0);
-        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, kc, vc, C, dpos, ogt, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, NULL, nh * D, nkv * D, kc, vc, C, dpos, ot, 0);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, nh * D, nkv * D, kc, vc, C, dpos, ogt, 0);
         attn_gate_forward(dt, (size_t)B * nh * D, zt, ot, og_ref, 0);
         gate_same &= bitwise_equal(ogt, og_ref, B * qrow);
         for (int b = 0; b < B; b++) {
@@ -369,13 +369,14 @@ static void test_gate(Dtype dt) {
     cudaFree(dz_in); cudaFree(do_in); cudaFree(ddog); cudaFree(og); cudaFree(d_o); cudaFree(dz);
 }
 
-// A gated layer's decode step (attn_infer_decode: z = x Wgᵀ a fourth part of the q, k, v product, the gate in
-// attn_decode's store) against the unfolded path on a second state: the q, k, v product, the gate product alone by
-// the kernel the four-part launch takes, attn_decode, attn_gate_forward, og Woᵀ. Every step's z, og, y and the caches
-// must be the same bits (random weights and inputs, B streams at positions 0..T-1). Where the gate product alone
-// takes that kernel too (one row; fp32 up to 8 rows; cuBLASLt beyond the small-M kernels) they must also be the bits
-// of attn_layer_out's gate, the decode before the fold; elsewhere (bf16, 2..64 rows) z moved from cuBLASLt to the MMA
-// kernel, as q, k and v took it before.
+// A gated layer's decode step (attn_infer_decode: q, k, v and z = x Wgᵀ as one product, their weights consecutive
+// as in the model's table; the gate in attn_decode's store) against the unfolded path on a second state: that product
+// by matmul_forward on the four weights as one [2 n_h d_h + 2 n_kv d_h, D] matrix, attn_decode on its q, k, v
+// columns, attn_gate_forward on its z columns, og Woᵀ. Every step's q|k|v|z rows, og, y and the caches must be the
+// same bits (random weights and inputs, B streams at positions 0..T-1). Where a kernel of our own takes the product
+// (one row; fp32 up to 8 rows) they must also be the bits of attn_layer_out's gate, the decode before the fold: those
+// kernels' outputs do not depend on how a product is cut (cuBLASLt, which takes bf16 from 2 rows, may pick another
+// algorithm for the gate's narrower product alone).
 static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int window) {
     const int dim = 256, T = 8;
     AttnDims a;
@@ -385,20 +386,29 @@ static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int
     size_t es = esize(dt), wn[5] = {(size_t)nq * dim, (size_t)nk * dim, (size_t)nk * dim, (size_t)nq * dim,
                                     (size_t)dim * nq};
     Rng rng = rng_make(300 + B + hd + window);
-    void *w[5];
+    void *wqkvg = dev_alloc((wn[0] + wn[1] + wn[2] + wn[3]) * es), *w[5];
+    size_t off = 0;
     for (int i = 0; i < 5; i++) {
         double *h = random_vec(&rng, wn[i]);
         for (size_t j = 0; j < wn[i]; j++) h[j] /= sqrt((double)dim); // unit-scale products
         w[i] = upload(h, wn[i], dt);
         free(h);
+        if (i < 4) { // wq, wk, wv, wg consecutive
+            CK(cudaMemcpy((char *)wqkvg + off * es, w[i], wn[i] * es, cudaMemcpyDeviceToDevice));
+            cudaFree(w[i]);
+            w[i] = (char *)wqkvg + off * es;
+            off += wn[i];
+        }
     }
     AttnLayerParams p = {w[0], w[1], w[2], w[3], w[4]};
     AttnInferState I = attn_infer_create(&a, B, T, dt), J = attn_infer_create(&a, B, T, dt);
+    int ld = I.qkv_ld;
+    CHECK(ld == 2 * nq + 2 * nk, "layer decode: q|k|v|z rows of %d columns, not %d", ld, 2 * nq + 2 * nk);
+    char *qkvz = (char *)dev_alloc((size_t)B * ld * es);
     void *z = dev_alloc((size_t)B * nq * es), *og = dev_alloc((size_t)B * nq * es);
     void *y = dev_alloc((size_t)B * dim * es), *y_ref = dev_alloc((size_t)B * dim * es);
     void *y_old = dev_alloc((size_t)B * dim * es);
     int *dpos = (int *)dev_alloc(B * sizeof(int)), *hpos = (int *)sdm_malloc(B * sizeof(int));
-    MatmulParts Pg = {1, {p.wg}, {z}, {NULL}, {nq}, {nq}};
     int same = 1, same_old = 1, old_applies = 0;
     for (int t = 0; t < T; t++) {
         double *hx = random_vec(&rng, (size_t)B * dim);
@@ -407,16 +417,16 @@ static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int
         for (int b = 0; b < B; b++) hpos[b] = t;
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
         attn_infer_decode(&I, &p, x, y, dpos, B, 0);
-        MatmulKernel k4 = matmul_small_m_kernel(dt, B, dim, 4, matmul_parts_addr(&Pg, x));
-        old_applies = matmul_small_m_kernel(dt, B, dim, 1, matmul_parts_addr(&Pg, x)) == k4;
-        attn_layer_qkv(&a, dt, &p, x, B, J.q, J.k, J.v, NULL, 0);
-        matmul_parts_run(k4, &Pg, dt, x, dt, B, dim, 0);
-        attn_decode(&a, B, dt, &J.rope, J.q, J.k, J.v, NULL, J.k_cache, J.v_cache, J.C, dpos, J.o, 0);
+        matmul_forward(qkvz, dt, ld, x, wqkvg, NULL, dt, B, ld, dim, 0);
+        char *q = qkvz, *k = q + nq * es, *v = k + nk * es, *zc = v + nk * es;
+        attn_decode(&a, B, dt, &J.rope, q, k, v, NULL, ld, ld, J.k_cache, J.v_cache, J.C, dpos, J.o, 0);
+        CK(cudaMemcpy2D(z, nq * es, zc, ld * es, nq * es, B, cudaMemcpyDeviceToDevice));
         attn_gate_forward(dt, (size_t)B * nq, z, J.o, og, 0);
         attn_layer_wo(&a, dt, &p, og, B, y_ref, 0);
+        old_applies = matmul_small_m_kernel(dt, B, dim, 1, (uintptr_t)x | (uintptr_t)wqkvg) != MATMUL_KERNEL_LT;
         if (old_applies) attn_layer_out(&a, dt, &p, x, J.o, J.z, J.og, B, 1, y_old, 0);
         CK(cudaDeviceSynchronize());
-        same &= bitwise_equal(I.z, z, (size_t)B * nq * es) && bitwise_equal(I.og, og, (size_t)B * nq * es) &&
+        same &= bitwise_equal(I.qkv, qkvz, (size_t)B * ld * es) && bitwise_equal(I.og, og, (size_t)B * nq * es) &&
                 bitwise_equal(y, y_ref, (size_t)B * dim * es);
         if (old_applies)
             same_old &= bitwise_equal(J.og, og, (size_t)B * nq * es) && bitwise_equal(y_old, y, (size_t)B * dim * es);
@@ -430,10 +440,10 @@ static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int
           nh, nkv, hd, window);
     printf("layer decode %s B%d h%d/%d d%d w%d: folded gate = unfolded path bitwise %s, = attn_layer_out %s\n",
            dt_name(dt), B, nh, nkv, hd, window, same ? "yes" : "NO",
-           old_applies ? (same_old ? "yes" : "NO") : "(another gate kernel)");
+           old_applies ? (same_old ? "yes" : "NO") : "(cuBLASLt)");
     attn_infer_destroy(&I);
     attn_infer_destroy(&J);
-    void *bufs[] = {w[0], w[1], w[2], w[3], w[4], z, og, y, y_ref, y_old, dpos};
+    void *bufs[] = {wqkvg, w[4], qkvz, z, og, y, y_ref, y_old, dpos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     free(hpos);
 }

@@ -278,6 +278,53 @@ static void test_matmul_parts(Rng *rng, int fp32, int M) {
     free(x);
 }
 
+// Parts that are one product in memory (consecutive weights, outputs side by side in rows of one stride: a decode
+// step's q, k, v) run as that product: matmul_parts_merge takes them, and matmul_forward_parts gives the bits of one
+// matmul_forward over the whole, by whichever kernel takes it (at M >= 2 in bf16 cuBLASLt, not the parts' MMA
+// kernel). A bias, another row stride or a gap between the weights keeps the parts apart.
+static void test_matmul_parts_merged(Rng *rng, int fp32, int M) {
+    const int K = 136, N[3] = {40, 16, 64}, NT = 120;
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
+    size_t es = dtype_size(t);
+    double *x = hzeros((size_t)M * K), *hw = hzeros((size_t)NT * K);
+    fill_normal(rng, x, (size_t)M * K, 1.0);
+    fill_normal(rng, hw, (size_t)NT * K, 0.2);
+    void *dx_ = dev_upload(x, (size_t)M * K, fp32), *dw = dev_upload(hw, (size_t)NT * K, fp32), *y1, *y2;
+    cudaCheck(cudaMalloc(&y1, (size_t)M * NT * es));
+    cudaCheck(cudaMalloc(&y2, (size_t)M * NT * es));
+    MatmulParts P = {3, {NULL}, {NULL}, {NULL, NULL, NULL}, {N[0], N[1], N[2]}, {NT, NT, NT}}, one, other;
+    for (int i = 0, n0 = 0; i < 3; n0 += N[i++]) {
+        P.w[i] = dtype_elem_ptr(dw, (size_t)n0 * K, t);
+        P.y[i] = (void *)dtype_elem_ptr(y1, n0, t);
+    }
+    int merged = matmul_parts_merge(&P, t, t, K, &one) && one.n == 1 && one.N[0] == NT && one.ldy[0] == NT;
+    other = P;
+    other.bias[1] = dx_;
+    int kept = !matmul_parts_merge(&other, t, t, K, &one);
+    other = P;
+    other.ldy[2] = NT + 8;
+    kept &= !matmul_parts_merge(&other, t, t, K, &one);
+    other = P;
+    other.w[2] = dtype_elem_ptr(P.w[2], K, t);
+    kept &= !matmul_parts_merge(&other, t, t, K, &one);
+    matmul_forward_parts(&P, t, dx_, t, M, K, 0);
+    matmul_forward(y2, t, NT, dx_, dw, NULL, t, M, NT, K, 0);
+    cudaCheck(cudaDeviceSynchronize());
+    size_t bytes = (size_t)M * NT * es;
+    unsigned char *a = (unsigned char *)sdm_malloc(bytes), *b = (unsigned char *)sdm_malloc(bytes);
+    cudaCheck(cudaMemcpy(a, y1, bytes, cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(b, y2, bytes, cudaMemcpyDeviceToHost));
+    int same = memcmp(a, b, bytes) == 0;
+    printf("matmul parts as one product %s M=%d: merged %s, kept apart otherwise %s, %s\n", fp32 ? "fp32" : "bf16", M,
+           merged ? "yes" : "NO", kept ? "yes" : "NO", same ? "same bits as one call" : "DIFFER");
+    CHECK(merged, "matmul_parts_merge (%s, M = %d) does not merge consecutive parts", dtype_name(t), M);
+    CHECK(kept, "matmul_parts_merge (%s, M = %d) merges parts that are not one product", dtype_name(t), M);
+    CHECK(same, "matmul_forward_parts on one product in memory (%s, M = %d) differs from one matmul_forward",
+          dtype_name(t), M);
+    free(a); free(b); free(x); free(hw);
+    cudaCheck(cudaFree(dx_)); cudaCheck(cudaFree(dw)); cudaCheck(cudaFree(y1)); cudaCheck(cudaFree(y2));
+}
+
 // The output ops folded into the small-M kernels' store: matmul_forward_swiglu (H = silu(X·W1ᵀ) * (X·W3ᵀ), W13 =
 // [W1; W3] [2N, K]) and matmul_forward_gate (OG = sigmoid(X·Wᵀ) * O, W = W13's first N rows) against the two kernels
 // they replace, matmul_forward into A|B [M, 2N] or Z [M, N] then swiglu_forward or attn_gate_forward, bit for bit
@@ -965,6 +1012,7 @@ int main(int argc, char **argv) {
         test_matmul_parts(&rng, fp32, 17); // bf16: the MMA kernel, two tiles of rows; fp32: cuBLASLt
         test_matmul_parts(&rng, fp32, 64); // bf16: the MMA kernel, four whole tiles
         test_matmul_parts(&rng, fp32, MATMUL_MMA_MAX_M + 1); // cuBLASLt, part by part
+        for (int M : {1, 5, 33}) test_matmul_parts_merged(&rng, fp32, M); // GEMV; bf16 cuBLASLt, fp32 GEMV; cuBLASLt
     }
     // the policy sends rows of 88 bytes (not whole 16-byte vectors) to cuBLASLt
     CHECK(matmul_small_m_kernel(DT_BF16, 1, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
