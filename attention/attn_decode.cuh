@@ -13,16 +13,14 @@
 // after pdl_wait, (1) pos, the newest q, k, v and z rows; (2) every cached key and value row a warp attends, all
 // loads in flight at once (the positions before p: none is the slot this step writes), while the block turns q and
 // k by RoPE and appends k and v to the cache; then shuffles, shared memory and one store. The newest key is attended
-// from shared memory, never re-read from the cache. The old positions lo..p-1 are split into ATTN_DECODE_WARPS
-// consecutive pieces, one per warp; the newest position is a piece of its own. A warp attends its piece in batches
-// of ATTN_DECODE_LOADS 16-byte loads of K and of V a lane (AttnDecodeMap: 8 keys a batch for bf16 rows of 128);
-// the pieces merge through their maxima and sums in piece order. Every sum has one order fixed by the position and
-// the window: a stream's bits depend neither on the batch nor on the launch. Two blocks an SM (64 registers) keep
-// the flagship's 512 blocks at batch 32 to two waves, each SM with 128 KB of loads in flight, where the keys' bytes
-// bind.
+// from shared memory, never re-read from the cache. The old positions lo..p-1 are split into ATTN_DECODE_PIECES
+// consecutive pieces, taken by the block's warps in turn; the newest position is a piece of its own. A warp attends a
+// piece in batches of ATTN_DECODE_LOADS 16-byte loads of K and of V a lane (AttnDecodeMap: 8 keys a batch for bf16
+// rows of 128); the pieces merge through their maxima and sums in piece order. Every sum has one order fixed by the
+// position and the window: a stream's bits depend neither on the batch nor on the launch (attn_decode_warps).
 // q [B,n_h,d_h] (row stride ldq), k, v [B,n_kv,d_h] (ldkv), z [B,n_h,d_h] (ldq) or NULL (not gated); out [B,n_h,d_h];
 // caches [B,C,n_kv,d_h]; inv_freq [d_h/2].
-#define ATTN_DECODE_WARPS 16
+#define ATTN_DECODE_PIECES 16
 #define ATTN_DECODE_LOADS 4
 
 // How a warp's lanes hold K and V rows: lane l holds the 16-byte chunk c = l % LPR (elements c*VEC ..) of row slot
@@ -119,78 +117,88 @@ __device__ __forceinline__ void attn_decode_append(const T *qrow, const T *krow,
     if (i < D) vslot[i] = v_new[i] = vrow[i];
 }
 
-// One block per (stream b, head j); see above.
-template <typename T, int D>
-__global__ void __launch_bounds__(32 * ATTN_DECODE_WARPS, 2)
+// One block of W warps per (stream b, head j); warp w attends pieces w, w + W, ...; see above.
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W, 32 / W)
 attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, int ldq, int ldkv, T *kc, T *vc, T *out,
                    const int *pos, const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2) {
     typedef AttnDecodeMap<T, D> Map;
-    constexpr int W = ATTN_DECODE_WARPS;
-    static_assert(32 * W >= D, "attn_decode: a thread per element of a row");
-    __shared__ __align__(16) float part_o[W][D]; // each piece's unnormalised output
-    __shared__ float part_m[W + 1], part_l[W];   // its maximum score (base 2; [W]: the newest key's) and sum
+    constexpr int PC = ATTN_DECODE_PIECES;
+    static_assert(32 * W >= D && PC % W == 0, "attn_decode: a thread per element of a row, whole pieces a warp");
+    __shared__ __align__(16) float part_o[PC][D]; // each piece's unnormalised output
+    __shared__ float part_m[PC + 1], part_l[PC];  // its maximum score (base 2; [PC]: the newest key's) and sum
     __shared__ __align__(16) T q_rot[D], k_new[D], v_new[D];
     pdl_enter();
     const int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), p = pos[b];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float zc = z && threadIdx.x < D ? dtype_to_float(z[(size_t)b * ldq + j * D + threadIdx.x]) : 0.0f;
-    // this warp's piece s0..s1 of the old positions lo..p-1, its first batch's loads issued before the append
-    const int lo = attn_first_key_dev(p, window), per = (p - lo + W - 1) / W, s0 = lo + w * per;
-    const int s1 = min(p - 1, s0 + per - 1);
+    // piece u is the old positions lo + u per .. of lo..p-1; the first batch of warp w's first piece is loaded
+    // before the append
+    const int lo = attn_first_key_dev(p, window), per = (p - lo + PC - 1) / PC;
     const size_t row = (size_t)nkv * D, head = ((size_t)b * C * nkv + g) * D;
     const AttnKvRows<T> kv = {kc + head, vc + head, row, C};
     uint4 kr[ATTN_DECODE_LOADS], vr[ATTN_DECODE_LOADS];
-    attn_decode_load<T, D>(kr, vr, kv, s0, s1);
+    attn_decode_load<T, D>(kr, vr, kv, lo + w * per, min(p - 1, lo + w * per + per - 1));
     attn_decode_append<T, D>(q + (size_t)b * ldq + j * D, k + (size_t)b * ldkv + g * D, v + (size_t)b * ldkv + g * D,
                              kc + head + (size_t)(p % C) * row, vc + head + (size_t)(p % C) * row, p, inv_freq, q_rot,
                              k_new, v_new);
     __syncthreads(); // q_rot, k_new, v_new are visible to every warp
-    float o[Map::VEC] = {}, m = -INFINITY, l = 0.0f; // an empty piece weighs nothing
-    if (w == W - 1) { // the newest key's score (the last warp's piece is the shortest)
+    if (w == W - 1) { // the newest key's score (this warp's last piece is the shortest)
         float d = 0.0f;
         for (int i = lane; i < D; i += 32) d = fmaf(dtype_to_float(q_rot[i]), dtype_to_float(k_new[i]), d);
         d = attn_lanes_sum<1, 32>(d);
-        if (lane == 0) part_m[W] = d * scale_log2;
+        if (lane == 0) part_m[PC] = d * scale_log2;
     }
-    for (int s = s0; s <= s1; s += Map::KEYS) {
-        if (s != s0) attn_decode_load<T, D>(kr, vr, kv, s, s1);
-        attn_decode_attend<T, D>(q_rot, kr, vr, s, s1, scale_log2, m, l, o);
-    }
-    l = attn_lanes_sum<Map::LPR, 32>(l);
+    for (int u = w; u < PC; u += W) {
+        const int s0 = lo + u * per, s1 = min(p - 1, s0 + per - 1);
+        float o[Map::VEC] = {}, m = -INFINITY, l = 0.0f; // an empty piece weighs nothing
+        for (int s = s0; s <= s1; s += Map::KEYS) {
+            if (s != s0 || u != w) attn_decode_load<T, D>(kr, vr, kv, s, s1);
+            attn_decode_attend<T, D>(q_rot, kr, vr, s, s1, scale_log2, m, l, o);
+        }
+        l = attn_lanes_sum<Map::LPR, 32>(l);
 #pragma unroll
-    for (int e = 0; e < Map::VEC; e++) o[e] = attn_lanes_sum<Map::LPR, 32>(o[e]);
-    if (lane < Map::LPR)
+        for (int e = 0; e < Map::VEC; e++) o[e] = attn_lanes_sum<Map::LPR, 32>(o[e]);
+        if (lane < Map::LPR)
 #pragma unroll
-        for (int e = 0; e < Map::VEC; e++) part_o[w][lane * Map::VEC + e] = o[e];
-    if (lane == 0) {
-        part_m[w] = m;
-        part_l[w] = l;
+            for (int e = 0; e < Map::VEC; e++) part_o[u][lane * Map::VEC + e] = o[e];
+        if (lane == 0) {
+            part_m[u] = m;
+            part_l[u] = l;
+        }
     }
     __syncthreads();
     const int i = threadIdx.x;
     if (i >= D) return;
-    float mx = part_m[W];
-    for (int u = 0; u < W; u++) mx = fmaxf(mx, part_m[u]);
+    float mx = part_m[PC];
+    for (int u = 0; u < PC; u++) mx = fmaxf(mx, part_m[u]);
     float num = 0.0f, den = 0.0f;
-    for (int u = 0; u < W; u++) {
+    for (int u = 0; u < PC; u++) {
         float e = exp2f(part_m[u] - mx); // 0 for an empty piece, whose sums are 0
         den += e * part_l[u];
         num += e * part_o[u][i];
     }
-    float e = exp2f(part_m[W] - mx);
+    float e = exp2f(part_m[PC] - mx);
     den += e;
     num += e * dtype_to_float(v_new[i]);
     T oi = dtype_from_float<T>(num / den);
     out[(size_t)bh * D + i] = z ? dtype_from_float<T>(core_sigmoid_gate(zc, dtype_to_float(oi))) : oi;
 }
 
+// Warps a block: 16 while the B n_h blocks fit two to an SM (at 64 registers), else 8, four to an SM, so that the
+// grid stays one wave (the flagship at batch 32: 512 blocks, 14.9 -> 12.3 us on the H200; at batch 1 16 warps are
+// faster, 3.8 against 4.2 us). The pieces, hence the bits, are the same either way.
+static inline int attn_decode_warps(int blocks) { return blocks <= 2 * core_sm_count() ? 16 : 8; }
+
 template <typename T, int D>
 static inline void attn_decode_launch(const AttnDims *a, int B, const AttnRope *r, const void *q, const void *k,
                                       const void *v, const void *z, int ldq, int ldkv, void *kc, void *vc, int C,
                                       const int *pos, void *out, cudaStream_t st) {
-    launch_pdl(attn_decode_kernel<T, D>, (unsigned)(B * a->n_heads), 32 * ATTN_DECODE_WARPS, 0, st, (const T *)q,
-               (const T *)k, (const T *)v, (const T *)z, ldq, ldkv, (T *)kc, (T *)vc, (T *)out, pos,
-               (const float *)r->inv_freq, a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
+    int blocks = B * a->n_heads;
+    auto kernel = attn_decode_warps(blocks) == 16 ? attn_decode_kernel<T, D, 16> : attn_decode_kernel<T, D, 8>;
+    launch_pdl(kernel, (unsigned)blocks, 32 * attn_decode_warps(blocks), 0, st, (const T *)q, (const T *)k,
+               (const T *)v, (const T *)z, ldq, ldkv, (T *)kc, (T *)vc, (T *)out, pos, (const float *)r->inv_freq,
+               a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
     cudaCheckLast();
 }
 

@@ -165,6 +165,17 @@ __device__ __forceinline__ void pdl_enter(void) {
     pdl_trigger();
 }
 
+// Streaming multiprocessors of the current device (asked once: a process drives one GPU).
+static inline int core_sm_count(void) {
+    static int sms = 0;
+    if (!sms) {
+        int dev;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return sms;
+}
+
 static int g_pdl = 1; // launch_pdl uses programmatic dependent launch (infer_sdm --no-pdl turns it off to compare)
 
 // kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above).

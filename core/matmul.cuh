@@ -493,9 +493,17 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
-    if (n0 < N)
-        matmul_lt((void *)dtype_elem_ptr(y, n0, y_type), y_type, ldy, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 1,
-                  x, K, 0, in_type, N - n0, M, K, 0.0f, bias ? dtype_elem_ptr(bias, n0, y_type) : NULL, s);
+    if (n0 == N) return;
+    MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
+                     {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
+    // the narrow remainder of a few rows by the MMA kernel where it takes it: cuBLASLt's costs as much as the main
+    // part (the SDM input product's 4 of 6148 columns at 32 rows)
+    if (in_type == DT_BF16 && M <= MATMUL_MMA_MAX_M && K % 8 == 0 && matmul_parts_addr(&R, x) % 16 == 0) {
+        if (y_type == DT_FP32) matmul_mma_run<float>(&R, (const __nv_bfloat16 *)x, M, K, s);
+        else matmul_mma_run<__nv_bfloat16>(&R, (const __nv_bfloat16 *)x, M, K, s);
+    } else {
+        matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
+    }
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).

@@ -222,15 +222,14 @@ static inline size_t sdm_fwd_persistent_smem(const SdmOpArgs &a) {
 
 // Blocks of the persistent forward that fit on this GPU at once (its occupancy x SMs); 0 without cooperative launch.
 template <typename Tb> static int sdm_fwd_coresident(size_t smem) {
-    int dev, coop, sms, per_sm = 0;
+    int dev, coop, per_sm = 0;
     cudaCheck(cudaGetDevice(&dev));
     cudaCheck(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     cudaCheck(cudaFuncSetAttribute(sdm_fwd_persistent_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)smem));
     cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sdm_fwd_persistent_kernel<Tb>, SDM_ROW_THREADS,
                                                             smem));
-    return coop ? per_sm * sms : 0;
+    return coop ? per_sm * core_sm_count() : 0;
 }
 
 // Blocks of the persistent forward for this call (at most those co-resident and those of the largest phase; at most

@@ -217,7 +217,8 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
 // inputs: the CPU reference and the GPU's own (attn_rope, then attn_forward). The cache rows the steps wrote must be
 // the bits attn_rope gives the keys (the fused rotation is the prefill's) and the values copied. Each step runs
 // again with a random gate z (appending the same rows to the same slots): its og must be the bits of
-// attn_gate_forward on z and the ungated output.
+// attn_gate_forward on z and the ungated output. Stream 0 also decodes alone, on caches of its own: every step's
+// output must be the bits it gets in the batch (at B n_h > 2 SMs the batch takes 8-warp blocks, alone 16).
 static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype dt) {
     CoreCase c = {B, T, nh, nkv, D, window, 0, 0};
     AttnDims a = dims_of(&c);
@@ -241,6 +242,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     int *hpos = (int *)sdm_malloc(B * sizeof(int));
     poison(kc, (size_t)B * C * nkv * D * es); poison(vc, (size_t)B * C * nkv * D * es); poison(dec, nq * es);
     size_t qrow = (size_t)nh * D * es, krow = (size_t)nkv * D * es;
+    char *kc1 = (char *)dev_alloc(C * krow), *vc1 = (char *)dev_alloc(C * krow), *o1 = (char *)dev_alloc(qrow);
+    int alone_same = 1;
     for (int t = 0; t < T; t++) {
         for (int b = 0; b < B; b++) {
             hpos[b] = t;
@@ -255,6 +258,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
         attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, nh * D, nkv * D, kc, vc, C, dpos, ogt, 0);
         attn_gate_forward(dt, (size_t)B * nh * D, zt, ot, og_ref, 0);
         gate_same &= bitwise_equal(ogt, og_ref, B * qrow);
+        attn_decode(&a, 1, dt, &rope, qt, kt, vt, NULL, nh * D, nkv * D, kc1, vc1, C, dpos, o1, 0);
+        alone_same &= bitwise_equal(o1, ot, qrow);
         for (int b = 0; b < B; b++) {
             size_t bt = (size_t)b * T + t, cslot = ((size_t)b * C + t % C) * krow;
             CK(cudaMemcpy(dec + bt * qrow, ot + b * qrow, qrow, cudaMemcpyDeviceToDevice));
@@ -272,6 +277,9 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: gated og = attn_gate_forward's bits", dt_name(dt),
              B, T, nh, nkv, D, window);
     CHECK(gate_same, "%s", what);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: stream 0 alone = in the batch (%d and %d warps)",
+             dt_name(dt), B, T, nh, nkv, D, window, attn_decode_warps(B * nh), attn_decode_warps(nh));
+    CHECK(alone_same, "%s", what);
     double *ref = (double *)sdm_malloc(nq * sizeof(double));
     attn_rope_ref(q, B, T, nh, D, a.rope_theta, 1);
     attn_rope_ref(k, B, T, nkv, D, a.rope_theta, 1);
@@ -287,7 +295,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
            nkv, D, window, C, e_ref, e_gpu);
     free(q); free(k); free(v); free(z); free(ref); free(gdec); free(gfull); free(hpos);
     attn_rope_destroy(&rope);
-    void *bufs[] = {dq_in, dk_in, dv_in, dz_in, qt, kt, vt, zt, ot, ogt, og_ref, kc, vc, dec, full, kdec, vdec, dpos};
+    void *bufs[] = {dq_in, dk_in, dv_in, dz_in, qt, kt, vt, zt, ot, ogt, og_ref, kc, vc, dec, full, kdec, vdec, dpos,
+                    kc1, vc1, o1};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
 }
 
@@ -470,6 +479,7 @@ int main(void) {
         test_decode(3, 60, 4, 2, 128, 0, dts[d]);
         test_decode(2, 40, 8, 1, 128, 128, dts[d]);
         test_decode(1, 200, 16, 16, 128, 128, dts[d]); // the flagship's heads, the ring wrapped
+        test_decode(20, 150, 16, 16, 128, 128, dts[d]); // 320 blocks: 8-warp blocks on the H200's 132 SMs
         test_decode(1, 300, 2, 1, 128, 0, dts[d]);     // several batches of keys a warp
         test_decode(1, 300, 2, 2, 64, 0, dts[d]);
         test_decode(2, 20, 4, 2, 64, 1, dts[d]);       // window 1: the newest key alone
