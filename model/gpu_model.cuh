@@ -686,6 +686,7 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->hf = device_alloc(MEM_ACTIVATIONS, rows * F * g->es);
     I->rstd = (float *)device_alloc(MEM_ACTIVATIONS, rows * 4);
     I->logits = (float *)device_alloc(MEM_ACTIVATIONS, S * g->Vp * 4);
+    cudaCheck(cudaMemset(I->logits, 0, S * g->Vp * 4)); // columns V..Vp-1 are never written, yet copied to the host
     I->logits_host = (float *)sdm_malloc(S * g->Vp * 4);
     I->prompt = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)max_tokens * 4);
     I->next = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
