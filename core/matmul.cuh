@@ -423,18 +423,27 @@ static inline const char *matmul_kernel_name(MatmulKernel k) {
     return k == MATMUL_KERNEL_MMA ? "MMA" : k == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt";
 }
 
-// Which kernel takes a forward product (`parts` products sharing X, MatmulParts) of M rows of K in_type inputs, X and
-// every W at `addr` (their addresses or'ed) 16-byte aligned, as measured on the H200 (BENCHMARKS.md, decode's
-// products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at one row; its FMAs bind it
-// beyond); several bf16 parts of up to MATMUL_MMA_MAX_M rows the MMA kernel, one launch where cuBLASLt takes one per
-// part (a decode step's q, k, v at 32 rows: 10.1 against 16.9 us); single bf16 products of 2 or more rows cuBLASLt
-// (the FFN's 2048 -> 11264 at 32 rows: 13.6 against 24.8 us by the MMA kernel, whose blocks fill HBM's queue less
-// well). The small-M kernels need rows of whole 16-byte vectors.
-static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int K, int parts, uintptr_t addr) {
+// Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
+// K in_type inputs, X and every W at `addr` (their addresses or'ed) 16-byte aligned, as measured on the H200
+// (BENCHMARKS.md, decode's products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at
+// one row; its FMAs bind it beyond); up to MATMUL_MMA_MAX_M bf16 rows the MMA kernel for several parts, one launch
+// where cuBLASLt takes one per part (q, k, v apart at 32 rows: 16.5 against 17.4 us), and for narrow products, where
+// cuBLASLt's fixed cost dominates (the bytes LM head, 258 x 2048, at 32 rows: 4.9 against 9.4 us); other single bf16
+// products of 2 or more rows cuBLASLt (the FFN's 2048 -> 11264 at 32 rows: 13.4 against 26.0 us by the MMA kernel,
+// whose blocks fill HBM's queue less well). The small-M kernels need rows of whole 16-byte vectors.
+#define MATMUL_MMA_NARROW 512
+static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr) {
     if (M < 1 || (size_t)K * dtype_size(in_type) % 16 || addr % 16) return MATMUL_KERNEL_LT;
     if (in_type == DT_FP32) return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
     if (M == 1) return MATMUL_KERNEL_GEMV;
-    return parts > 1 && M <= MATMUL_MMA_MAX_M ? MATMUL_KERNEL_MMA : MATMUL_KERNEL_LT;
+    return (parts > 1 || N <= MATMUL_MMA_NARROW) && M <= MATMUL_MMA_MAX_M ? MATMUL_KERNEL_MMA : MATMUL_KERNEL_LT;
+}
+
+// The weight rows of P: every part's N, twice under SwiGLU (W = [W1; W3]).
+static inline int matmul_parts_rows(const MatmulParts *P) {
+    int n = 0;
+    for (int p = 0; p < P->n; p++) n += P->N[p];
+    return P->op == MATMUL_OUT_SWIGLU ? 2 * n : n;
 }
 
 // P's output op OP (not MATMUL_OUT_PLAIN) by `kernel`, X and Y of one dtype: the only instantiations it needs.
@@ -510,8 +519,8 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
 static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                   const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
-    matmul_parts_run(matmul_small_m_kernel(in_type, M, K, 1, matmul_parts_addr(&P, x)), &P, y_type, x, in_type, M, K,
-                     s);
+    matmul_parts_run(matmul_small_m_kernel(in_type, M, N, K, 1, matmul_parts_addr(&P, x)), &P, y_type, x, in_type, M,
+                     K, s);
 }
 
 // P's parts as the one product they are in memory (returns 1 and sets *one): each W_p right after W_{p-1}, each
@@ -539,14 +548,14 @@ static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, cons
     if (P->n < 1 || P->n > MATMUL_MAX_PARTS) sdm_die("matmul: %d parts (1..%d)", P->n, MATMUL_MAX_PARTS);
     MatmulParts one;
     if (matmul_parts_merge(P, y_type, in_type, K, &one)) P = &one;
-    matmul_parts_run(matmul_small_m_kernel(in_type, M, K, P->n, matmul_parts_addr(P, x)), P, y_type, x, in_type, M, K,
-                     s);
+    matmul_parts_run(matmul_small_m_kernel(in_type, M, matmul_parts_rows(P), K, P->n, matmul_parts_addr(P, x)), P,
+                     y_type, x, in_type, M, K, s);
 }
 
 // P (one part with an output op, X and Y of one dtype) by the kernel matmul_small_m_kernel picks for its product;
 // returns 0, having done nothing, where that is cuBLASLt.
 static inline int matmul_forward_op(const MatmulParts *P, const void *x, Dtype dtype, int M, int K, cudaStream_t s) {
-    MatmulKernel kernel = matmul_small_m_kernel(dtype, M, K, 1, matmul_parts_addr(P, x));
+    MatmulKernel kernel = matmul_small_m_kernel(dtype, M, matmul_parts_rows(P), K, 1, matmul_parts_addr(P, x));
     if (kernel == MATMUL_KERNEL_LT) return 0;
     matmul_parts_run(kernel, P, dtype, x, dtype, M, K, s);
     return 1;

@@ -78,7 +78,7 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
 }
 
 // ---- decode's products ---------------------------------------------------------------------------------------------
-// Y[M,N] = X[M,K]·W[N,K]ᵀ at the flagship's decode shapes (D = 2048, F = 5632, V = 32768) for M = 1..64 streams,
+// Y[M,N] = X[M,K]·W[N,K]ᵀ at the flagship's decode shapes (D = 2048, F = 5632, V = 258) for M = 1..64 streams,
 // bf16 weights, by each path of core/matmul.cuh called directly: the GEMV (M <= 8), the MMA kernel, cuBLASLt
 // (matmul_forward_lt: one product per part). A time is the mean of PROD_REPS launches in a CUDA graph (decode replays
 // its step as one), each on the next weight copy of a PROD_POOL_BYTES pool, so that the weights come from HBM, not
@@ -87,7 +87,7 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
 #define PROD_POOL_BYTES ((size_t)512 << 20)
 #define PROD_REPS 20
 #define PROD_MAX_M 64
-#define PROD_MAX_N 32768
+#define PROD_MAX_N 11264
 #define PROD_MAX_K 5632
 
 typedef struct {
@@ -102,7 +102,7 @@ static const Product PRODUCTS[] = {
     {"FFN w13 2048 -> 11264", 2048, 1, {11264}, 0, 0},
     {"FFN w2 5632 -> 2048", 5632, 1, {2048}, 0, 0},
     {"SDM input 2048 -> 6148 (+ bias)", 2048, 1, {6148}, 0, 1},
-    {"LM head 2048 -> 32768, fp32 logits", 2048, 1, {PROD_MAX_N}, 1, 0},
+    {"LM head 2048 -> 258 (bytes), fp32 logits", 2048, 1, {258}, 1, 0},
 };
 
 // PATH_LT1: one cuBLASLt call for a one-part product whatever its width (matmul_lt; PATH_LT splits off N % 64)

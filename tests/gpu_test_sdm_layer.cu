@@ -254,7 +254,7 @@ static void test_matmul_parts(Rng *rng, int fp32, int M) {
         P.w[i] = w[i];
         P.y[i] = y1[i];
     }
-    MatmulKernel kernel = matmul_small_m_kernel(t, M, K, 3, matmul_parts_addr(&P, dx_));
+    MatmulKernel kernel = matmul_small_m_kernel(t, M, N[0] + N[1] + N[2], K, 3, matmul_parts_addr(&P, dx_));
     for (int i = 0; i < 3; i++) {
         MatmulParts one = {1, {w[i]}, {y2[i]}, {NULL}, {N[i]}, {N[i]}};
         matmul_parts_run(kernel, &one, t, dx_, t, M, K, 0);
@@ -349,7 +349,7 @@ static void test_matmul_out_ops(Rng *rng, MatmulKernel kernel, int fp32, int M, 
     unsigned char *nan_fill = (unsigned char *)sdm_malloc(bytes);
     memset(nan_fill, 0xFF, bytes);
     int api = kernel == MATMUL_KERNEL_LT; // through matmul_forward_swiglu / _gate, else by `kernel`
-    MatmulKernel policy = matmul_small_m_kernel(t, M, K, 1, (uintptr_t)dx | (uintptr_t)dw);
+    MatmulKernel policy = matmul_small_m_kernel(t, M, 2 * N, K, 1, (uintptr_t)dx | (uintptr_t)dw);
     int expect = !api || policy != MATMUL_KERNEL_LT;
     const char *kname = matmul_kernel_name(api ? policy : kernel);
     for (int gate = 0; gate <= 1; gate++) { // the reference: the same kernel's plain product, then the op's kernel
@@ -1015,7 +1015,7 @@ int main(int argc, char **argv) {
         for (int M : {1, 5, 33}) test_matmul_parts_merged(&rng, fp32, M); // GEMV; bf16 cuBLASLt, fp32 GEMV; cuBLASLt
     }
     // the policy sends rows of 88 bytes (not whole 16-byte vectors) to cuBLASLt
-    CHECK(matmul_small_m_kernel(DT_BF16, 1, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
+    CHECK(matmul_small_m_kernel(DT_BF16, 1, 64, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
     // the MMA kernel (bf16, 1..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
     // rows (nor of 8); K with fewer 32-wide k-blocks than warps, with 1 or 3 of a ragged last k-block's four 16-byte
     // chunks, and the flagship's 2048 and 5632; bf16 and fp32 outputs (the LM head's logits), bias, ldy > N
