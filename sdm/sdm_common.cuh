@@ -1,5 +1,5 @@
 // sdm/sdm_common.cuh: small device helpers of the SDM layer's kernels (sdm/sdm_topk.cuh, sdm/sdm_readout.cuh,
-// sdm/sdm_layer.cuh): sigmoid, softplus, the decay gate, warp max, and the order-preserving float <-> uint32 map of the
+// sdm/sdm_layer.cuh): sigmoid, softplus, the decay gate and the order-preserving float <-> uint32 map of the
 // top-k keys.
 #ifndef SDM_SDM_COMMON_CUH
 #define SDM_SDM_COMMON_CUH
@@ -15,11 +15,6 @@ __device__ __forceinline__ float sdm_softplus(float x) { return x > 0.0f ? x + l
 // The log-decay of docs/SDM.md#gates, g = -exp(A_log) softplus(a + dt_bias), for every kernel that forms it.
 __device__ __forceinline__ float sdm_gate_decay(float a, float A_log, float dt_bias) {
     return -expf(A_log) * sdm_softplus(a + dt_bias);
-}
-
-__device__ __forceinline__ float sdm_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SDM_FULL_MASK, v, o));
-    return v;
 }
 
 // Order-preserving map float32 -> uint32 (a < b  <=>  ord(a) < ord(b)); -0 maps like +0 since the CPU reference

@@ -62,16 +62,17 @@ __global__ void sdm_unpack_kernel(const void *z, bool fp32, int ldz, int H, SdmG
 
 #define SDM_TOPK_WARPS_MAX 4
 #define SDM_TOPK_THREADS 512        // threads of the block kernel
-#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its ranks of kept sub-keys cost up to n^2)
-// Largest P for the block kernel. Its block fills an SM (512 threads of 80-100 registers), so P problems take about
-// ceil(P / 132) times its latency, while the warp kernel's first wave (~2000 problems) takes ~38 us whatever P: on
-// the H200 (bench_sdm_layer 3 prints both over P; 0b9d593) 30.8 vs 35.1 us at 256 problems, 60.3 vs 35.5 at 512.
+#define SDM_TOPK_BLOCK_MAX_N 1024  // widest factor for the block kernel (its sorts hold up to 32 keys a lane)
+// Largest P for the block kernel. Two of its blocks share an SM (512 threads of 64 registers, ~17 KB at the flagship
+// shape), so P problems take about ceil(P / 264) times its latency, while the warp kernel's first wave (~2000
+// problems) takes ~38 us whatever P. Measured on the H200 with the older radix-select block kernel, one block an SM
+// (bench_sdm_layer 3 prints both over P; 0b9d593): 30.8 vs 35.1 us at 256 problems, 60.3 vs 35.5 at 512.
 // Training (P = 32768) stays on the warp kernel; decode batches of up to 128 streams of 2 heads take the block one.
 #ifndef SDM_TOPK_BLOCK_MAX_P // -D to move the threshold when measuring
 #define SDM_TOPK_BLOCK_MAX_P 256
 #endif
 #define SDM_TOPK_JOBS 2 // write and read addressing
-#define SDM_TOPK_MISC 48 // ints of the block kernel's misc region
+#define SDM_TOPK_MISC 24 // ints of the block kernel's misc region
 
 typedef enum { SDM_TOPK_AUTO = 0, SDM_TOPK_WARP, SDM_TOPK_BLOCK } SdmTopkPath;
 
@@ -79,17 +80,17 @@ typedef struct {
     int F, dims[SDM_MAX_FACTORS], N, key_dim; // factor widths (first factor most significant), N = prod, K = sum
     int k, cap;                               // slots selected per problem; table bound min(2k, 256)
     int n_table;                              // |R_cap| (positions clipped to the factor widths)
-    uint32_t *table;                          // device [n_table]: positions, one byte per factor (factor f at 8f)
+    int n_front;                              // frontier points (sdm_topk_frontier), stored after the table
+    uint32_t *table;                          // device [n_table + n_front]: positions, one byte per factor (f at 8f)
     int sort_len[SDM_MAX_FACTORS];            // per-factor sort length (next power of two >= n_f)
     int sort_total;                           // sum of sort_len
     int sort_max;                             // max of sort_len (raw-score staging buffer)
     size_t smem_per_warp;                     // shared memory per warp (bytes)
     int warps;                                // problems per block
-    int key_dim4;                             // sum of factor widths rounded up to multiples of 4 (block kernel)
-    // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, kept keys [key_dim], candidates
-    // [cap], selected keys [k]; u32 sub-key ords [key_dim4], table [n_table], table scores [n_table]; int histograms
-    // [2][SDM_MAX_FACTORS][256], misc [SDM_TOPK_MISC]
-    int off_kept, off_cand, off_sel, off_ords, off_tab, off_rval, off_hist, off_misc;
+    // block kernel shared memory (byte offsets): u64 sorted [sort_total] at 0, candidates [n_table + 1, even],
+    // ranked candidates / selected keys [n_table]; u32 table and frontier [n_table + n_front]; int selected slots
+    // [k], misc [SDM_TOPK_MISC]
+    int off_cand, off_sel, off_tab, off_slot, off_misc;
     size_t smem_block;                        // total (bytes)
     int block_ok;                             // the block kernel supports this plan
     int path;                                 // SdmTopkPath: AUTO picks by P; tests and benches force one
@@ -139,17 +140,31 @@ static inline int sdm_topk_table_fill(const int *dims, int F, int f, int prod, u
     return n;
 }
 
+// The minimal points of the table whose down-set holds k points: prod_f (p_f + 1) >= k, and < k once any p_f > 0
+// is lowered by one. Stored to out; returns their count. Each has p_f < min(k, n_f) <= m_f, so it lies in the kept
+// grid, where at least k points score >= its score: each one's score is a lower bound of tau (the block kernel's
+// candidates score at least the largest of them).
+static inline int sdm_topk_frontier(int F, int k, const uint32_t *tab, int n_table, uint32_t *out) {
+    int n = 0;
+    for (int r = 0; r < n_table; r++) {
+        int pos[SDM_MAX_FACTORS];
+        long long prod = 1;
+        for (int f = 0; f < F; f++) { pos[f] = (int)((tab[r] >> (8 * f)) & 255u); prod *= pos[f] + 1; }
+        bool minimal = prod >= k;
+        for (int f = 0; f < F; f++)
+            if (pos[f] > 0 && prod / (pos[f] + 1) * pos[f] >= k) minimal = false;
+        if (minimal) out[n++] = tab[r];
+    }
+    return n;
+}
+
 // The block kernel's shared-memory layout of plan pl (see SdmTopkPlan); regions 16-byte aligned.
 static inline void sdm_topk_block_layout(SdmTopkPlan *pl) {
-    size_t o = 8 * (size_t)pl->sort_total;
-    pl->off_kept = (int)o;  o += 8 * (size_t)pl->key_dim;
-    pl->off_cand = (int)o;  o += 8 * (size_t)pl->cap;
-    pl->off_sel = (int)o;   o += 8 * (size_t)pl->k;
-    o = (o + 15) & ~(size_t)15;
-    pl->off_ords = (int)o;  o += 4 * (size_t)pl->key_dim4;
-    pl->off_tab = (int)o;   o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
-    pl->off_rval = (int)o;  o += 4 * (((size_t)pl->n_table + 3) & ~(size_t)3);
-    pl->off_hist = (int)o;  o += 4 * (size_t)2 * SDM_MAX_FACTORS * 256;
+    size_t o = (8 * (size_t)pl->sort_total + 15) & ~(size_t)15;
+    pl->off_cand = (int)o;  o += 8 * (((size_t)pl->n_table + 2) & ~(size_t)1);
+    pl->off_sel = (int)o;   o += 8 * (((size_t)pl->n_table + 1) & ~(size_t)1);
+    pl->off_tab = (int)o;   o += 4 * (((size_t)pl->n_table + pl->n_front + 3) & ~(size_t)3);
+    pl->off_slot = (int)o;  o += 4 * (((size_t)pl->k + 3) & ~(size_t)3);
     pl->off_misc = (int)o;  o += 4 * (size_t)SDM_TOPK_MISC;
     pl->smem_block = o;
 }
@@ -164,7 +179,6 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
         pl.dims[f] = s->factor_dims[f];
         pl.N *= pl.dims[f];
         pl.key_dim += pl.dims[f];
-        pl.key_dim4 += (pl.dims[f] + 3) & ~3;
         pl.sort_len[f] = sdm_next_pow2(pl.dims[f]);
         pl.sort_total += pl.sort_len[f];
         pl.sort_max = SDM_MAX(pl.sort_max, pl.sort_len[f]);
@@ -176,10 +190,12 @@ static inline SdmTopkPlan sdm_topk_plan_make(const SdmDims *s, int k) {
     if (((double)pl.key_dim + 1.0) * pl.N >= 4294967296.0)
         sdm_die("top-k: (sum of factor widths + 1) * N must stay below 2^32 (tie-break key)");
     pl.n_table = sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, NULL, 0);
-    uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * (size_t)pl.n_table);
+    uint32_t *tab = (uint32_t *)sdm_malloc(sizeof(uint32_t) * 2 * (size_t)pl.n_table);
     sdm_topk_table_fill(pl.dims, pl.F, 0, 1, 0u, pl.cap, tab, 0);
-    pl.table = (uint32_t *)device_alloc(MEM_SCRATCH, sizeof(uint32_t) * (size_t)pl.n_table);
-    device_upload(pl.table, tab, sizeof(uint32_t) * (size_t)pl.n_table);
+    pl.n_front = sdm_topk_frontier(pl.F, k, tab, pl.n_table, tab + pl.n_table);
+    size_t tab_bytes = sizeof(uint32_t) * (size_t)(pl.n_table + pl.n_front);
+    pl.table = (uint32_t *)device_alloc(MEM_SCRATCH, tab_bytes);
+    device_upload(pl.table, tab, tab_bytes);
     free(tab);
     // sorted kept factor keys, raw factor keys, candidates, selected keys (u64), table scores, histogram (u32)
     pl.smem_per_warp = 8 * ((size_t)pl.sort_total + pl.sort_max + pl.cap + k) + 4 * ((size_t)pl.n_table + 256);
@@ -212,9 +228,7 @@ __device__ void sdm_warp_bitonic_sort_desc(unsigned long long *a, int n, int lan
 }
 
 // A radix pass's 256-bin histogram keeps digit d at sdm_hist_bin(d), transposed (d % 8 major), so that the lanes of
-// sdm_radix_pick, each reading 8 consecutive digits, read 32 consecutive words at a time: no bank conflicts (the
-// plain layout had 8-way conflicts, which made the block kernel's passes, where every warp reads the histogram,
-// cost ~4,500 cycles each).
+// sdm_radix_pick, each reading 8 consecutive digits, read 32 consecutive words at a time: no bank conflicts.
 __device__ __forceinline__ int sdm_hist_bin(uint32_t d) { return (int)((d & 7u) * 32u + (d >> 3)); }
 
 // One pass of a radix select by one warp (every lane gets the same): from the 256-bin histogram of the pass's digit,
@@ -275,71 +289,6 @@ __device__ int sdm_block_sum_int(int v, int *red) {
     return t;
 }
 
-// Digit d's bin += 1 for every lane with in (all 32 lanes call it): one atomic per distinct digit of the warp (in the
-// high digits most values of a block share a bin or two, and same-address atomics serialise: one per lane made a
-// radix pass of the block kernel cost ~3,000 cycles).
-__device__ __forceinline__ void sdm_hist_add(int *hist, bool in, uint32_t d) {
-    unsigned peers = __match_any_sync(SDM_FULL_MASK, in ? d : 256u);
-    if (in && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[sdm_hist_bin(d)], __popc(peers));
-}
-
-// The block kernel spreads the values of up to SDM_MAX_FACTORS sets (value i of set s at v[off[s] + i], i < n[s]) over
-// its warps in chunks of 32, chunk c (counted over all sets in order) to warp c % warps: the first i of this warp's
-// chunks in the set whose first chunk is c0 (step SDM_TOPK_THREADS).
-__device__ __forceinline__ int sdm_block_chunk0(int c0) {
-    const int nw = SDM_TOPK_THREADS / 32;
-    return ((int)(threadIdx.x >> 5) - c0 % nw + nw) % nw * 32;
-}
-
-// The kth[s]-th largest value (with multiplicity) thr[s] of each set s < n_sets, and ge[s] = #{values >= thr[s]}, by
-// the whole block (v written before a barrier): the radix select of sdm_warp_kth_largest for all sets at once. Per
-// pass, the histograms (integer counts: deterministic), a barrier, warp s picks set s's digit into pick [3 s .. 3 s
-// + 3) (every warp picking for itself made a pass cost ~2,800 cycles), a barrier. Two histogram buffers hist
-// [2][SDM_MAX_FACTORS][256] alternate: the pass numbered q (*pass, counted over calls) fills buffer q % 2, which
-// must be zero, and clears the other, which the warps last read before the second barrier of pass q - 1.
-__device__ __forceinline__ void sdm_block_radix_select(const uint32_t *v, int n_sets, const int *off, const int *n,
-                                                       const int *kth, int *hist, int *pick, int *pass, uint32_t *thr,
-                                                       int *ge) {
-    static_assert(SDM_MAX_FACTORS <= SDM_TOPK_THREADS / 32, "a warp per set");
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nb = SDM_MAX_FACTORS * 256;
-    uint32_t mask = 0;
-    int k[SDM_MAX_FACTORS];
-#pragma unroll
-    for (int s = 0; s < SDM_MAX_FACTORS; s++) { thr[s] = 0; k[s] = kth[s]; ge[s] = 0; }
-    for (int shift = 24; shift >= 0; shift -= 8, (*pass)++) {
-        int *h = hist + (*pass % 2) * nb, *next = hist + ((*pass + 1) % 2) * nb;
-        for (int i = threadIdx.x; i < nb; i += SDM_TOPK_THREADS) next[i] = 0;
-#pragma unroll
-        for (int s = 0, c0 = 0; s < SDM_MAX_FACTORS; s++) {
-            if (s >= n_sets) break;
-            for (int i0 = sdm_block_chunk0(c0); i0 < n[s]; i0 += SDM_TOPK_THREADS) {
-                int i = i0 + lane;
-                uint32_t x = i < n[s] ? v[off[s] + i] : 0u;
-                sdm_hist_add(h + s * 256, i < n[s] && (x & mask) == thr[s], (x >> shift) & 255u);
-            }
-            c0 += (n[s] + 31) / 32;
-        }
-        __syncthreads();
-        if (warp < n_sets) {
-            int kw = 0;
-#pragma unroll
-            for (int s = 0; s < SDM_MAX_FACTORS; s++)
-                if (s == warp) kw = k[s];
-            int3 d = sdm_radix_pick(h + warp * 256, kw, lane);
-            if (lane == 0) { pick[3 * warp] = d.x; pick[3 * warp + 1] = d.y; pick[3 * warp + 2] = d.z; }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int s = 0; s < SDM_MAX_FACTORS; s++) {
-            if (s >= n_sets) break;
-            thr[s] |= (uint32_t)pick[3 * s] << shift;
-            k[s] -= pick[3 * s + 1];
-            if (shift == 0) ge[s] = kth[s] - k[s] + pick[3 * s + 2]; // the values above thr, then those equal to it
-        }
-        mask |= 255u << shift;
-    }
-}
-
 // Key of the grid point with sorted positions pos[f]: ord(float32 score) << 32 | (digit_sum * N + slot).
 __device__ __forceinline__ unsigned long long sdm_grid_key(const SdmTopkPlan &pl, const unsigned long long *sorted,
                                                        const int *pos) {
@@ -365,16 +314,22 @@ __device__ __forceinline__ void sdm_table_pos(uint32_t pk, int *pos) {
     for (int f = 0; f < SDM_MAX_FACTORS; f++) pos[f] = (int)((pk >> (8 * f)) & 255u);
 }
 
-// Score word of table entry pk: ord(score) inside the kept grid (m[f] kept sub-keys per factor), else 0.
-__device__ __forceinline__ uint32_t sdm_table_score(const SdmTopkPlan &pl, const unsigned long long *sorted,
-                                                    const int *m, uint32_t pk) {
+// Key of table entry pk inside the kept grid (m[f] kept sub-keys per factor), else 0.
+__device__ __forceinline__ unsigned long long sdm_table_key(const SdmTopkPlan &pl, const unsigned long long *sorted,
+                                                            const int *m, uint32_t pk) {
     int pos[SDM_MAX_FACTORS];
     sdm_table_pos(pk, pos);
     bool in = true;
 #pragma unroll
     for (int f = 0; f < SDM_MAX_FACTORS; f++)
         if (f < pl.F && pos[f] >= m[f]) in = false;
-    return in ? (uint32_t)(sdm_grid_key(pl, sorted, pos) >> 32) : 0u;
+    return in ? sdm_grid_key(pl, sorted, pos) : 0ull;
+}
+
+// Score word of table entry pk: ord(score) inside the kept grid, else 0.
+__device__ __forceinline__ uint32_t sdm_table_score(const SdmTopkPlan &pl, const unsigned long long *sorted,
+                                                    const int *m, uint32_t pk) {
+    return (uint32_t)(sdm_table_key(pl, sorted, m, pk) >> 32);
 }
 
 // Key of point g of the kept grid (m[f] kept sub-keys per factor, the last factor fastest).
@@ -404,12 +359,13 @@ __device__ unsigned long long sdm_grid_kth_key(const SdmTopkPlan &pl, const unsi
     return x;
 }
 
-// The softmax's max and normaliser over the k selected keys sel[0..k) by one warp: lane L adds j = L, L + 32, ...,
-// then the shuffle tree. The bits of the sum depend on the order of sel: both kernels fill it in the same order.
+// The softmax's max and normaliser over the k selected keys sel[0..k) by one warp: the max as the largest score word
+// (exact, any order), the sum with lane L adding j = L, L + 32, ..., then the shuffle tree. The bits of the sum
+// depend on the order of sel: both kernels fill it in the same order.
 __device__ float2 sdm_topk_softmax_norm(const unsigned long long *sel, int k, float scale, int lane) {
-    float mx = -INFINITY;
-    for (int j = lane; j < k; j += 32) mx = fmaxf(mx, sdm_ord2f((uint32_t)(sel[j] >> 32)));
-    mx = sdm_warp_max(mx);
+    uint32_t mo = 0;
+    for (int j = lane; j < k; j += 32) mo = max(mo, (uint32_t)(sel[j] >> 32));
+    const float mx = sdm_ord2f(__reduce_max_sync(SDM_FULL_MASK, mo));
     float sum = 0.0f;
     for (int j = lane; j < k; j += 32) sum += expf(scale * (sdm_ord2f((uint32_t)(sel[j] >> 32)) - mx));
     return make_float2(mx, core_warp_sum(sum));
@@ -535,153 +491,209 @@ __global__ void sdm_topk_forward_kernel(const __grid_constant__ SdmTopkArgs a) {
     }
 }
 
+// Sort keys of one factor's sub-keys in the block kernel, ordered as (ord(score), index): u64 ord << 32 | i, or for
+// bf16 scores u32 (high half of ord) | i, since a bf16 score's ord has the low half 0 (positive) or 0xffff (negative):
+// half the shuffles and one min/max instruction an exchange. wide() gives the warp kernel's u64 key.
+template <typename Key> struct SdmSortKey;
+template <> struct SdmSortKey<uint32_t> {
+    static __device__ __forceinline__ uint32_t make(uint32_t o, int i) { return (o & 0xffff0000u) | (uint32_t)i; }
+    static __device__ __forceinline__ uint32_t ord(uint32_t x) {
+        uint32_t hi = x & 0xffff0000u;
+        return hi | ((hi & 0x80000000u) ? 0u : 0xffffu);
+    }
+    static __device__ __forceinline__ unsigned long long wide(uint32_t x) {
+        return ((unsigned long long)ord(x) << 32) | (x & 0xffffu);
+    }
+};
+template <> struct SdmSortKey<unsigned long long> {
+    static __device__ __forceinline__ unsigned long long make(uint32_t o, int i) {
+        return ((unsigned long long)o << 32) | (uint32_t)i;
+    }
+    static __device__ __forceinline__ uint32_t ord(unsigned long long x) { return (uint32_t)(x >> 32); }
+    static __device__ __forceinline__ unsigned long long wide(unsigned long long x) { return x; }
+};
+
+// Descending bitonic sort of a warp's 32 E keys, position lane * E + j in x[j] (E a power of two): pairs closer than
+// E within a lane's registers, farther ones with lane ^ (stride / E) by shuffles. No shared memory, no barrier.
+template <typename Key, int E>
+__device__ __forceinline__ void sdm_warp_sort_desc_regs(Key (&x)[E], int lane) {
+    constexpr int LOG = 5 + (E >= 2) + (E >= 4) + (E >= 8) + (E >= 16) + (E >= 32);
+    static_assert(32 * E == 1 << LOG, "E a power of two, at most 32");
+#pragma unroll
+    for (int ls = 1; ls <= LOG; ls++)
+#pragma unroll
+        for (int lt = ls - 1; lt >= 0; lt--) {
+            const int size = 1 << ls, stride = 1 << lt;
+            if (stride >= E) {
+                // the pair's first position keeps the larger key in a descending run, the smaller in an ascending one
+                const bool keep_max = (((lane * E) & stride) == 0) == (((lane * E) & size) == 0);
+#pragma unroll
+                for (int j = 0; j < E; j++) {
+                    Key y = __shfl_xor_sync(SDM_FULL_MASK, x[j], stride / E);
+                    x[j] = keep_max ? max(x[j], y) : min(x[j], y);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < E; j++)
+                    if ((j & stride) == 0) {
+                        const bool desc = ((lane * E + j) & size) == 0;
+                        Key hi = max(x[j], x[j + stride]), lo = min(x[j], x[j + stride]);
+                        x[j] = desc ? hi : lo;
+                        x[j + stride] = desc ? lo : hi;
+                    }
+            }
+        }
+}
+
+// One warp of the block kernel: a factor's n sub-key scores (sub-key i at z[zk + i]) sorted descending in registers,
+// the kept ones (ord >= that of the min(k, n)-th: every tie of the last stays) stored to sorted[0..m) as the warp
+// kernel's keys, in its order; returns m.
+template <typename Key, int E>
+__device__ int sdm_factor_sort(const void *z, size_t zk, bool fp32, int n, int kth, unsigned long long *sorted,
+                               int lane) {
+    typedef SdmSortKey<Key> SK;
+    Key x[E];
+#pragma unroll
+    for (int j = 0; j < E; j++) { // sub-key j * 32 + lane (coalesced); 0 sorts below every key
+        int i = j * 32 + lane;
+        x[j] = i < n ? SK::make(sdm_f2ord(dtype_load(z, zk + i, fp32)), i) : (Key)0;
+    }
+    sdm_warp_sort_desc_regs(x, lane);
+    Key xk = 0; // register (kth - 1) % E, masked in (a select by index would put x in local memory)
+#pragma unroll
+    for (int j = 0; j < E; j++) xk |= x[j] & ((Key)0 - (Key)(j == (kth - 1) % E));
+    const uint32_t thr = SK::ord(__shfl_sync(SDM_FULL_MASK, xk, (kth - 1) / E));
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < E; j++) cnt += lane * E + j < n && SK::ord(x[j]) >= thr;
+    const int m = __reduce_add_sync(SDM_FULL_MASK, cnt);
+#pragma unroll
+    for (int j = 0; j < E; j++)
+        if (lane * E + j < m) sorted[lane * E + j] = SK::wide(x[j]);
+    return m;
+}
+
 // One block of SDM_TOPK_THREADS threads per problem p = blockIdx.x % P of job blockIdx.x / P, the results of
-// sdm_topk_forward_kernel bit for bit, every phase spread over the block with a barrier or two: the factors'
-// thresholds by one radix select over all factors, each kept sub-key's place in its factor's sorted order by
-// counting the kept keys above it (4 threads a key), tau by a radix select of the table scores, the candidates' and
-// the selected slots' order by counting too (8 threads a key). With a.gates, job 0's blocks also form their
-// problem's gates and values (sdm_unpack_kernel's work) and take g from them: the whole addressing in one launch.
-__global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
+// sdm_topk_forward_kernel bit for bit, with three barriers: warp f sorts factor f in registers (E keys a lane; all
+// factor widths <= 32 E); every warp takes the best frontier score L <= tau; the table points of the kept grid
+// scoring >= L are the candidates, each one's rank among them counted: the first k in rank order are the selection
+// unless the table holds cap or more points scoring >= tau (then the warp kernel's whole-grid search, also here).
+// Each warp then forms the softmax norm and writes its share of the outputs. With a.gates, job 0's blocks also form
+// their problem's gates and values (sdm_unpack_kernel's work, by the warps that sort nothing) and take g from them:
+// the whole addressing in one launch.
+template <int E>
+__global__ void __launch_bounds__(SDM_TOPK_THREADS, E <= 8 ? 2 : 1)
+sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
-    static_assert(SDM_TOPK_THREADS >= 256 && SDM_TOPK_THREADS % 32 == 0, "a thread per selected key (k < 256)");
+    static_assert(SDM_MAX_FACTORS < SDM_TOPK_THREADS / 32, "a warp per factor and one more");
     const int job = blockIdx.x / a.P, p = blockIdx.x % a.P, tok = p / a.H, h = p % a.H;
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = SDM_TOPK_THREADS / 32;
     const SdmTopkPlan &pl = a.pl[job];
     const SdmTopkOut &out = a.out[job];
     const int k = pl.k, F = pl.F;
     unsigned char *sm = sdm_topk_bsmem;
-    unsigned long long *sorted = (unsigned long long *)sm, *kept = (unsigned long long *)(sm + pl.off_kept);
-    unsigned long long *cand = (unsigned long long *)(sm + pl.off_cand), *sel = (unsigned long long *)(sm + pl.off_sel);
-    uint32_t *ords = (uint32_t *)(sm + pl.off_ords), *tab = (uint32_t *)(sm + pl.off_tab);
-    uint32_t *rval = (uint32_t *)(sm + pl.off_rval);
-    int *hist = (int *)(sm + pl.off_hist), *misc = (int *)(sm + pl.off_misc);
-    // misc: kept counters [SDM_MAX_FACTORS], candidate counter, g of the problem, the softmax norm (8-byte aligned),
-    // block sums [nw], radix picks [3 SDM_MAX_FACTORS]
-    int *kcnt = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 4, *pick = red + nw;
+    unsigned long long *sorted = (unsigned long long *)sm, *cand = (unsigned long long *)(sm + pl.off_cand);
+    unsigned long long *sel = (unsigned long long *)(sm + pl.off_sel);
+    uint32_t *tab = (uint32_t *)(sm + pl.off_tab);
+    int *sel_slot = (int *)(sm + pl.off_slot), *misc = (int *)(sm + pl.off_misc);
+    // misc: kept counts [SDM_MAX_FACTORS], candidate counter, g of the problem, block sums [nw]
+    int *m_s = misc, *ccnt = misc + SDM_MAX_FACTORS, *red = misc + SDM_MAX_FACTORS + 2;
     float *gp_s = (float *)(misc + SDM_MAX_FACTORS + 1);
-    float2 *norm_s = (float2 *)(misc + SDM_MAX_FACTORS + 2);
-    static_assert(SDM_MAX_FACTORS % 2 == 0 && 4 * SDM_MAX_FACTORS + 4 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC,
-                  "misc layout");
+    static_assert(SDM_MAX_FACTORS + 2 + SDM_TOPK_THREADS / 32 <= SDM_TOPK_MISC, "misc layout");
 
-    // 0. before the wait, constant data only: the table; zero histograms and counters
-    for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) tab[r] = pl.table[r];
-    for (int i = t; i < SDM_MAX_FACTORS * 256; i += SDM_TOPK_THREADS) hist[i] = 0;
-    if (t <= SDM_MAX_FACTORS) kcnt[t] = 0; // and ccnt
+    // 0. before the wait, constant data only: the table and frontier; zero candidates (the zero after the last one
+    //    pads the pairs of step 3), the counter
+    for (int r = t; r < pl.n_table + pl.n_front; r += SDM_TOPK_THREADS) tab[r] = pl.table[r];
+    for (int r = t; r <= pl.n_table; r += SDM_TOPK_THREADS) cand[r] = 0ull;
+    if (t == 0) *ccnt = 0;
     pdl_enter();
 
-    // 1. the sub-key ords (o_i = ord(score i), factor f's row at off4[f]); g (and the gates, values) of the problem
-    int n[SDM_MAX_FACTORS], kth[SDM_MAX_FACTORS], off4[SDM_MAX_FACTORS], soff[SDM_MAX_FACTORS];
-#pragma unroll
-    for (int f = 0, o4 = 0, so = 0; f < SDM_MAX_FACTORS; f++) {
-        n[f] = f < F ? pl.dims[f] : 0;
-        kth[f] = min(k, n[f]);
-        off4[f] = o4;
-        soff[f] = so;
-        o4 += (n[f] + 3) & ~3;
-        so += f < F ? pl.sort_len[f] : 0;
-    }
-    size_t zrow = (size_t)tok * a.ldz, zk = zrow + a.col0[job] + (size_t)h * pl.key_dim;
-#pragma unroll
-    for (int f = 0, off = 0; f < SDM_MAX_FACTORS; off += n[f], f++)
-        for (int i = t; i < n[f]; i += SDM_TOPK_THREADS)
-            ords[off4[f] + i] = sdm_f2ord(dtype_load(a.z, zk + off + i, a.fp32));
-    if (job == 0 && a.gates.g) {
+    // 1. warp f < F: factor f's kept sub-keys, sorted, and their count m_f; the other warps of job 0's blocks: the
+    //    gates and values; g of the problem
+    const size_t zrow = (size_t)tok * a.ldz;
+    const bool gates = job == 0 && a.gates.g;
+    if (warp < F) {
+        size_t zk = zrow + a.col0[job] + (size_t)h * pl.key_dim;
+        int soff = 0;
+        for (int f = 0; f < warp; f++) { zk += pl.dims[f]; soff += pl.sort_len[f]; }
+        const int n = pl.dims[warp], kth = min(k, n);
+        int mf = a.fp32 ? sdm_factor_sort<unsigned long long, E>(a.z, zk, true, n, kth, sorted + soff, lane)
+                        : sdm_factor_sort<uint32_t, E>(a.z, zk, false, n, kth, sorted + soff, lane);
+        if (lane == 0) m_s[warp] = mf;
+    } else if (gates) {
         const SdmGates &gt = a.gates;
-        int d = gt.D / a.H;
-        for (int i = t; i < d; i += SDM_TOPK_THREADS)
+        const int d = gt.D / a.H, tg = t - 32 * F;
+        for (int i = tg; i < d; i += SDM_TOPK_THREADS - 32 * F)
             gt.v[(size_t)tok * gt.D + h * d + i] = dtype_load(a.z, zrow + gt.col_v + h * d + i, a.fp32);
-        if (t == 0) {
+        if (tg == 0) {
             float g = sdm_gate_decay(dtype_load(a.z, zrow + gt.col_a + h, a.fp32), dtype_load(gt.A_log, h, a.fp32),
                                      dtype_load(gt.dt_bias, h, a.fp32));
             gt.g[p] = g;
             gt.beta[p] = sdm_sigmoid(dtype_load(a.z, zrow + gt.col_c + h, a.fp32));
             *gp_s = g;
         }
-    } else if (t == 0) *gp_s = out.gamma ? out.g[p] : 0.0f;
+    } else if (t == 32 * F) *gp_s = out.gamma ? out.g[p] : 0.0f;
     __syncthreads();
-
-    // 2. per factor the threshold t_f = the min(k, n_f)-th largest o and the kept count m_f = #{o >= t_f}: the best
-    //    min(k, n_f) sub-keys and every tie of the last one
-    uint32_t thr[SDM_MAX_FACTORS];
-    int m[SDM_MAX_FACTORS], pass = 0;
-    sdm_block_radix_select(ords, F, off4, n, kth, hist, pick, &pass, thr, m);
-
-    // 3. the kept keys (o << 32 | i), compacted per factor in any order at kofs[f], then each one's rank among its
-    //    factor's: sorted[rank] = key, the descending order of the warp kernel's bitonic sort
-    int kofs[SDM_MAX_FACTORS], M = 0;
+    int m[SDM_MAX_FACTORS];
     unsigned long long G = 1;
 #pragma unroll
     for (int f = 0; f < SDM_MAX_FACTORS; f++) {
-        kofs[f] = M;
-        if (f < F) { M += m[f]; G *= (unsigned long long)m[f]; }
-        else m[f] = 1;
+        m[f] = f < F ? m_s[f] : 1;
+        G *= (unsigned long long)m[f];
     }
+
+    // 2. L = the best frontier score (by each warp alone); the candidates: the table points of the kept grid scoring
+    //    >= L, in any order (slots from a shared counter: one atomic per warp and 64 table points, so that the
+    //    flagship's 645 take one round). They include every table point scoring >= tau and the down-set of the k
+    //    best grid points: at least k
+    uint32_t L = 0;
+    for (int r = lane; r < pl.n_front; r += 32) L = max(L, sdm_table_score(pl, sorted, m, tab[pl.n_table + r]));
+    L = __reduce_max_sync(SDM_FULL_MASK, L);
+    for (int r0 = warp * 64; r0 < pl.n_table; r0 += 2 * SDM_TOPK_THREADS) {
+        unsigned long long key[2];
+        unsigned b[2];
 #pragma unroll
-    for (int f = 0, c0 = 0; f < SDM_MAX_FACTORS; c0 += (n[f] + 31) / 32, f++)
-        for (int i0 = sdm_block_chunk0(c0); i0 < n[f]; i0 += SDM_TOPK_THREADS) {
-            int i = i0 + lane;
-            uint32_t x = i < n[f] ? ords[off4[f] + i] : 0u;
-            bool keep = i < n[f] && x >= thr[f];
-            unsigned b = __ballot_sync(SDM_FULL_MASK, keep);
-            int base = lane == 0 && b ? atomicAdd(&kcnt[f], __popc(b)) : 0;
-            base = __shfl_sync(SDM_FULL_MASK, base, 0);
-            if (keep) kept[kofs[f] + base + __popc(b & ((1u << lane) - 1))] = ((unsigned long long)x << 32) | i;
+        for (int u = 0; u < 2; u++) {
+            int r = r0 + 32 * u + lane;
+            key[u] = r < pl.n_table ? sdm_table_key(pl, sorted, m, tab[r]) : 0ull;
+            b[u] = __ballot_sync(SDM_FULL_MASK, key[u] != 0ull && (uint32_t)(key[u] >> 32) >= L);
         }
-    __syncthreads();
-    for (int e0 = 0; e0 < M; e0 += SDM_TOPK_THREADS / 4) {
-        int e = e0 + (t >> 2), q = t & 3, lo = 0, hi = 0, so = 0;
+        int base = lane == 0 && (b[0] | b[1]) ? atomicAdd(ccnt, __popc(b[0]) + __popc(b[1])) : 0;
+        base = __shfl_sync(SDM_FULL_MASK, base, 0);
 #pragma unroll
-        for (int f = 0; f < SDM_MAX_FACTORS; f++)
-            if (f < F && e >= kofs[f]) { lo = kofs[f]; hi = kofs[f] + m[f]; so = soff[f]; }
-        unsigned long long key = e < M ? kept[e] : 0ull;
-        int r = 0;
-#pragma unroll 4
-        for (int i = lo + q; e < M && i < hi; i += 4) r += kept[i] > key;
-        r += __shfl_xor_sync(SDM_FULL_MASK, r, 1);
-        r += __shfl_xor_sync(SDM_FULL_MASK, r, 2);
-        if (e < M && q == 0) sorted[so + r] = key;
+        for (int u = 0; u < 2; u++)
+            if ((b[u] >> lane) & 1u) cand[base + (u ? __popc(b[0]) : 0) + __popc(b[u] & ((1u << lane) - 1))] = key[u];
     }
     __syncthreads();
 
-    // 4. score the table points inside the kept grid (0 = outside); tau = the k-th largest table score, n_ge = the
-    //    table points scoring >= tau
-    for (int r = t; r < pl.n_table; r += SDM_TOPK_THREADS) rval[r] = sdm_table_score(pl, sorted, m, tab[r]);
-    __syncthreads();
-    int zero[SDM_MAX_FACTORS] = {0}, n_tab[SDM_MAX_FACTORS] = {pl.n_table}, k1[SDM_MAX_FACTORS] = {k};
-    uint32_t tau_s[SDM_MAX_FACTORS];
-    int ge_s[SDM_MAX_FACTORS];
-    sdm_block_radix_select(rval, 1, zero, n_tab, k1, hist, pick, &pass, tau_s, ge_s);
-    const uint32_t tau = tau_s[0];
-    const int n_ge = ge_s[0];
-
-    if (n_ge < pl.cap || G <= (unsigned long long)pl.cap) {
-        // 5a. the n_ge candidates in any order (slots from a shared counter, one atomic per warp), then each one's
-        //     rank among them: sel[rank] = key for the k best
-        for (int r0 = warp * 32; r0 < pl.n_table; r0 += SDM_TOPK_THREADS) {
-            int r = r0 + lane;
-            bool take = r < pl.n_table && rval[r] >= tau;
-            unsigned b = __ballot_sync(SDM_FULL_MASK, take);
-            int base = lane == 0 && b ? atomicAdd(ccnt, __popc(b)) : 0;
-            base = __shfl_sync(SDM_FULL_MASK, base, 0);
-            if (take) {
-                int pos[SDM_MAX_FACTORS];
-                sdm_table_pos(tab[r], pos);
-                cand[base + __popc(b & ((1u << lane) - 1))] = sdm_grid_key(pl, sorted, pos);
-            }
-        }
-        __syncthreads();
-        for (int c0 = 0; c0 < n_ge; c0 += SDM_TOPK_THREADS / 8) {
-            int c = c0 + (t >> 3), q = t & 7;
-            unsigned long long key = c < n_ge ? cand[c] : 0ull;
-            int r = 0;
+    // 3. each candidate's rank among them by counting, Q threads a candidate (Q = 512 / nc rounded down to a power
+    //    of two, at most 32; pairs of keys a load): sel[rank] = key, the candidates in descending key order
+    const int nc = *ccnt, lq = min(5, 31 - __clz(max(1, SDM_TOPK_THREADS / max(nc, 1)))), Q = 1 << lq;
+    for (int c0 = 0; c0 < nc; c0 += SDM_TOPK_THREADS >> lq) {
+        int c = c0 + (t >> lq), q = t & (Q - 1), r = 0;
+        unsigned long long key = c < nc ? cand[c] : 0ull;
 #pragma unroll 4
-            for (int j = q; c < n_ge && j < n_ge; j += 8) r += cand[j] > key;
-            r += __shfl_xor_sync(SDM_FULL_MASK, r, 1);
-            r += __shfl_xor_sync(SDM_FULL_MASK, r, 2);
-            r += __shfl_xor_sync(SDM_FULL_MASK, r, 4);
-            if (c < n_ge && q == 0 && r < k) sel[r] = key;
+        for (int i = 2 * q; c < nc && i < nc; i += 2 * Q) {
+            ulonglong2 y = *(const ulonglong2 *)(cand + i);
+            r += (y.x > key) + (y.y > key);
         }
-    } else {
+        for (int o = 1; o < Q; o <<= 1) r += __shfl_xor_sync(SDM_FULL_MASK, r, o);
+        if (c < nc && q == 0) {
+            sel[r] = key;
+            if (r < k) sel_slot[r] = (int)((uint32_t)key % (uint32_t)pl.N);
+        }
+    }
+    __syncthreads();
+
+    // 4. tau = the k-th key's score; the candidates scoring >= tau (a prefix of sel) are the table points scoring
+    //    >= tau, n_ge of them (counted up to cap, by each warp)
+    const uint32_t tau = (uint32_t)(sel[k - 1] >> 32);
+    int n_ge = k;
+    for (unsigned b = SDM_FULL_MASK; b == SDM_FULL_MASK && n_ge < pl.cap; n_ge += __popc(b)) {
+        int r = n_ge + lane;
+        b = __ballot_sync(SDM_FULL_MASK, r < nc && (uint32_t)(sel[r] >> 32) >= tau);
+    }
+    if (n_ge >= pl.cap && G > (unsigned long long)pl.cap) {
         // 5b. heavy ties: exact threshold over the whole kept grid, then the k keys above it in grid order (as the
         //     warp kernel: the order of sel sets the bits of the softmax sum)
         unsigned long long x = sdm_grid_kth_key<SDM_TOPK_THREADS>(pl, sorted, m, G, red);
@@ -697,24 +709,21 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS, 1) sdm_topk_block_kernel(con
                 if (w < warp) at += red[w];
                 n_c += red[w];
             }
-            if (take) sel[at] = key;
+            if (take) {
+                sel[at] = key;
+                sel_slot[at] = (int)((uint32_t)key % (uint32_t)pl.N);
+            }
             __syncthreads();
         }
     }
-    __syncthreads();
 
-    // 6. softmax (warp 0, as the warp kernel); each selected key's place among the slots (8 threads a key), write out
-    int *sel_slot = (int *)rval; // the table scores are no longer needed
-    if (t < k) sel_slot[t] = (int)((uint32_t)sel[t] % (uint32_t)pl.N);
-    if (warp == 0) {
-        float2 nm = sdm_topk_softmax_norm(sel, k, out.scale, lane);
-        if (lane == 0) *norm_s = nm;
-    }
-    __syncthreads();
-    const float2 norm = *norm_s;
+    // 5. each warp with selected keys to write: the softmax norm (as the warp kernel), each of its keys' place among
+    //    the slots (8 lanes a key), the outputs
+    if (warp * 4 >= k) return;
+    const float2 norm = sdm_topk_softmax_norm(sel, k, out.scale, lane);
     const float gp = *gp_s;
-    for (int j0 = 0; j0 < k; j0 += SDM_TOPK_THREADS / 8) {
-        int j = j0 + (t >> 3), q = t & 7, slot = j < k ? sel_slot[j] : 0, pos = 0;
+    for (int j0 = warp * 4; j0 < k; j0 += SDM_TOPK_THREADS / 8) {
+        int j = j0 + (lane >> 3), q = lane & 7, slot = j < k ? sel_slot[j] : 0, pos = 0;
 #pragma unroll 4
         for (int i = q; j < k && i < k; i += 8) pos += sel_slot[i] < slot;
         pos += __shfl_xor_sync(SDM_FULL_MASK, pos, 1);
@@ -732,7 +741,7 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
     if (n_jobs < 1 || n_jobs > SDM_TOPK_JOBS) sdm_die("top-k: %d jobs in one launch (1..%d)", n_jobs, SDM_TOPK_JOBS);
     SdmTopkArgs a;
     memset(&a, 0, sizeof a);
-    int block_ok = 1, path = jobs[0].pl->path;
+    int block_ok = 1, path = jobs[0].pl->path, sort_max = 0;
     size_t block_smem = 0;
     a.warps = SDM_TOPK_WARPS_MAX;
     for (int j = 0; j < n_jobs; j++) {
@@ -742,6 +751,7 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
         a.out[j] = jobs[j].out;
         block_ok &= pl->block_ok;
         block_smem = SDM_MAX(block_smem, pl->smem_block);
+        sort_max = SDM_MAX(sort_max, pl->sort_max);
         a.warp_smem = SDM_MAX(a.warp_smem, pl->smem_per_warp);
         a.warps = SDM_MIN(a.warps, pl->warps);
     }
@@ -754,7 +764,9 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
     a.per_job = block ? P : ceil_div(P, a.warps);
     if (gates && block) a.gates = *gates;
     else if (gates) launch_pdl(sdm_unpack_kernel, P / H, 256, 0, s, z, a.fp32, ldz, H, *gates);
-    void (*kernel)(SdmTopkArgs) = block ? sdm_topk_block_kernel : sdm_topk_forward_kernel;
+    // the block kernel's sorts: 8 keys a lane up to 256 sub-keys a factor (the flagship), else 32
+    void (*kernel)(SdmTopkArgs) = !block ? sdm_topk_forward_kernel
+                                  : sort_max <= 256 ? sdm_topk_block_kernel<8> : sdm_topk_block_kernel<32>;
     size_t smem = block ? block_smem : a.warp_smem * a.warps;
     if (smem > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -781,9 +793,9 @@ typedef struct {
     float *gate_grad;                       // [tokens, 3H]
 } SdmWriteGateArgs;
 
-__global__ void sdm_address_backward_kernel(SdmTopkPlan pl, const int *slot, const float *w, const float *dw,
-                                            float scale, int P, int H, void *dz, bool fp32, int ldz, int col0,
-                                            int gates, SdmWriteGateArgs ga) {
+__global__ void sdm_address_backward_kernel(const __grid_constant__ SdmTopkPlan pl, const int *slot, const float *w,
+                                            const float *dw, float scale, int P, int H, void *dz, bool fp32, int ldz,
+                                            int col0, int gates, SdmWriteGateArgs ga) {
     extern __shared__ float sdm_addr_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.x * (blockDim.x >> 5) + warp;
