@@ -226,8 +226,23 @@ static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
         }                                                                               \
     } while (0)
 
+// The steps of the forward that must give the same bits wherever they run: one definition each, inlined into every
+// kernel that computes the norm.
+
+// h += b, rounded to T: the stored residual sum.
+template <typename T> __device__ __forceinline__ void rms_residual(DtypeVec<T> &h, const DtypeVec<T> &b) {
+#pragma unroll
+    for (int e = 0; e < DtypeVec<T>::N; e++) h.set(e, h.get(e) + b.get(e));
+}
+
+// rstd = 1 / sqrt(mean(h²) + eps) from the row's sum of squares ss.
+__device__ __forceinline__ float rms_rstd(float ss, int D, float eps) { return rsqrtf(ss / (float)D + eps); }
+
+// An output element y = h * rstd * w, before its rounding to T.
+__device__ __forceinline__ float rms_scaled(float h, float rs, float w) { return h * rs * w; }
+
 // Scalar path, one warp per row: h = h_in (+ branch), rounded to T and stored when branch is given (the norm and its
-// backward both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w.
+// backward both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w. rstd may be NULL (not kept).
 template <typename T>
 __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int n,
                                        int D, float eps) {
@@ -246,10 +261,17 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
         float v = dtype_to_float(h[k]);
         ss += v * v;
     }
-    float r = rsqrtf(core_warp_sum(ss) / (float)D + eps);
+    float r = rms_rstd(core_warp_sum(ss), D, eps);
     for (int k = lane; k < D; k += 32)
-        y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
-    if (lane == 0) rstd[row] = r;
+        y[base + k] = dtype_from_float<T>(rms_scaled(dtype_to_float(h[k]), r, dtype_to_float(w[k])));
+    if (rstd && lane == 0) rstd[row] = r;
+}
+
+// The sum of warp_sum[0 .. warps) in order.
+__device__ __forceinline__ float rms_warps_sum(const float *warp_sum, int warps) {
+    float v = 0.0f;
+    for (int k = 0; k < warps; k++) v += warp_sum[k];
+    return v;
 }
 
 // The block's sum of v: per warp by the butterfly, then the warps' sums in order (known to every thread).
@@ -258,13 +280,44 @@ __device__ __forceinline__ float rms_block_sum(float v, float *warp_buf) {
     v = core_warp_sum(v);
     if ((threadIdx.x & 31) == 0) warp_buf[threadIdx.x >> 5] = v;
     __syncthreads();
-    v = 0.0f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) v += warp_buf[k];
-    return v;
+    return rms_warps_sum(warp_buf, blockDim.x >> 5);
 }
 
-// Vector path, the same: block b normalizes row b. All loads are issued before the first store (h_out may alias
-// h_in, so the compiler could not hoist them over it).
+// Thread t's vectors j = t + i * threads < V (i < VPT) of a row in the vector layout: h[i] = h_in's, plus branch's
+// where given (rms_residual); returns the sum of their squares, element by element in order. All loads come first:
+// the norm kernel's h_out may alias h_in, so the compiler could not hoist them over its store.
+template <typename T, int VPT>
+__device__ __forceinline__ float rms_vec_row(DtypeVec<T> (&h)[VPT], const T *h_in, const T *branch, int t,
+                                             int threads, int V) {
+    typedef DtypeVec<T> Vec;
+    Vec b[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = t + i * threads;
+        if (j >= V) continue;
+        h[i] = dtype_pack_load<Vec>(h_in + (size_t)j * Vec::N);
+        if (branch) b[i] = dtype_pack_load<Vec>(branch + (size_t)j * Vec::N);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        if (t + i * threads >= V) continue;
+        if (branch) rms_residual(h[i], b[i]);
+#pragma unroll
+        for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
+    }
+    return ss;
+}
+
+// Stores thread t's vectors h of a row (rms_vec_row's) to row.
+template <typename T, int VPT>
+__device__ __forceinline__ void rms_vec_store(T *row, const DtypeVec<T> (&h)[VPT], int t, int threads, int V) {
+#pragma unroll
+    for (int i = 0; i < VPT; i++)
+        if (t + i * threads < V) dtype_pack_store(row + (size_t)(t + i * threads) * DtypeVec<T>::N, h[i]);
+}
+
+// Vector path, the same: block b normalizes row b.
 template <typename T, int VPT>
 __global__ void __launch_bounds__(RMS_THREADS)
     rmsnorm_forward_vec_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int D,
@@ -273,44 +326,26 @@ __global__ void __launch_bounds__(RMS_THREADS)
     __shared__ float warp_ss[RMS_THREADS / 32];
     int V = D / Vec::N;
     size_t base = (size_t)blockIdx.x * D;
-    Vec wv[VPT], h[VPT], bv[VPT];
+    Vec wv[VPT], h[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; i++) { // the weights before pdl_wait: nothing in a step writes them
         int j = threadIdx.x + i * blockDim.x;
         if (j < V) wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
     }
     pdl_enter();
-#pragma unroll
-    for (int i = 0; i < VPT; i++) {
-        int j = threadIdx.x + i * blockDim.x;
-        if (j >= V) continue;
-        h[i] = dtype_pack_load<Vec>(h_in + base + (size_t)j * Vec::N);
-        if (branch) bv[i] = dtype_pack_load<Vec>(branch + base + (size_t)j * Vec::N);
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < VPT; i++) {
-        int j = threadIdx.x + i * blockDim.x;
-        if (j >= V) continue;
-        if (branch) {
-#pragma unroll
-            for (int e = 0; e < Vec::N; e++) h[i].set(e, h[i].get(e) + bv[i].get(e));
-            dtype_pack_store(h_out + base + (size_t)j * Vec::N, h[i]);
-        }
-#pragma unroll
-        for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
-    }
-    float rs = rsqrtf(rms_block_sum(ss, warp_ss) / (float)D + eps);
+    float ss = rms_vec_row<T, VPT>(h, h_in + base, branch ? branch + base : NULL, threadIdx.x, blockDim.x, V);
+    if (branch) rms_vec_store<T, VPT>(h_out + base, h, threadIdx.x, blockDim.x, V);
+    float rs = rms_rstd(rms_block_sum(ss, warp_ss), D, eps);
 #pragma unroll
     for (int i = 0; i < VPT; i++) {
         int j = threadIdx.x + i * blockDim.x;
         if (j >= V) continue;
         Vec out;
 #pragma unroll
-        for (int e = 0; e < Vec::N; e++) out.set(e, h[i].get(e) * rs * wv[i].get(e));
+        for (int e = 0; e < Vec::N; e++) out.set(e, rms_scaled(h[i].get(e), rs, wv[i].get(e)));
         dtype_pack_store(y + base + (size_t)j * Vec::N, out);
     }
-    if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+    if (rstd && threadIdx.x == 0) rstd[blockIdx.x] = rs;
 }
 
 // Both forwards: h_out = h_in + branch when branch is given.
@@ -334,13 +369,14 @@ static inline void rmsnorm_forward_launch(const char *what, void *y, float *rstd
     cudaCheckLast();
 }
 
-// y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward.
+// y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward (NULL: not kept).
 static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const void *w, Dtype dtype, int n,
                                    int D, float eps, cudaStream_t s) {
     rmsnorm_forward_launch("rmsnorm_forward", y, rstd, NULL, x, NULL, w, dtype, n, D, eps, s);
 }
 
-// h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved.
+// h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved
+// (NULL: not kept).
 static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, const void *h_in, const void *branch,
                                             const void *w, Dtype dtype, int n, int D, float eps,
                                             cudaStream_t s) {
