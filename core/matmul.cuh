@@ -5,7 +5,7 @@
 //                                                             product, else the caller runs the element-wise
 //                                                             kernel: decode's SwiGLU and attention gate in the
 //                                                             product's store, bit for bit)
-//   input norm       X = RMSNorm(h + add) * g               (decode: in the GEMV's prologue, bit for bit the norm
+//   input norm       X = RMSNorm(h + add), ResidualNorm     (decode: in the GEMV's prologue, bit for bit the norm
 //                                                             kernel's; elsewhere that kernel runs first:
 //                                                             MatmulParts.norm)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
