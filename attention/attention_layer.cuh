@@ -103,12 +103,14 @@ static inline void attn_layer_destroy(AttnLayer *L) {
 
 // q [n, n_h*d_h] (row stride ldq), k, v [n, n_kv*d_h] (row stride ldkv) = x Wqᵀ, x Wkᵀ, x Wvᵀ for the n rows of
 // x [n, D] (before RoPE), and with z (not NULL: a gated layer's decode) the gate's z [n, n_h*d_h] (stride ldq) =
-// x Wgᵀ as a fourth part of the same product.
+// x Wgᵀ as a fourth part of the same product. norm: x's input norm (MatmulParts.norm; x its buffer) or NULL.
 static inline void attn_layer_qkv(const AttnDims *a, Dtype ct, const AttnLayerParams *p, const void *x, int n,
-                                  void *q, void *k, void *v, void *z, int ldq, int ldkv, cudaStream_t s) {
+                                  void *q, void *k, void *v, void *z, int ldq, int ldkv, cudaStream_t s,
+                                  const ResidualNorm *norm = NULL) {
     int D = a->dim, nq = a->n_heads * a->head_dim, nk = a->n_kv_heads * a->head_dim;
     MatmulParts P = {z ? 4 : 3, {p->wq, p->wk, p->wv, p->wg}, {q, k, v, z}, {NULL, NULL, NULL, NULL},
                      {nq, nk, nk, nq}, {ldq, ldkv, ldkv, ldq}};
+    if (norm) P.norm = *norm;
     matmul_forward_parts(&P, ct, x, ct, n, D, s); // one launch at decode
 }
 
@@ -298,18 +300,19 @@ static inline void attn_infer_prefill(AttnInferState *I, const AttnLayerParams *
 }
 
 // Decode step of streams 0..B-1: y [B, D] = the layer of one new token per stream x [B, D] at position pos[b]
-// (device), attending over positions 0..pos[b]. Full attention needs pos[b] < C (the caller checks). A gated layer's
-// z joins the q, k, v product and attn_decode writes og = sigmoid(z) * o (the bits of attn_gate_forward on z and
-// o): three launches, the gate's product and element-wise step none of their own. q, k, v (and z) are column
-// slices of one buffer, as their weights are of the model's table, so that every batch takes them as one product.
-static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x, void *y,
-                                     const int *pos, int B, cudaStream_t s) {
+// (device), attending over positions 0..pos[b]; norm: x's input norm (MatmulParts.norm; x its buffer) or NULL. Full
+// attention needs pos[b] < C (the caller checks). A gated layer's z joins the q, k, v product and attn_decode writes
+// og = sigmoid(z) * o (the bits of attn_gate_forward on z and o): three launches, the gate's product and
+// element-wise step none of their own, and x is read by that product alone. q, k, v (and z) are column slices of one
+// buffer, as their weights are of the model's table, so that every batch takes them as one product.
+static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p, const void *x,
+                                     const ResidualNorm *norm, void *y, const int *pos, int B, cudaStream_t s) {
     const AttnDims *a = &I->a;
     if (B < 1 || B > I->streams) sdm_die("attention inference: a decode step of %d of %d streams", B, I->streams);
     size_t es = dtype_size(I->ctype), nq = (size_t)a->n_heads * a->head_dim, nk = (size_t)a->n_kv_heads * a->head_dim;
     char *q = (char *)I->qkv, *k = q + nq * es, *v = k + nk * es, *z = a->gated ? v + nk * es : NULL;
     void *mixed = a->gated ? I->og : I->o;
-    attn_layer_qkv(a, I->ctype, p, x, B, q, k, v, z, I->qkv_ld, I->qkv_ld, s);
+    attn_layer_qkv(a, I->ctype, p, x, B, q, k, v, z, I->qkv_ld, I->qkv_ld, s, norm);
     attn_decode(a, B, I->ctype, &I->rope, q, k, v, z, I->qkv_ld, I->qkv_ld, I->k_cache, I->v_cache, I->C, pos, mixed,
                 s);
     attn_layer_wo(a, I->ctype, p, mixed, B, y, s);

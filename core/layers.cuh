@@ -3,6 +3,7 @@
 //   token embedding    out[n, D] = E[tokens[i], :]             backward: dE[V, D] += scatter of dout (sorted plan)
 //   RMSNorm (+resid)   h = h_in + branch (optional);  y = h * rstd * w,  rstd[n] saved (fp32)
 //                      backward: dx (=, or +=) d/dh;  dw[D] += two-pass column reduction (fixed order)
+//                      as a product's input (ResidualNorm): the decode GEMV's prologue computes it, the same bits
 //   SwiGLU pointwise   h[n, F] = silu(a) * b        backward: da, db from dh (a, b are the W1, W3 GEMM outputs)
 // Shapes are row-major. Weights are the working copy (dtype T); weight gradients are fp32. RMSNorm and SwiGLU are
 // bandwidth-bound: they move 16-byte vectors where the widths allow (see "Vector access").
@@ -203,15 +204,21 @@ typedef struct {
     int threads, vpt;
 } RmsVecLayout;
 
-static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
+// The layout for vectors of per_vec elements (on the device too: a product that normalizes its input in its
+// prologue follows it, see rms_rows_block).
+__host__ __device__ inline RmsVecLayout rms_vec_layout(int per_vec, int D) {
     RmsVecLayout lay = {0, 0};
-    int per_vec = 16 / (int)dtype_size(dtype), V = D / per_vec, vpt = 1;
+    int V = D / per_vec, vpt = 1;
     if (D % per_vec) return lay;
     while (vpt < RMS_MAX_VPT && vpt * RMS_THREADS < V) vpt *= 2;
     if (vpt * RMS_THREADS < V) return lay;
     lay.vpt = vpt;
-    lay.threads = 32 * ceil_div(ceil_div(V, vpt), 32);
+    lay.threads = 32 * (((V + vpt - 1) / vpt + 31) / 32);
     return lay;
+}
+
+static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
+    return rms_vec_layout(16 / (int)dtype_size(dtype), D);
 }
 
 // Run `...` (a statement using the constant VPT) with VPT = vpt, 1 or 2.
@@ -226,8 +233,23 @@ static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
         }                                                                               \
     } while (0)
 
+// The steps of the forward that must give the same bits wherever they run: the norm kernels below and the products
+// that normalize their input in their prologue (ResidualNorm). One definition each, inlined into all of them.
+
+// h += b, rounded to T: the stored residual sum.
+template <typename T> __device__ __forceinline__ void rms_residual(DtypeVec<T> &h, const DtypeVec<T> &b) {
+#pragma unroll
+    for (int e = 0; e < DtypeVec<T>::N; e++) h.set(e, h.get(e) + b.get(e));
+}
+
+// rstd = 1 / sqrt(mean(h²) + eps) from the row's sum of squares ss.
+__device__ __forceinline__ float rms_rstd(float ss, int D, float eps) { return rsqrtf(ss / (float)D + eps); }
+
+// An output element y = h * rstd * w, before its rounding to T.
+__device__ __forceinline__ float rms_scaled(float h, float rs, float w) { return h * rs * w; }
+
 // Scalar path, one warp per row: h = h_in (+ branch), rounded to T and stored when branch is given (the norm and its
-// backward both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w.
+// backward both see the stored h); rstd = 1 / sqrt(mean(h²) + eps); y = h * rstd * w. rstd may be NULL (not kept).
 template <typename T>
 __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int n,
                                        int D, float eps) {
@@ -246,10 +268,17 @@ __global__ void rmsnorm_forward_kernel(T *y, float *rstd, T *h_out, const T *h_i
         float v = dtype_to_float(h[k]);
         ss += v * v;
     }
-    float r = rsqrtf(core_warp_sum(ss) / (float)D + eps);
+    float r = rms_rstd(core_warp_sum(ss), D, eps);
     for (int k = lane; k < D; k += 32)
-        y[base + k] = dtype_from_float<T>(dtype_to_float(h[k]) * r * dtype_to_float(w[k]));
-    if (lane == 0) rstd[row] = r;
+        y[base + k] = dtype_from_float<T>(rms_scaled(dtype_to_float(h[k]), r, dtype_to_float(w[k])));
+    if (rstd && lane == 0) rstd[row] = r;
+}
+
+// The sum of warp_sum[0 .. warps) in order.
+__device__ __forceinline__ float rms_warps_sum(const float *warp_sum, int warps) {
+    float v = 0.0f;
+    for (int k = 0; k < warps; k++) v += warp_sum[k];
+    return v;
 }
 
 // The block's sum of v: per warp by the butterfly, then the warps' sums in order (known to every thread).
@@ -258,13 +287,44 @@ __device__ __forceinline__ float rms_block_sum(float v, float *warp_buf) {
     v = core_warp_sum(v);
     if ((threadIdx.x & 31) == 0) warp_buf[threadIdx.x >> 5] = v;
     __syncthreads();
-    v = 0.0f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) v += warp_buf[k];
-    return v;
+    return rms_warps_sum(warp_buf, blockDim.x >> 5);
 }
 
-// Vector path, the same: block b normalizes row b. All loads are issued before the first store (h_out may alias
-// h_in, so the compiler could not hoist them over it).
+// Thread t's vectors j = t + i * threads < V (i < VPT) of a row in the vector layout: h[i] = h_in's, plus branch's
+// where given (rms_residual); returns the sum of their squares, element by element in order. All loads come first:
+// the norm kernel's h_out may alias h_in, so the compiler could not hoist them over its store.
+template <typename T, int VPT>
+__device__ __forceinline__ float rms_vec_row(DtypeVec<T> (&h)[VPT], const T *h_in, const T *branch, int t,
+                                             int threads, int V) {
+    typedef DtypeVec<T> Vec;
+    Vec b[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        int j = t + i * threads;
+        if (j >= V) continue;
+        h[i] = dtype_pack_load<Vec>(h_in + (size_t)j * Vec::N);
+        if (branch) b[i] = dtype_pack_load<Vec>(branch + (size_t)j * Vec::N);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; i++) {
+        if (t + i * threads >= V) continue;
+        if (branch) rms_residual(h[i], b[i]);
+#pragma unroll
+        for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
+    }
+    return ss;
+}
+
+// Stores thread t's vectors h of a row (rms_vec_row's) to row.
+template <typename T, int VPT>
+__device__ __forceinline__ void rms_vec_store(T *row, const DtypeVec<T> (&h)[VPT], int t, int threads, int V) {
+#pragma unroll
+    for (int i = 0; i < VPT; i++)
+        if (t + i * threads < V) dtype_pack_store(row + (size_t)(t + i * threads) * DtypeVec<T>::N, h[i]);
+}
+
+// Vector path, the same: block b normalizes row b.
 template <typename T, int VPT>
 __global__ void __launch_bounds__(RMS_THREADS)
     rmsnorm_forward_vec_kernel(T *y, float *rstd, T *h_out, const T *h_in, const T *branch, const T *w, int D,
@@ -273,44 +333,26 @@ __global__ void __launch_bounds__(RMS_THREADS)
     __shared__ float warp_ss[RMS_THREADS / 32];
     int V = D / Vec::N;
     size_t base = (size_t)blockIdx.x * D;
-    Vec wv[VPT], h[VPT], bv[VPT];
+    Vec wv[VPT], h[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; i++) { // the weights before pdl_wait: nothing in a step writes them
         int j = threadIdx.x + i * blockDim.x;
         if (j < V) wv[i] = dtype_pack_load<Vec>(w + (size_t)j * Vec::N);
     }
     pdl_enter();
-#pragma unroll
-    for (int i = 0; i < VPT; i++) {
-        int j = threadIdx.x + i * blockDim.x;
-        if (j >= V) continue;
-        h[i] = dtype_pack_load<Vec>(h_in + base + (size_t)j * Vec::N);
-        if (branch) bv[i] = dtype_pack_load<Vec>(branch + base + (size_t)j * Vec::N);
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < VPT; i++) {
-        int j = threadIdx.x + i * blockDim.x;
-        if (j >= V) continue;
-        if (branch) {
-#pragma unroll
-            for (int e = 0; e < Vec::N; e++) h[i].set(e, h[i].get(e) + bv[i].get(e));
-            dtype_pack_store(h_out + base + (size_t)j * Vec::N, h[i]);
-        }
-#pragma unroll
-        for (int e = 0; e < Vec::N; e++) ss += h[i].get(e) * h[i].get(e);
-    }
-    float rs = rsqrtf(rms_block_sum(ss, warp_ss) / (float)D + eps);
+    float ss = rms_vec_row<T, VPT>(h, h_in + base, branch ? branch + base : NULL, threadIdx.x, blockDim.x, V);
+    if (branch) rms_vec_store<T, VPT>(h_out + base, h, threadIdx.x, blockDim.x, V);
+    float rs = rms_rstd(rms_block_sum(ss, warp_ss), D, eps);
 #pragma unroll
     for (int i = 0; i < VPT; i++) {
         int j = threadIdx.x + i * blockDim.x;
         if (j >= V) continue;
         Vec out;
 #pragma unroll
-        for (int e = 0; e < Vec::N; e++) out.set(e, h[i].get(e) * rs * wv[i].get(e));
+        for (int e = 0; e < Vec::N; e++) out.set(e, rms_scaled(h[i].get(e), rs, wv[i].get(e)));
         dtype_pack_store(y + base + (size_t)j * Vec::N, out);
     }
-    if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+    if (rstd && threadIdx.x == 0) rstd[blockIdx.x] = rs;
 }
 
 // Both forwards: h_out = h_in + branch when branch is given.
@@ -334,17 +376,75 @@ static inline void rmsnorm_forward_launch(const char *what, void *y, float *rstd
     cudaCheckLast();
 }
 
-// y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward.
+// y[n, D] = RMSNorm(x) * w; rstd[n] saved for the backward (NULL: not kept).
 static inline void rmsnorm_forward(void *y, float *rstd, const void *x, const void *w, Dtype dtype, int n,
                                    int D, float eps, cudaStream_t s) {
     rmsnorm_forward_launch("rmsnorm_forward", y, rstd, NULL, x, NULL, w, dtype, n, D, eps, s);
 }
 
-// h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved.
+// h_out[n, D] = h_in + branch (the residual add; h_out may alias h_in), then y = RMSNorm(h_out) * w; rstd[n] saved
+// (NULL: not kept).
 static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, const void *h_in, const void *branch,
                                             const void *w, Dtype dtype, int n, int D, float eps,
                                             cudaStream_t s) {
     rmsnorm_forward_launch("residual_rmsnorm_forward", y, rstd, h_out, h_in, branch, w, dtype, n, D, eps, s);
+}
+
+// The residual add and RMSNorm as the input of a product: where a decode step's GEMV takes the product
+// (core/matmul.cuh, MatmulParts.norm), each of its blocks computes them in its prologue (rms_rows_block; a block
+// reads whole rows of its input anyway) instead of a kernel of its own between two products, with the norm kernel's
+// bits.
+//   X [n, D] = RMSNorm(h + add) * w (add NULL: RMSNorm(h) * w), h_out = h + add
+typedef struct {
+    const void *h, *add; // [n, D] the residual stream and the branch added to it (NULL: none)
+    void *h_out;         // [n, D] h + add when add is given; aliases neither (the GEMV reads them while it writes it)
+    const void *w;       // [D] the norm's weight
+    float eps;
+} ResidualNorm;
+
+// y [n, D] = X of r by the norm kernels (rstd not kept).
+static inline void residual_norm_forward(const ResidualNorm *r, void *y, Dtype dtype, int n, int D, cudaStream_t s) {
+    if (r->add) residual_rmsnorm_forward(r->h_out, y, NULL, r->h, r->add, r->w, dtype, n, D, r->eps, s);
+    else rmsnorm_forward(y, NULL, r->h, r->w, dtype, n, D, r->eps, s);
+}
+
+// X [M, D] of `norm` into x (shared memory) and, with `store`, h_out = h + add, by a block of any multiple of 32
+// threads, after pdl_wait. The bits of rmsnorm_forward_vec_kernel where its layout for D has one vector a thread:
+// its thread t is thread t % blockDim.x here (the same lanes of a warp, so the same butterfly), its warps' sums are
+// added in the same order; then, from the same loads again (L1), each element of X is the same expression of the
+// same values, whichever thread takes it. Ends with a barrier.
+template <typename T, int M>
+__device__ __forceinline__ void rms_rows_block(const ResidualNorm &norm, int D, T *x, bool store) {
+    typedef DtypeVec<T> Vec;
+    __shared__ float warp_ss[M][RMS_THREADS / 32], rstd[M];
+    const int V = D / Vec::N, threads = rms_vec_layout(Vec::N, D).threads;
+#pragma unroll 1 // a row at a time: decode's case is one row, and copies of the loop cost every program compile time
+    for (int m = 0; m < M; m++) {
+        size_t row = (size_t)m * D;
+        const T *h = (const T *)norm.h + row, *add = norm.add ? (const T *)norm.add + row : NULL;
+        for (int t = threadIdx.x; t < threads; t += blockDim.x) { // whole warps: both are multiples of 32
+            Vec v[1];
+            float ss = core_warp_sum(rms_vec_row<T, 1>(v, h, add, t, threads, V));
+            if (t % 32 == 0) warp_ss[m][t / 32] = ss;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < M)
+        rstd[threadIdx.x] = rms_rstd(rms_warps_sum(warp_ss[threadIdx.x], threads / 32), D, norm.eps);
+    __syncthreads();
+#pragma unroll 1
+    for (int m = 0; m < M; m++)
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            size_t col = (size_t)j * Vec::N, i = (size_t)m * D + col;
+            Vec h = dtype_pack_load<Vec>((const T *)norm.h + i), w = dtype_pack_load<Vec>((const T *)norm.w + col);
+            if (norm.add) rms_residual(h, dtype_pack_load<Vec>((const T *)norm.add + i));
+            if (store && norm.add) dtype_pack_store((T *)norm.h_out + i, h);
+            Vec out;
+#pragma unroll
+            for (int e = 0; e < Vec::N; e++) out.set(e, rms_scaled(h.get(e), rstd[m], w.get(e)));
+            dtype_pack_store(x + i, out);
+        }
+    __syncthreads();
 }
 
 // RMSNorm backward: dx = rstd·w·dy − rstd³·x·dot/D with dot = Σ_k dy·w·x of the row, and dw += Σ_rows dy·x·rstd.

@@ -5,6 +5,9 @@
 //                                                             product, else the caller runs the element-wise
 //                                                             kernel: decode's SwiGLU and attention gate in the
 //                                                             product's store, bit for bit)
+//   input norm       X = RMSNorm(h + add), ResidualNorm     (decode: in the GEMV's prologue, bit for bit the norm
+//                                                             kernel's; elsewhere that kernel runs first:
+//                                                             MatmulParts.norm)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
 //   backward bias    dbias[N] = Σ_rows dY                   (deterministic two-pass column sum, no atomics)
@@ -17,6 +20,7 @@
 #define SDM_CORE_MATMUL_CUH
 
 #include "core/cuda_common.cuh"
+#include "core/layers.cuh"
 
 #define MATMUL_WORKSPACE_BYTES (32u << 20)
 
@@ -142,7 +146,9 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 
 // Products that share X (e.g. a layer's q, k, v): part p is Y_p[M,N_p] (row stride ldy_p) = X · W_p[N_p,K]ᵀ
 // (+ bias_p, NULL or [N_p] in Y's dtype). The small-M kernels run every part in one launch. An output op other than
-// MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype.
+// MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype. With an input norm (norm.h set; core/layers.cuh
+// ResidualNorm, rows of K in X's dtype) X is the norm's output: the GEMV computes it in its prologue, never writing
+// x (matmul_norm_in_prologue); elsewhere the norm's own kernel writes X into the product's x first.
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -152,6 +158,7 @@ typedef struct {
     MatmulOut op = MATMUL_OUT_PLAIN; // what initializers that stop at ldy get
     const void *o = NULL;            // MATMUL_OUT_GATE: O [M, ldo] in Y's dtype
     int ldo = 0;
+    ResidualNorm norm = {};          // the input norm, or none (norm.h NULL)
 } MatmulParts;
 
 // Output columns of a block of `rows` rows of W: under SwiGLU a block pairs columns n0.. of W1 (its rows r <
@@ -210,12 +217,15 @@ __device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w
 }
 
 // Block b takes output columns [b' C, b' C + C) of the part it falls in (b' = its index within that part; C =
-// matmul_block_cols(OP, R)).
-template <typename T, typename TY, int M, MatmulOut OP>
+// matmul_block_cols(OP, R)). NORM: X is P.norm's output, which every block computes into its shared memory
+// ([M, K], dynamic) before the loop (block 0 also stores h + add); x is not read.
+template <typename T, typename TY, int M, MatmulOut OP, bool NORM>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K) {
     constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
     constexpr int C = matmul_block_cols(OP, R);
     __shared__ float part[WARPS][R * M];
+    extern __shared__ __align__(16) unsigned char matmul_gemv_x[]; // NORM: X
+    const T *xn = (const T *)matmul_gemv_x;
     int b = blockIdx.x;
     const int p = matmul_block_part(P, C, b);
     const T *w = (const T *)P.w[p];
@@ -225,6 +235,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     const int k0 = threadIdx.x * VEC;
     matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k0); // before pdl_wait: W is constant in a step
     pdl_enter();
+    if (NORM) rms_rows_block<T, M>(P.norm, K, (T *)matmul_gemv_x, blockIdx.x == 0);
     for (int k = k0; k < K; k += MATMUL_GEMV_THREADS * VEC) {
         float wv[R][VEC], xv[VEC];
         if (k != k0) matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k);
@@ -232,7 +243,8 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
         for (int r = 0; r < R; r++) matmul_gemv_unpack(wr[r], w, wv[r]);
 #pragma unroll
         for (int m = 0; m < M; m++) {
-            matmul_gemv_load(x + (size_t)m * K + k, xv);
+            if (NORM) matmul_gemv_unpack(*(const uint4 *)(xn + (size_t)m * K + k), xn, xv);
+            else matmul_gemv_load(x + (size_t)m * K + k, xv);
 #pragma unroll
             for (int r = 0; r < R; r++)
 #pragma unroll
@@ -256,17 +268,23 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
 }
 
-// Every part of P (whose op is OP) for M in 1..8 rows of X.
+// Every part of P (whose op is OP) for M in 1..8 rows of X (with P's input norm, if any: matmul_norm_in_prologue).
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
     unsigned grid = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
+    size_t smem = P->norm.h ? (size_t)M * K * sizeof(T) : 0; // at most 64 KB (matmul_norm_in_prologue)
+    constexpr bool NORM = OP != MATMUL_OUT_GATE; // no gated product takes an input norm: no such kernels
+    void (*kernel)(MatmulParts, const T *, int) = NULL;
 #define MATMUL_GEMV_CASE(m) \
-    case m: launch_pdl(matmul_gemv_kernel<T, TY, m, OP>, grid, MATMUL_GEMV_THREADS, 0, s, *P, x, K); break;
+    case m: kernel = P->norm.h ? matmul_gemv_kernel<T, TY, m, OP, NORM> : matmul_gemv_kernel<T, TY, m, OP, 0>; break;
     switch (M) {
         MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
+    if (smem > 48 * 1024)
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K);
     cudaCheckLast();
 }
 
@@ -467,8 +485,16 @@ static inline uintptr_t matmul_parts_addr(const MatmulParts *P, const void *x) {
 static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s);
 
+// Whether `kernel` takes an input norm of rows of K in_type elements in its prologue: the GEMV, where the norm
+// kernel's layout has one vector a thread (core/layers.cuh: rows of up to 4096 bf16 or 2048 fp32, every shipped
+// config's; two a thread would take the GEMV from 48 registers to 69 at one row, 2 fewer blocks an SM).
+static inline int matmul_norm_in_prologue(MatmulKernel kernel, Dtype in_type, int K) {
+    return kernel == MATMUL_KERNEL_GEMV && rmsnorm_vec_layout(in_type, K).vpt == 1;
+}
+
 // Every part of P by the given kernel (the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernel for bf16 and
 // M <= MATMUL_MMA_MAX_M, both on 16-byte rows; cuBLASLt part by part). The tests and benches pick kernels here.
+// P's input norm, if any, by the norm's own kernel into x first where the kernel does not take it.
 static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, Dtype y_type, const void *x,
                                     Dtype in_type, int M, int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
@@ -481,6 +507,17 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
                 dtype_name(in_type));
     if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
         sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
+    if (P->op == MATMUL_OUT_GATE && P->norm.h) sdm_die("matmul: the gate op takes no input norm");
+    MatmulParts plain;
+    if (P->norm.h && !matmul_norm_in_prologue(kernel, in_type, K)) {
+        residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
+        plain = *P;
+        plain.norm = ResidualNorm{};
+        P = &plain;
+    } else if (P->norm.h) {
+        const void *ptrs[] = {P->norm.h, P->norm.add, P->norm.h_out, P->norm.w};
+        for (const void *p : ptrs) layers_require_aligned16("matmul input norm", p);
+    }
     if (P->op == MATMUL_OUT_SWIGLU) matmul_small_m_op<MATMUL_OUT_SWIGLU>(P, kernel, x, in_type, M, K, s);
     else if (P->op == MATMUL_OUT_GATE) matmul_small_m_op<MATMUL_OUT_GATE>(P, kernel, x, in_type, M, K, s);
     else if (kernel == MATMUL_KERNEL_MMA) {
@@ -515,10 +552,13 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
     }
 }
 
-// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's).
+// Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's); norm: X's input
+// norm (MatmulParts.norm; x its buffer) or NULL.
 static inline void matmul_forward(void *y, Dtype y_type, int ldy, const void *x, const void *w,
-                                  const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
+                                  const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s,
+                                  const ResidualNorm *norm = NULL) {
     MatmulParts P = {1, {w}, {y}, {bias}, {N}, {ldy}};
+    if (norm) P.norm = *norm;
     matmul_parts_run(matmul_small_m_kernel(in_type, M, N, K, 1, matmul_parts_addr(&P, x)), &P, y_type, x, in_type, M,
                      K, s);
 }
@@ -538,6 +578,7 @@ static inline int matmul_parts_merge(const MatmulParts *P, Dtype y_type, Dtype i
         N += P->N[p];
     }
     *one = (MatmulParts){1, {P->w[0]}, {P->y[0]}, {NULL}, {N}, {P->ldy[0]}};
+    one->norm = P->norm;
     return 1;
 }
 
@@ -553,20 +594,26 @@ static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, cons
 }
 
 // P (one part with an output op, X and Y of one dtype) by the kernel matmul_small_m_kernel picks for its product;
-// returns 0, having done nothing, where that is cuBLASLt.
+// returns 0 where that is cuBLASLt, having done nothing but P's input norm, if any, into x (the caller's product
+// reads X there).
 static inline int matmul_forward_op(const MatmulParts *P, const void *x, Dtype dtype, int M, int K, cudaStream_t s) {
     MatmulKernel kernel = matmul_small_m_kernel(dtype, M, matmul_parts_rows(P), K, 1, matmul_parts_addr(P, x));
-    if (kernel == MATMUL_KERNEL_LT) return 0;
+    if (kernel == MATMUL_KERNEL_LT) {
+        if (P->norm.h) residual_norm_forward(&P->norm, (void *)x, dtype, M, K, s);
+        return 0;
+    }
     matmul_parts_run(kernel, P, dtype, x, dtype, M, K, s);
     return 1;
 }
 
 // H[M,N] = silu(X·W1ᵀ) * (X·W3ᵀ) for W13 = [W1; W3] [2N, K], all of one dtype: the bits of matmul_forward into
-// A|B [M, 2N] followed by swiglu_forward (core/layers.cuh), in one small-M launch (MATMUL_OUT_SWIGLU). Returns 0,
-// having done nothing, when no small-M kernel takes the product: the caller runs those two.
+// A|B [M, 2N] followed by swiglu_forward (core/layers.cuh), in one small-M launch (MATMUL_OUT_SWIGLU); norm: X's input
+// norm (MatmulParts.norm; x its buffer) or NULL. Returns 0, having done nothing but the norm into x, when no small-M
+// kernel takes the product: the caller runs those two on x.
 static inline int matmul_forward_swiglu(void *h, const void *x, const void *w13, Dtype dtype, int M, int N, int K,
-                                        cudaStream_t s) {
+                                        cudaStream_t s, const ResidualNorm *norm = NULL) {
     MatmulParts P = {1, {w13}, {h}, {NULL}, {N}, {N}, MATMUL_OUT_SWIGLU, NULL, 0};
+    if (norm) P.norm = *norm;
     return matmul_forward_op(&P, x, dtype, M, K, s);
 }
 

@@ -435,10 +435,11 @@ static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const vo
 // SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates when `keep` (training's backward
 // reads them), else a few rows (inference) take the SwiGLU in the GEMM's store, the same bits in hf alone.
-static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, void *ab, void *hf,
-                                  void *y, int n, int keep, cudaStream_t st) {
+// norm (inference, not with keep): x's input norm (core/matmul.cuh MatmulParts.norm; x its buffer) or NULL.
+static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, const ResidualNorm *norm,
+                                  void *ab, void *hf, void *y, int n, int keep, cudaStream_t st) {
     int D = g->D, F = g->F;
-    if (keep || !matmul_forward_swiglu(hf, x, w->ffn_w13, g->ctype, n, F, D, st)) {
+    if (keep || !matmul_forward_swiglu(hf, x, w->ffn_w13, g->ctype, n, F, D, st, norm)) {
         matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
         gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0, st);
         swiglu_forward(hf, ab, (char *)ab + F * g->es, 2 * F, g->ctype, n, F, st);
@@ -476,7 +477,7 @@ static inline void gpu_model_forward(GpuModel *g, const int *tokens, const int *
         residual_rmsnorm_forward(hmid, xffn, g->rstd_ffn + (size_t)l * n, h, g->branch, w->block[l].ffn_norm,
                                  g->ctype, n, D, eps, st);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
-        gm_ffn_forward(g, &w->block[l], xffn, ab, hf, g->branch, n, 1, st);
+        gm_ffn_forward(g, &w->block[l], xffn, NULL, ab, hf, g->branch, n, 1, st);
         int last = l == g->L - 1;
         residual_rmsnorm_forward(gm_at(g, g->h, l + 1, D), last ? g->xfinal : gm_recomputed_at(g, g->xmix, l + 1, D),
                                  last ? g->rstd_final : g->rstd_mix + (size_t)(l + 1) * n, hmid, g->branch,
@@ -644,9 +645,9 @@ typedef struct {
     int full_attention;            // some layer is full attention: a stream holds at most max_tokens positions
     SdmInferState *sdm;            // [L], for SDM layers
     AttnInferState *attn;          // [L], for attention layers
-    void *h, *x, *branch;          // [rows, D] compute dtype: residual stream, normed input, a block's branch
+    void *h[2];                    // [rows, D] compute dtype: the residual stream entering a block, after its mixer
+    void *x, *branch;              // [rows, D]: a norm's output (where no product computes it), a block's branch
     void *ab, *hf;                 // [rows, 2F], [rows, F] FFN intermediates
-    float *rstd;                   // [rows] (written by the norms, unused)
     float *logits;                 // [streams, Vp] fp32 on the device: row b = the next-token logits of stream b
     float *logits_host;            // [streams, Vp]
     int *prompt;                   // device [max_tokens]: the prompt of a prefill
@@ -679,12 +680,11 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
             if (g->m->attn[l].window == 0) I->full_attention = 1;
         }
     }
-    I->h = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
+    for (int i = 0; i < 2; i++) I->h[i] = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
     I->x = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
     I->branch = device_alloc(MEM_ACTIVATIONS, rows * D * g->es);
     I->ab = device_alloc(MEM_ACTIVATIONS, rows * 2 * F * g->es);
     I->hf = device_alloc(MEM_ACTIVATIONS, rows * F * g->es);
-    I->rstd = (float *)device_alloc(MEM_ACTIVATIONS, rows * 4);
     I->logits = (float *)device_alloc(MEM_ACTIVATIONS, S * g->Vp * 4);
     cudaCheck(cudaMemset(I->logits, 0, S * g->Vp * 4)); // columns V..Vp-1 are never written, yet copied to the host
     I->logits_host = (float *)sdm_malloc(S * g->Vp * 4);
@@ -713,8 +713,8 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
         if (I->g->m->kind[l] == LAYER_SDM) sdm_infer_destroy(&I->sdm[l]);
         else attn_infer_destroy(&I->attn[l]);
     }
-    void *bufs[] = {I->h, I->x, I->branch, I->ab, I->hf, I->rstd, I->logits, I->prompt, I->next, I->pos_dev, I->rng,
-                    I->probs, I->order};
+    void *bufs[] = {I->h[0], I->h[1], I->x, I->branch, I->ab, I->hf, I->logits, I->prompt, I->next, I->pos_dev,
+                    I->rng, I->probs, I->order};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     cudaCheck(cudaFreeHost(I->next_host));
     cudaCheck(cudaStreamDestroy(I->stream));
@@ -768,42 +768,47 @@ static inline void gpu_infer_move(GpuInferState *I, int from, int to) {
     gpu_infer_set_pos(I, to, I->pos[from]);
 }
 
-// Mixer of layer l on the n rows of I->x into I->branch: a prefill of stream b (b >= 0), or a decode step of
-// streams 0..n-1.
-static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n) {
+// Mixer of layer l on the n rows that `norm` normalizes (ResidualNorm), into I->branch: a prefill of stream b (b >= 0),
+// whose input is normalized into I->x first (a gated attention layer's prefill reads it twice), or a decode step of
+// streams 0..n-1, whose input product takes the norm (I->x its buffer).
+static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n, const ResidualNorm *norm) {
     const GmBlockWeights *w = &I->g->weights.block[l];
+    if (b >= 0) residual_norm_forward(norm, I->x, I->g->ctype, n, I->g->D, I->stream);
     if (I->g->m->kind[l] == LAYER_SDM) {
         if (b >= 0) sdm_infer_prefill(&I->sdm[l], &w->sdm, b, I->x, I->branch, n, I->stream);
-        else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, I->branch, n, I->stream);
+        else sdm_infer_decode(&I->sdm[l], &w->sdm, I->x, norm, I->branch, n, I->stream);
     } else {
         if (b >= 0) attn_infer_prefill(&I->attn[l], &w->attn, b, I->x, I->branch, n, I->stream);
-        else attn_infer_decode(&I->attn[l], &w->attn, I->x, I->branch, I->pos_dev, n, I->stream);
+        else attn_infer_decode(&I->attn[l], &w->attn, I->x, norm, I->branch, I->pos_dev, n, I->stream);
     }
 }
 
 // The model on n tokens[n] (device; see gpu_infer_mixer for b); the logits of the last n_out rows go to rows
-// first..first+n_out-1 of I->logits.
+// first..first+n_out-1 of I->logits. Each norm is the input norm of the product after it (ResidualNorm: at a decode
+// step the GEMV's prologue, no kernel of its own), which reads the stream from one of I->h while one of its blocks
+// writes the sum to the other: h[0] enters each block (the embedding first), h[1] leaves its mixer.
 static inline void gpu_infer_run(GpuInferState *I, const int *tokens, int b, int n, int n_out, int first) {
     const GpuModel *g = I->g;
     int D = g->D;
     float eps = (float)g->m->norm_eps;
     const GmWeights *w = &g->weights;
     cudaStream_t st = I->stream;
-    embedding_forward(I->h, w->tok_emb, tokens, g->ctype, n, D, st);
-    rmsnorm_forward(I->x, I->rstd, I->h, w->block[0].mixer_norm, g->ctype, n, D, eps, st);
+    embedding_forward(I->h[0], w->tok_emb, tokens, g->ctype, n, D, st);
+    ResidualNorm norm = {I->h[0], NULL, NULL, w->block[0].mixer_norm, eps};
     for (int l = 0; l < g->L; l++) {
-        gpu_infer_mixer(I, l, b, n); // every row: the banks and KV caches take all of them
+        gpu_infer_mixer(I, l, b, n, &norm); // every row: the banks and KV caches take all of them
         // after the last mixer only the n_out logits rows go on (a prefill's other rows would feed nothing)
         int r = l == g->L - 1 ? n - n_out : 0, m = n - r;
         size_t off = (size_t)r * D * g->es;
-        void *h = (char *)I->h + off, *x = (char *)I->x + off, *br = (char *)I->branch + off;
-        residual_rmsnorm_forward(h, x, I->rstd, h, br, w->block[l].ffn_norm, g->ctype, m, D, eps, st);
-        gm_ffn_forward(g, &w->block[l], x, I->ab, I->hf, br, m, 0, st);
-        residual_rmsnorm_forward(h, x, I->rstd, h, br, gm_next_norm(g, l), g->ctype, m, D, eps, st);
+        void *h0 = (char *)I->h[0] + off, *h1 = (char *)I->h[1] + off, *x = (char *)I->x + off;
+        void *br = (char *)I->branch + off;
+        norm = (ResidualNorm){h0, br, h1, w->block[l].ffn_norm, eps};
+        gm_ffn_forward(g, &w->block[l], x, &norm, I->ab, I->hf, br, m, 0, st);
+        norm = (ResidualNorm){h1, br, h0, gm_next_norm(g, l), eps};
     }
     const void *last = (const char *)I->x + (size_t)(n - n_out) * D * g->es;
     matmul_forward(I->logits + (size_t)first * g->Vp, DT_FP32, g->Vp, last, w->head, NULL, g->ctype, n_out, g->V, D,
-                   st);
+                   st, &norm);
 }
 
 // Host copy of the logits rows first..first+n-1 (rows of g->Vp floats, valid until the next call); synchronises.

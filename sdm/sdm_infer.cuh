@@ -73,12 +73,13 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
     sdm_layer_output(&I->L, p, y, st);
 }
 
-// Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D].
-static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, void *y, int n,
-                                    cudaStream_t st) {
+// Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D]; norm: x's input norm
+// (core/matmul.cuh MatmulParts.norm; x its buffer, read by the input product alone) or NULL.
+static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, const ResidualNorm *norm,
+                                    void *y, int n, cudaStream_t st) {
     if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
     sdm_infer_shape(I, n, 1);
-    sdm_layer_address(&I->L, p, x, st);
+    sdm_layer_address(&I->L, p, x, st, norm);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
     sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
     sdm_layer_output(&I->L, p, y, st);

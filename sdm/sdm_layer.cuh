@@ -313,10 +313,11 @@ static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaSt
 }
 
 // z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select, for the
-// L->B * L->T tokens of x [B,T,D].
-static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st) {
+// L->B * L->T tokens of x [B,T,D]; norm: x's input norm (core/matmul.cuh MatmulParts.norm; x its buffer) or NULL.
+static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st,
+                                     const ResidualNorm *norm = NULL) {
     int BT = L->B * L->T, D = L->s.dim;
-    matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st);
+    matmul_forward(L->z, L->ctype, L->ldz, x, p->w_in, L->b_packed, L->ctype, BT, L->n_in, D, st, norm);
     sdm_layer_mark(L, SDM_EV_F_PROJ, st);
     sdm_layer_select(L, p, st);
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);

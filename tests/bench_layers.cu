@@ -6,7 +6,8 @@
 // dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this part also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
 // Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernel
-// and cuBLASLt, each called directly (see bench_products). Last, the cost of one more kernel in a decode step
+// and cuBLASLt, each called directly (see bench_products), and those that take a residual add and RMSNorm with and
+// without the norm in the GEMV's prologue (bench_input_norm). Last, the cost of one more kernel in a decode step
 // (bench_chain).
 #include "core/layers.cuh"
 #include "core/matmul.cuh"
@@ -132,21 +133,26 @@ static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *c
     matmul_parts_run(KERNEL_OF[path], &P, pr->fp32_out ? DT_FP32 : DT_BF16, x, DT_BF16, M, pr->K, st);
 }
 
-// Mean ms of the product by `path` (see above); y keeps the last launch's outputs.
-static float product_time(const Product *pr, const bf16 *pool, const bf16 *x, void *const *y, int M, Path path,
-                          cudaStream_t st) {
+// Mean ms of run(w) (launches on st) over PROD_REPS calls in a CUDA graph, w the next copy of pr's weights each.
+template <typename Run> static float product_graph_time(const Product *pr, const bf16 *pool, Run run, cudaStream_t st) {
     size_t w_n = product_weights(pr);
     int copies = (int)(PROD_POOL_BYTES / (w_n * sizeof(bf16)));
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: cuBLASLt may load modules
-    for (int r = 0; r < PROD_REPS; r++) product_run(pr, pool + (size_t)(r % copies) * w_n, x, y, M, path, st);
+    for (int r = 0; r < PROD_REPS; r++) run(pool + (size_t)(r % copies) * w_n);
     cudaCheck(cudaStreamEndCapture(st, &graph));
     cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
     BenchTime t = bench_time(1, 5, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
     cudaCheck(cudaGraphExecDestroy(exec));
     cudaCheck(cudaGraphDestroy(graph));
     return t.median / PROD_REPS;
+}
+
+// Mean ms of the product by `path` (see above); y keeps the last launch's outputs.
+static float product_time(const Product *pr, const bf16 *pool, const bf16 *x, void *const *y, int M, Path path,
+                          cudaStream_t st) {
+    return product_graph_time(pr, pool, [&](const bf16 *w) { product_run(pr, w, x, y, M, path, st); }, st);
 }
 
 // The largest relative L2 difference over the parts between two paths' outputs (M rows each).
@@ -217,6 +223,51 @@ static void bench_products(void) {
         for (int p = 0; p < 3; p++) cudaCheck(cudaFree(y[v][p]));
     cudaCheck(cudaFree(pool));
     cudaCheck(cudaFree(x));
+}
+
+// ---- decode's input norms -----------------------------------------------------------------------------------------
+// A decode step's residual add and RMSNorm at one row, before the products that take it (D = 2048, bf16): the norm
+// kernel (residual_rmsnorm_forward) then the GEMV, as before the GEMV took the norm, against the GEMV with the norm in
+// its prologue (MatmulParts.norm), timed as bench_products does. The two outputs must have the same bits.
+
+static void bench_input_norm(void) {
+    static const int WHICH[] = {1, 3, 5, 6}; // PRODUCTS: qkv as one, FFN w13, SDM input, LM head
+    const int D = 2048;
+    matmul_init();
+    bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 30), *h = dev_random(D, 31), *add = dev_random(D, 32);
+    bf16 *g = dev_random(D, 33), *bias = dev_random(PROD_MAX_N, 34), *h_out = dev_random(D, 35), *x = dev_random(D, 36);
+    void *y[2];
+    for (int v = 0; v < 2; v++) cudaCheck(cudaMalloc(&y[v], (size_t)PROD_MAX_N * sizeof(float)));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    printf("\ndecode's input norm at one row (D = %d, bf16), mean of %d launches in a CUDA graph\n", D, PROD_REPS);
+    printf("| product | norm kernel + GEMV | GEMV with the norm | same bits |\n|---|---|---|---|\n");
+    for (int i : WHICH) {
+        const Product *pr = &PRODUCTS[i];
+        Dtype ty = pr->fp32_out ? DT_FP32 : DT_BF16;
+        size_t ybytes = (size_t)pr->N[0] * dtype_size(ty);
+        const ResidualNorm norm = {h, add, h_out, g, 1e-5f};
+        float ms[2];
+        for (int fused = 0; fused <= 1; fused++) {
+            auto run = [&](const bf16 *w) {
+                MatmulParts P = {1, {w}, {y[fused]}, {pr->bias ? bias : NULL}, {pr->N[0]}, {pr->N[0]}};
+                if (fused) P.norm = norm;
+                else residual_norm_forward(&norm, x, DT_BF16, 1, D, st);
+                matmul_parts_run(MATMUL_KERNEL_GEMV, &P, ty, x, DT_BF16, 1, D, st);
+            };
+            ms[fused] = product_graph_time(pr, pool, run, st);
+        }
+        unsigned char *a = (unsigned char *)sdm_malloc(ybytes), *b = (unsigned char *)sdm_malloc(ybytes);
+        cudaCheck(cudaMemcpy(a, y[0], ybytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(b, y[1], ybytes, cudaMemcpyDeviceToHost));
+        int same = memcmp(a, b, ybytes) == 0;
+        printf("| %s | %.2f us | %.2f us | %s |\n", pr->name, ms[0] * 1e3, ms[1] * 1e3, same ? "yes" : "NO");
+        CHECK(same, "%s: the GEMV with the input norm differs from the norm kernel and the GEMV", pr->name);
+        free(a); free(b);
+    }
+    cudaCheck(cudaStreamDestroy(st));
+    void *bufs[] = {pool, h, add, g, bias, h_out, x, y[0], y[1]};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
 }
 
 // ---- the dependent-kernel floor of a decode step -------------------------------------------------------------------
@@ -316,6 +367,7 @@ int main(void) {
                     b.flush};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     bench_products();
+    bench_input_norm();
     bench_chain();
     matmul_destroy();
     return test_summary();

@@ -272,7 +272,7 @@ static void bench_decode(int B, double target_us) {
     cudaCheck(cudaStreamCreate(&st));
     sdm_infer_reset(&I, &p[0], -1, st);
     BenchTime t = decode_graph_us(st, [&](int i) {
-        sdm_infer_decode(&I, &p[i % DECODE_COPIES], (const char *)x + (size_t)i * B * D * 2, y, B, st);
+        sdm_infer_decode(&I, &p[i % DECODE_COPIES], (const char *)x + (size_t)i * B * D * 2, NULL, y, B, st);
     });
     float med = t.median, fastest = t.min;
     double weights = 2.0 * ((double)I.L.n_in + D) * D, rows = 2.0 * B * s.heads * (2 * s.writes + s.reads) * s.head_dim;

@@ -425,7 +425,7 @@ static void test_layer_decode_gate(Dtype dt, int B, int nh, int nkv, int hd, int
         free(hx);
         for (int b = 0; b < B; b++) hpos[b] = t;
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
-        attn_infer_decode(&I, &p, x, y, dpos, B, 0);
+        attn_infer_decode(&I, &p, x, NULL, y, dpos, B, 0);
         matmul_forward(qkvz, dt, ld, x, wqkvg, NULL, dt, B, ld, dim, 0);
         char *q = qkvz, *k = q + nq * es, *v = k + nk * es, *zc = v + nk * es;
         attn_decode(&a, B, dt, &J.rope, q, k, v, NULL, ld, ld, J.k_cache, J.v_cache, J.C, dpos, J.o, 0);

@@ -382,6 +382,134 @@ static void test_matmul_out_ops(Rng *rng, MatmulKernel kernel, int fp32, int M, 
     free(x); free(w); free(o); free(h_ref); free(h_fused); free(nan_fill);
 }
 
+// ---- the input norm ----------------------------------------------------------------------------------------------
+
+// How test_matmul_input_norm runs a product through the model's API: three parts sharing X whose weights lie apart
+// (one launch of a small-M kernel, else a product each), the same parts consecutive in memory (matmul_parts_merge:
+// one product, as a decode step's q, k, v), one product with a bias into fp32 outputs (bf16 inputs: the GEMV's
+// instance of the LM head), and the SwiGLU FFN (matmul_forward_swiglu, else matmul_forward and swiglu_forward, as
+// gm_ffn_forward runs it).
+enum { NORM_PARTS, NORM_MERGED, NORM_BIAS_FP32, NORM_SWIGLU };
+static const char *NORM_KINDS[] = {"3 parts", "3 parts as one", "bias, fp32 Y", "SwiGLU"};
+
+typedef struct {
+    int kind, M, D;
+    Dtype t;
+    int N[3], NT;        // the parts' widths; NT: Y's row (SwiGLU: N[0] = NT, W = W1;W3 of 2 NT rows)
+    const void *w[3];    // the parts' weights (one for the single products)
+    const void *bias;    // NORM_BIAS_FP32: fp32 [NT]
+    void *ab;            // NORM_SWIGLU: A|B [M, 2 NT] where the fused op declines
+} NormProduct;
+
+// y = the product c of X (x [M, D], or with `norm` x's input norm and x its buffer).
+static void norm_product_run(const NormProduct *c, const void *x, void *y, const ResidualNorm *norm) {
+    int M = c->M, D = c->D, N = c->NT;
+    if (c->kind == NORM_SWIGLU) {
+        if (!matmul_forward_swiglu(y, x, c->w[0], c->t, M, N, D, 0, norm)) {
+            matmul_forward(c->ab, c->t, 2 * N, x, c->w[0], NULL, c->t, M, 2 * N, D, 0);
+            swiglu_forward(y, c->ab, dtype_elem_ptr(c->ab, N, c->t), 2 * N, c->t, M, N, 0);
+        }
+    } else if (c->kind == NORM_BIAS_FP32) {
+        matmul_forward(y, DT_FP32, N, x, c->w[0], c->bias, c->t, M, N, D, 0, norm);
+    } else {
+        MatmulParts P = {3, {c->w[0], c->w[1], c->w[2]}, {NULL}, {NULL, NULL, NULL}, {c->N[0], c->N[1], c->N[2]},
+                         {N, N, N}};
+        for (int i = 0, n0 = 0; i < 3; n0 += c->N[i++]) P.y[i] = (void *)dtype_elem_ptr(y, n0, c->t);
+        if (norm) P.norm = *norm;
+        matmul_forward_parts(&P, c->t, x, c->t, M, D, 0);
+    }
+}
+
+// Whether the n bytes at device p equal host ref (ref NULL: all 0xFF, the poison).
+static int device_bytes_are(const void *p, const unsigned char *ref, size_t n) {
+    unsigned char *h = (unsigned char *)sdm_malloc(n);
+    cudaCheck(cudaMemcpy(h, p, n, cudaMemcpyDeviceToHost));
+    int same = 1;
+    for (size_t i = 0; i < n && same; i++) same = h[i] == (ref ? ref[i] : 0xFF);
+    free(h);
+    return same;
+}
+
+static unsigned char *device_bytes(const void *p, size_t n) {
+    unsigned char *h = (unsigned char *)sdm_malloc(n);
+    cudaCheck(cudaMemcpy(h, p, n, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+// A product of kind `kind` (NormProduct) whose X is the input norm of M rows of D (MatmulParts.norm: RMSNorm(h + add)
+// * w, h_out = h + add; without `add` RMSNorm(h) * w) against its two kernels: residual_rmsnorm_forward (or
+// rmsnorm_forward) into x, then the same API call on that x, bit for bit in Y and h_out. Where the GEMV takes the
+// product (one bf16 row, up to 8 fp32 rows) and the norm kernel takes one vector a thread, the prologue computes X:
+// the product's x must stay unwritten (no kernel of its own ran); elsewhere x must hold the norm kernel's bits. Small
+// widths, or the flagship's (`flagship`: q, k, v of 2048 each, the FFN's 5632, the SDM input's 6148). With random h
+// and add (~ N(0, 1)) rstd is a sum of D squares whose last bits depend on its order; a CPU emulation of the norm
+// kernel's sums against other orders (20,000 rows each) says what a wrong one would do. fp32, D = 2048: the warps'
+// sums in reverse order, or the norm's vectors dealt to a GEMV block's 256 threads instead of its 512, move rstd and
+// so X (nearly every element of the row, hence Y) in about a third of the rows, products and sums not fused into
+// FMAs in 7%: over the hundreds of fp32 rows below a wrong order cannot pass. bf16 rounds X to 8 bits: the same
+// changes move rstd in a quarter of the rows but X in about 1% (and bf16 squares are exact in fp32: FMA or not is
+// the same), so the bf16 cases check the bits and would catch a wrong order only by luck. D = 96 is one warp: no
+// warp order to get wrong there.
+static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, int add, int flagship) {
+    static const int SMALL[4][3] = {{40, 13, 64}, {40, 13, 64}, {45, 0, 0}, {37, 0, 0}};
+    static const int FLAGSHIP[4][3] = {{2048, 2048, 2048}, {2048, 2048, 2048}, {6148, 0, 0}, {5632, 0, 0}};
+    const float eps = 1e-5f;
+    Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
+    NormProduct c = {kind, M, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
+    for (int i = 0; i < 3; i++) c.NT += c.N[i] = (flagship ? FLAGSHIP : SMALL)[kind][i];
+    int wrows = kind == NORM_SWIGLU ? 2 * c.NT : c.NT;
+    size_t es = dtype_size(t), xbytes = (size_t)M * D * es, ybytes = (size_t)M * c.NT * dtype_size(ty);
+    double *hw = hzeros((size_t)wrows * D), *hb = hzeros(c.NT), *h = hzeros((size_t)M * D);
+    double *a = hzeros((size_t)M * D), *g = hzeros(D);
+    fill_normal(rng, hw, (size_t)wrows * D, 1.0 / sqrt((double)D));
+    fill_normal(rng, hb, c.NT, 1.0);
+    fill_normal(rng, h, (size_t)M * D, 1.0);
+    fill_normal(rng, a, (size_t)M * D, 1.0);
+    fill_normal(rng, g, D, 0.2);
+    for (int k = 0; k < D; k++) g[k] += 1.0;
+    void *dw = dev_upload(hw, (size_t)wrows * D, fp32), *parts[3] = {NULL, NULL, NULL};
+    for (int i = 0, n0 = 0; i < 3 && c.N[i]; n0 += c.N[i++]) {
+        if (kind == NORM_PARTS) c.w[i] = parts[i] = dev_upload(hw + (size_t)n0 * D, (size_t)c.N[i] * D, fp32);
+        else c.w[i] = dtype_elem_ptr(dw, (size_t)n0 * D, t);
+    }
+    void *db = dev_upload(hb, c.NT, 1), *dh = dev_upload(h, (size_t)M * D, fp32);
+    void *da = dev_upload(a, (size_t)M * D, fp32), *dg = dev_upload(g, D, fp32);
+    c.bias = kind == NORM_BIAS_FP32 ? db : NULL;
+    void *xr, *hr, *yr, *xs, *hs, *ys, *rstd;
+    cudaCheck(cudaMalloc(&xr, xbytes)); cudaCheck(cudaMalloc(&hr, xbytes)); cudaCheck(cudaMalloc(&yr, ybytes));
+    cudaCheck(cudaMalloc(&xs, xbytes)); cudaCheck(cudaMalloc(&hs, xbytes)); cudaCheck(cudaMalloc(&ys, ybytes));
+    cudaCheck(cudaMalloc(&rstd, M * sizeof(float)));
+    cudaCheck(cudaMalloc(&c.ab, (size_t)M * 2 * c.NT * es));
+    // the reference: the norm kernel, then the product on its output
+    if (add) residual_rmsnorm_forward(hr, xr, (float *)rstd, dh, da, dg, t, M, D, eps, 0);
+    else rmsnorm_forward(xr, (float *)rstd, dh, dg, t, M, D, eps, 0);
+    norm_product_run(&c, xr, yr, NULL);
+    // the product with the input norm, on poisoned x, h_out and Y (NaN in both dtypes)
+    cudaCheck(cudaMemset(xs, 0xFF, xbytes)); cudaCheck(cudaMemset(hs, 0xFF, xbytes));
+    cudaCheck(cudaMemset(ys, 0xFF, ybytes));
+    ResidualNorm norm = {dh, add ? da : NULL, add ? hs : NULL, dg, eps};
+    norm_product_run(&c, xs, ys, &norm);
+    cudaCheck(cudaDeviceSynchronize());
+    unsigned char *y_ref = device_bytes(yr, ybytes), *x_ref = device_bytes(xr, xbytes);
+    unsigned char *h_ref = device_bytes(hr, xbytes);
+    int prologue = (fp32 ? M <= MATMUL_GEMV_MAX_M : M == 1) && rmsnorm_vec_layout(t, D).vpt == 1;
+    int y_same = device_bytes_are(ys, y_ref, ybytes), h_same = !add || device_bytes_are(hs, h_ref, xbytes);
+    int x_as_expected = device_bytes_are(xs, prologue ? NULL : x_ref, xbytes);
+    char what[128];
+    snprintf(what, sizeof what, "input norm %s %s M=%d D=%d%s%s", NORM_KINDS[kind], dtype_name(t), M, D,
+             add ? " +add" : "", flagship ? " (flagship widths)" : "");
+    printf("%s: %s, Y %s, h_out %s, x %s\n", what, prologue ? "GEMV prologue" : "norm kernel first",
+           y_same ? "same bits" : "DIFFERS", add ? (h_same ? "same bits" : "DIFFERS") : "n/a",
+           x_as_expected ? (prologue ? "unwritten" : "the norm's bits") : "WRONG");
+    CHECK(y_same, "%s: Y differs from the norm kernel and the plain product", what);
+    CHECK(h_same, "%s: h_out differs from residual_rmsnorm_forward's", what);
+    CHECK(x_as_expected, "%s: x %s", what, prologue ? "written (the norm ran as a kernel of its own)"
+                                                      : "does not hold the norm kernel's output");
+    void *bufs[] = {dw, parts[0], parts[1], parts[2], db, dh, da, dg, xr, hr, yr, xs, hs, ys, rstd, c.ab};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
+    free(hw); free(hb); free(h); free(a); free(g); free(y_ref); free(x_ref); free(h_ref);
+}
+
 // ---- product-key top-k -------------------------------------------------------------------------------------------
 
 // SC_SPARSE: a few nonzero sub-keys per factor, so that tau falls on a large exact tie (the whole-grid search) while
@@ -1058,6 +1186,25 @@ int main(int argc, char **argv) {
     test_matmul_out_ops(&rng, A, 1, 32, 100, 136);
     test_matmul_out_ops(&rng, A, 0, 65, 45, 136);
     test_matmul_out_ops(&rng, A, 0, 3, 45, 44);
+    // the input norm against the norm kernel and the plain product, bit for bit: M = 1..8 (the GEMV's prologue
+    // where it takes the product: one bf16 row, fp32 rows; elsewhere the norm kernel first) and 9, 32 (the norm
+    // kernel first), with and without the residual add, on the flagship's D = 2048 (the norm's threads a row: bf16
+    // 256, those of the GEMV's block; fp32 512, two a GEMV thread) and D = 96 (one warp, most GEMV threads idle); at
+    // one row and eight: 320 threads a row (bf16 D = 2320, fp32 1160: more than the GEMV's block, not a multiple of
+    // it), bf16 D = 4096 (512, the 7B configs'), and the norm kernel first whatever M where it takes two vectors a
+    // thread (bf16 D = 4104, fp32 4096) or its scalar path (bf16 D = 8200, fp32 4104); the flagship's widths
+    const int norm_wide[2][4] = {{2320, 4096, 4104, 8200}, {1160, 4104, 4096, 0}}; // bf16, fp32
+    for (int kind = NORM_PARTS; kind <= NORM_SWIGLU; kind++)
+        for (int fp32 = 0; fp32 <= 1; fp32++)
+            for (int add = 0; add <= 1; add++) {
+                for (int M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 32})
+                    for (int D : {2048, 96}) test_matmul_input_norm(&rng, kind, fp32, M, D, add, 0);
+                for (int M : {1, 8}) {
+                    for (int D : norm_wide[fp32])
+                        if (D) test_matmul_input_norm(&rng, kind, fp32, M, D, add, 0);
+                    test_matmul_input_norm(&rng, kind, fp32, M, 2048, add, 1);
+                }
+            }
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
