@@ -282,8 +282,8 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    if (smem > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // the static shared memory comes on top: 48 KB of X alone (fp32, 6 rows of 2048) already exceeds the default
+    if (smem) cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K);
     cudaCheckLast();
 }
