@@ -542,14 +542,11 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
     if (n0 == N) return;
     MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
                      {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
-    // the narrow remainder of a few rows by the MMA kernel where it takes it: cuBLASLt's costs as much as the main
-    // part (the SDM input product's 4 of 6148 columns at 32 rows)
-    if (in_type == DT_BF16 && M <= MATMUL_MMA_MAX_M && K % 8 == 0 && matmul_parts_addr(&R, x) % 16 == 0) {
-        if (y_type == DT_FP32) matmul_mma_run<float>(&R, (const __nv_bfloat16 *)x, M, K, s);
-        else matmul_mma_run<__nv_bfloat16>(&R, (const __nv_bfloat16 *)x, M, K, s);
-    } else {
-        matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
-    }
+    // the narrow remainder by a small-M kernel where one takes it: cuBLASLt's costs as much as the main part (the
+    // SDM input product's 4 of 6148 columns at 32 rows)
+    MatmulKernel kernel = matmul_small_m_kernel(in_type, M, N - n0, K, 1, matmul_parts_addr(&R, x));
+    if (kernel != MATMUL_KERNEL_LT) matmul_parts_run(kernel, &R, y_type, x, in_type, M, K, s);
+    else matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's); norm: X's input
