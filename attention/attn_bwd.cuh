@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
     attn_load_tile<D, BN, NW * 32>(Ks, kg, n0, p.T, kstride);
     attn_load_tile<D, BN, NW * 32>(Vs, vg, n0, p.T, kstride);
     load_step(0, 0);
-    attn_cp_async_commit();
+    core_cp_async_commit();
 
     float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
     for (int i = 0; i < steps; i++) {
         int buf = i & 1, m0 = (m_lo + i % per_head) * BM;
         if (i + 1 < steps) load_step(i + 1, buf ^ 1);
-        attn_cp_async_commit();
-        attn_cp_async_wait<1>();
+        core_cp_async_commit();
+        core_cp_async_wait<1>();
         __syncthreads();
         unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
     attn_load_tile<D, BM, NW * 32>(Os, (const bf16 *)p.dout + ((size_t)b * p.T * p.nh + j) * D, m0, p.T, qstride);
     attn_load_tile<D, BN, NW * 32>(Ks, kg, n_lo * BN, p.T, kstride);
     attn_load_tile<D, BN, NW * 32>(Vs, vg, n_lo * BN, p.T, kstride);
-    attn_cp_async_commit();
+    core_cp_async_commit();
 
     float lse2[2], delta[2];
 #pragma unroll
@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
             attn_load_tile<D, BN, NW * 32>(Ks + (buf ^ 1) * BN * SD, kg, key0 + BN, p.T, kstride);
             attn_load_tile<D, BN, NW * 32>(Vs + (buf ^ 1) * BN * SD, vg, key0 + BN, p.T, kstride);
         }
-        attn_cp_async_commit();
-        attn_cp_async_wait<1>();
+        core_cp_async_commit();
+        core_cp_async_wait<1>();
         __syncthreads();
         unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
     attn_load_tile<D, BM, NW * 32>(Qs, qg, m0, p.T, qstride);
     attn_load_tile<D, BN, NW * 32>(Ks, kg, n_lo * BN, p.T, kstride);
     attn_load_tile<D, BN, NW * 32>(Vs, vg, n_lo * BN, p.T, kstride);
-    attn_cp_async_commit();
+    core_cp_async_commit();
 
     float o[MT][DT][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
             attn_load_tile<D, BN, NW * 32>(Ks + (buf ^ 1) * BN * SD, kg, key0 + BN, p.T, kstride);
             attn_load_tile<D, BN, NW * 32>(Vs + (buf ^ 1) * BN * SD, vg, key0 + BN, p.T, kstride);
         }
-        attn_cp_async_commit();
-        attn_cp_async_wait<1>();
+        core_cp_async_commit();
+        core_cp_async_wait<1>();
         __syncthreads();
         unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {

@@ -23,16 +23,6 @@
 #define ATTN_DKDV_CFG 4, 64, 2, true
 #define ATTN_DQ_CFG 4, 64, 2, true
 
-__device__ __forceinline__ void attn_cp_async16(void *smem, const void *gmem, bool valid) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = valid ? 16 : 0; // 0: zero-fill (rows past T)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void attn_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void attn_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // rows [row0, row0+ROWS) of a [T, stride] bf16 matrix (D columns used) into smem [ROWS][D+PAD]; rows >= T read as 0.
 template <int D, int ROWS, int THREADS>
 __device__ __forceinline__ void attn_load_tile(bf16 *smem, const bf16 *g, int row0, int T, size_t stride) {
@@ -40,7 +30,7 @@ __device__ __forceinline__ void attn_load_tile(bf16 *smem, const bf16 *g, int ro
     for (int c = threadIdx.x; c < ROWS * CH; c += THREADS) {
         int r = c / CH, col = (c % CH) * 8, t = row0 + r;
         bool ok = t < T;
-        attn_cp_async16(smem + r * (D + ATTN_PAD) + col, ok ? g + (size_t)t * stride + col : g, ok);
+        core_cp_async16(smem + r * (D + ATTN_PAD) + col, ok ? g + (size_t)t * stride + col : g, ok);
     }
 }
 

@@ -165,6 +165,21 @@ __device__ __forceinline__ void pdl_enter(void) {
     pdl_trigger();
 }
 
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through registers, zero-filled where
+// `valid` is false (gmem must still be a valid address); a thread's copies become visible to it once it has waited
+// for their commit group. No "memory" clobber: a caller that reuses a buffer orders its own accesses.
+__device__ __forceinline__ void core_cp_async16(void *smem, const void *gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void core_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's newest commit groups are still in flight (a compiler barrier too: reads of
+// the copied data stay after it).
+template <int N> __device__ __forceinline__ void core_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Streaming multiprocessors of the current device (asked once: a process drives one GPU).
 static inline int core_sm_count(void) {
     static int sms = 0;

@@ -103,16 +103,24 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 // ------------------------------------------------------------------------------------------------------------------
 // Small-M forward (decode steps): Y[M,N] = X[M,K] · W[N,K]ᵀ (+ bias) for M <= MATMUL_GEMV_MAX_M is bound by reading
 // W once, and cuBLASLt spreads such products over too few CTAs (on the H200 a decode step's 2048 x 11264 product
-// ran at 3.1 TB/s and its 5632-deep ones, split-K, at 2.3). Here a block of MATMUL_GEMV_THREADS threads owns
-// MATMUL_GEMV_ROWS rows of W and strides over K in 16-byte vectors, all rows' loads in flight at once; X is read
-// through L1. Each output's sum has one fixed order (thread partials, warp butterfly, warps in order), the same for
-// every M it takes. Launched with programmatic dependent
-// launch (core/cuda_common.cuh), a block reads its first slice of W before waiting for the kernel before it: W must
-// be constant during a step (weights are), X is read after the wait.
+// ran at 3.1 TB/s and its 5632-deep ones, split-K, at 2.3). Here a group of MATMUL_GEMV_ROWS rows of W is summed by
+// a block of MATMUL_GEMV_THREADS threads striding over K in 16-byte vectors; X is read through L1. Each output's sum
+// has one fixed order (thread partials, warp butterfly, warps in order), the same for every M it takes.
+// W streams through shared memory: the grid holds as many blocks as fit on the GPU at once (at most one a group),
+// block b takes groups b, b + G, ... (G = the grid), and a thread keeps the 16-byte vectors of its next
+// MATMUL_GEMV_STAGES - 1 tiles (a group's rows at one stride of K) in flight by cp.async while it sums the current
+// one, across the end of a group into the next: no block ends and starts between groups, and 2 tiles a thread are
+// always on the way (one block a group issued one tile's loads, then waited, summed and ended). A thread reads back
+// only the vectors it copied, so the stages need no barrier. Launched with programmatic dependent launch
+// (core/cuda_common.cuh), a block issues its first tiles before waiting for the kernel before it: W must be
+// constant during a step (weights are), X is read after the wait.
 
 #define MATMUL_GEMV_MAX_M 8
 #define MATMUL_GEMV_ROWS 4
 #define MATMUL_GEMV_THREADS 256
+#define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB
+#define MATMUL_GEMV_NORM_X_MAX (64 << 10) // the input norm's X in shared memory (matmul_norm_in_prologue): 8 fp32 rows
+                                          // of 2048, one bf16 row of 4096
 
 // v[0..VEC) = the 16 bytes u as floats (VEC = 8 bf16 or 4 fp32).
 __device__ __forceinline__ void matmul_gemv_unpack(uint4 u, const __nv_bfloat16 *, float *v) {
@@ -205,76 +213,118 @@ __device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, i
     ((TY *)P.y[p])[(size_t)m * P.ldy[p] + n] = dtype_from_float<TY>(s);
 }
 
-// wr[r] = the 16 bytes of weights W[row][k ..) of the block's rows r < R (matmul_w_row), zero past N or K. Kept
-// packed until used: unpacked floats held over the loop would cost registers, hence occupancy.
-template <typename T, int R, MatmulOut OP>
-__device__ __forceinline__ void matmul_gemv_load_rows(uint4 (&wr)[R], const T *w, int n0, int N, int K, int k) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        wr[r] = matmul_out_col<OP, R>(n0, r) < N && k < K
-                    ? __ldg((const uint4 *)(w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k))
-                    : make_uint4(0, 0, 0, 0);
-}
+// The stages of a GEMV block: [MATMUL_GEMV_STAGES][R][MATMUL_GEMV_THREADS] 16-byte vectors, thread t's at [.][r][t].
+#define MATMUL_GEMV_STAGE_BYTES (MATMUL_GEMV_ROWS * MATMUL_GEMV_THREADS * 16)
 
-// Block b takes output columns [b' C, b' C + C) of the part it falls in (b' = its index within that part; C =
-// matmul_block_cols(OP, R)). NORM: X is P.norm's output, which every block computes into its shared memory
-// ([M, K], dynamic) before the loop (block 0 also stores h + add); x is not read.
-template <typename T, typename TY, int M, MatmulOut OP, bool NORM>
-__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K) {
-    constexpr int VEC = 16 / sizeof(T), R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32;
-    constexpr int C = matmul_block_cols(OP, R);
-    __shared__ float part[WARPS][R * M];
-    extern __shared__ __align__(16) unsigned char matmul_gemv_x[]; // NORM: X
-    const T *xn = (const T *)matmul_gemv_x;
-    int b = blockIdx.x;
-    const int p = matmul_block_part(P, C, b);
-    const T *w = (const T *)P.w[p];
-    const int N = P.N[p], n0 = b * C, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float acc[R][M] = {};
-    uint4 wr[R];
-    const int k0 = threadIdx.x * VEC;
-    matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k0); // before pdl_wait: W is constant in a step
-    pdl_enter();
-    if (NORM) rms_rows_block<T, M>(P.norm, K, (T *)matmul_gemv_x, blockIdx.x == 0);
-    for (int k = k0; k < K; k += MATMUL_GEMV_THREADS * VEC) {
-        float wv[R][VEC], xv[VEC];
-        if (k != k0) matmul_gemv_load_rows<T, R, OP>(wr, w, n0, N, K, k);
+// Issue the copies of a block's next tile into stage `st`: group g (its index over all parts' groups) at K offset
+// k (thread t's vector: k = t VEC + i STEP), rows past N, k past K and groups past the last zero-filled; then
+// advance (g, k) to the tile after it. One commit group a call, empty past the last group, so that a wait for the
+// group issued STAGES - 1 calls ago means "this tile".
+template <typename T, int R, MatmulOut OP>
+__device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulParts &P, int groups, int K, int &g,
+                                                  int &k) {
+    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
+    if (g < groups) {
+        int b = g;
+        const int p = matmul_block_part(P, C, b);
+        const T *w = (const T *)P.w[p];
+        const int N = P.N[p], n0 = b * C;
 #pragma unroll
-        for (int r = 0; r < R; r++) matmul_gemv_unpack(wr[r], w, wv[r]);
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            if (NORM) matmul_gemv_unpack(*(const uint4 *)(xn + (size_t)m * K + k), xn, xv);
-            else matmul_gemv_load(x + (size_t)m * K + k, xv);
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int i = 0; i < VEC; i++) acc[r][m] = fmaf(wv[r][i], xv[i], acc[r][m]);
+        for (int r = 0; r < R; r++) {
+            const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
+            core_cp_async16(stage + r * MATMUL_GEMV_THREADS + threadIdx.x,
+                            ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
+        }
+        k += STEP;
+        if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
+            k = threadIdx.x * VEC;
+            g += gridDim.x;
         }
     }
+    core_cp_async_commit();
+}
+
+// Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
+// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)). NORM: X is P.norm's output,
+// which every block computes into its shared memory ([M, K], dynamic, after the stages) before its first group
+// (block 0 also stores h + add); x is not read.
+template <typename T, typename TY, int M, MatmulOut OP, bool NORM>
+__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
+                                                                         int groups) {
+    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS,
+                  WARPS = MATMUL_GEMV_THREADS / 32, S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
+    constexpr int C = matmul_block_cols(OP, R);
+    __shared__ float part[WARPS][R * M];
+    extern __shared__ __align__(16) unsigned char matmul_gemv_smem[]; // the stages, then (NORM) X
+    uint4 *stages = (uint4 *)matmul_gemv_smem;
+    const T *xn = (const T *)(matmul_gemv_smem + S * MATMUL_GEMV_STAGE_BYTES);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
+    int ig = blockIdx.x, ik = k0; // the next tile to issue
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
+        matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
+    pdl_enter();
+    if (NORM) rms_rows_block<T, M>(P.norm, K, (T *)xn, blockIdx.x == 0);
+    float acc[R][M] = {};
+    int k = k0;
+    for (int g = blockIdx.x, i = 0; g < groups; i++) {
+        // refill the stage read one tile ago; __syncwarp orders this thread's reads of it before the new copies
+        __syncwarp();
+        matmul_gemv_issue<T, R, OP>(stages + (i + S - 1) % S * TILE, P, groups, K, ig, ik);
+        core_cp_async_wait<S - 1>(); // this tile's copies have landed
+        if (k < K) {
+            float wv[R][VEC], xv[VEC];
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = core_warp_sum(acc[r][m]);
-            if (lane == 0) part[warp][r * M + m] = v;
+            for (int r = 0; r < R; r++) matmul_gemv_unpack(stages[i % S * TILE + r * MATMUL_GEMV_THREADS + threadIdx.x],
+                                                           x, wv[r]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (NORM) matmul_gemv_unpack(*(const uint4 *)(xn + (size_t)m * K + k), xn, xv);
+                else matmul_gemv_load(x + (size_t)m * K + k, xv);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int e = 0; e < VEC; e++) acc[r][m] = fmaf(wv[r][e], xv[e], acc[r][m]);
+            }
         }
-    __syncthreads();
-    int r = threadIdx.x / M, m = threadIdx.x % M;
-    if (threadIdx.x >= C * M || n0 + r >= N) return;
-    float s = 0.f, s3 = 0.f;
-    for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
-    if (OP == MATMUL_OUT_SWIGLU)
-        for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
-    matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
+        k += STEP;
+        if (k - k0 < K) continue;
+        // the group's last tile: its sums, through shared memory, warps in order
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float v = core_warp_sum(acc[r][m]);
+                if (lane == 0) part[warp][r * M + m] = v;
+                acc[r][m] = 0.f;
+            }
+        __syncthreads();
+        int b = g;
+        const int p = matmul_block_part(P, C, b), n0 = b * C, r = threadIdx.x / M, m = threadIdx.x % M;
+        if (threadIdx.x < C * M && n0 + r < P.N[p]) {
+            float s = 0.f, s3 = 0.f;
+            for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
+            if (OP == MATMUL_OUT_SWIGLU)
+                for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
+            matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
+        }
+        __syncthreads(); // part is written again at the next group's end
+        g += gridDim.x;
+        k = k0;
+    }
 }
 
 // Every part of P (whose op is OP) for M in 1..8 rows of X (with P's input norm, if any: matmul_norm_in_prologue).
+// The grid: as many blocks as fit on the GPU at once, at most one a group; which block takes a group does not
+// change its sums.
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
-    unsigned grid = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
-    size_t smem = P->norm.h ? (size_t)M * K * sizeof(T) : 0; // at most 64 KB (matmul_norm_in_prologue)
+    const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
+    const size_t stages = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES, xbytes = (size_t)M * K * sizeof(T);
+    if (P->norm.h && xbytes > MATMUL_GEMV_NORM_X_MAX) sdm_die("matmul GEMV: %zu bytes of normalized X", xbytes);
+    const size_t smem = stages + (P->norm.h ? xbytes : 0); // X of the input norm after the stages
     constexpr bool NORM = OP != MATMUL_OUT_GATE; // no gated product takes an input norm: no such kernels
-    void (*kernel)(MatmulParts, const T *, int) = NULL;
+    void (*kernel)(MatmulParts, const T *, int, int) = NULL;
 #define MATMUL_GEMV_CASE(m) \
     case m: kernel = P->norm.h ? matmul_gemv_kernel<T, TY, m, OP, NORM> : matmul_gemv_kernel<T, TY, m, OP, 0>; break;
     switch (M) {
@@ -282,9 +332,14 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    // the static shared memory comes on top: 48 KB of X alone (fp32, 6 rows of 2048) already exceeds the default
-    if (smem) cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K);
+    // an instance's largest need, so that no launch lowers the limit a graph captured earlier was launched under
+    const int limit = (int)(stages + (P->norm.h ? MATMUL_GEMV_NORM_X_MAX : 0));
+    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    int per_sm = 0;
+    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MATMUL_GEMV_THREADS, smem));
+    if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
+    const unsigned fit = (unsigned)(per_sm * core_sm_count()), grid = groups < fit ? groups : fit;
+    launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
     cudaCheckLast();
 }
 
@@ -487,7 +542,7 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
 
 // Whether `kernel` takes an input norm of rows of K in_type elements in its prologue: the GEMV, where the norm
 // kernel's layout has one vector a thread (core/layers.cuh: rows of up to 4096 bf16 or 2048 fp32, every shipped
-// config's; two a thread would take the GEMV from 48 registers to 69 at one row, 2 fewer blocks an SM).
+// config's; two a thread cost the GEMV registers, hence blocks an SM).
 static inline int matmul_norm_in_prologue(MatmulKernel kernel, Dtype in_type, int K) {
     return kernel == MATMUL_KERNEL_GEMV && rmsnorm_vec_layout(in_type, K).vpt == 1;
 }

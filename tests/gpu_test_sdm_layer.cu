@@ -1135,6 +1135,11 @@ int main(int argc, char **argv) {
         test_matmul_small_m(&rng, G, fp32, fp32, 3, 2051, 4104, 2056, 0); // K not a whole number of strides
         test_matmul_small_m(&rng, G, fp32, 1, 8, 258, 2048, 264, 0);     // the LM head's shape: fp32 logits
         test_matmul_small_m(&rng, G, fp32, fp32, 8, 1030, 2048, 1030, 1);
+        // more groups of rows than blocks fit on the GPU (a block takes several, its copies running ahead across
+        // their boundaries), not a multiple of the grid; K of 3 (bf16) or 6 (fp32) strides: the SDM input's shape
+        // and a deep one
+        test_matmul_small_m(&rng, G, fp32, fp32, 1, 6148, 2048, 6152, 1);
+        test_matmul_small_m(&rng, G, fp32, 1, 2, 4101, 5632, 4104, 0);
         test_matmul_parts(&rng, fp32, 1);  // the GEMV
         test_matmul_parts(&rng, fp32, 5);  // bf16: the MMA kernel, one partial tile of rows; fp32: the GEMV
         test_matmul_parts(&rng, fp32, 17); // bf16: the MMA kernel, two tiles of rows; fp32: cuBLASLt
