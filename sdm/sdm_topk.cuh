@@ -645,9 +645,15 @@ sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     // 2. L = the best frontier score (by each warp alone); the candidates: the table points of the kept grid scoring
     //    >= L, in any order (slots from a shared counter: one atomic per warp and 64 table points, so that the
     //    flagship's 645 take one round). They include every table point scoring >= tau and the down-set of the k
-    //    best grid points: at least k
+    //    best grid points: at least k. A frontier point scoring NaN bounds nothing: the down-set argument needs the
+    //    float32 sums to be monotone, which NaN breaks (+inf + -inf, or a kept negative-NaN sub-key, gives a NaN whose
+    //    ord can lie above tau); with it, fewer than k candidates could pass and sel[k - 1] would be read unwritten.
+    //    Only scores from ord(-inf) to ord(+inf) are used (none left: L = 0, every table point of the kept grid).
     uint32_t L = 0;
-    for (int r = lane; r < pl.n_front; r += 32) L = max(L, sdm_table_score(pl, sorted, m, tab[pl.n_table + r]));
+    for (int r = lane; r < pl.n_front; r += 32) {
+        const uint32_t s = sdm_table_score(pl, sorted, m, tab[pl.n_table + r]);
+        if (s >= 0x007fffffu && s <= 0xff800000u) L = max(L, s); // ord(-inf), ord(+inf)
+    }
     L = __reduce_max_sync(SDM_FULL_MASK, L);
     for (int r0 = warp * 64; r0 < pl.n_table; r0 += 2 * SDM_TOPK_THREADS) {
         unsigned long long key[2];

@@ -633,6 +633,48 @@ static void test_topk(Rng *rng, int F, const int *n, int k, int H, int T, int ki
     free(z); free(g); free(slot_ref); free(score_ref); free(w_ref); free(gam_ref);
 }
 
+// Non-finite scores (a diverged projection): +inf and -inf in the same factor (their sums are NaN, so the score is
+// no longer monotone along the sorted axes) and, in fp32, negative NaNs. No CPU reference (it has no tie rule for
+// NaN); both kernels must write k distinct slots in [0, N) in ascending order per problem and the same bits. The
+// block kernel once took the bound L from a frontier point scoring NaN and then read its selection unwritten.
+static void test_topk_nonfinite(Rng *rng, int F, const int *n, int k, int H, int T, int fp32) {
+    SdmDims s = dims_factors(F, n);
+    SdmTopkPlan pl = sdm_topk_plan_make(&s, k);
+    int K = s.key_dim, col0 = 3, ldz = col0 + H * K + 2, P = T * H;
+    size_t nk = (size_t)P * k;
+    double *z = hzeros((size_t)T * ldz), *g = hzeros(P);
+    for (size_t i = 0; i < (size_t)T * ldz; i++) {
+        uint32_t r = rng_below(rng, 16);
+        z[i] = r < 2 ? INFINITY : r < 4 ? -INFINITY : r < 5 && fp32 ? -NAN : 2.0 * rng_normal(rng);
+    }
+    round_to_dtype(z, (size_t)T * ldz, fp32);
+    for (int p = 0; p < P; p++) g[p] = -rng_uniform(rng);
+    void *dz = dev_upload(z, (size_t)T * ldz, fp32);
+    float *dg = (float *)dev_upload(g, P, 1);
+    TopkOut out[2];
+    for (int v = 0; v < 2; v++)
+        out[v] = topk_run(&pl, v ? SDM_TOPK_BLOCK : SDM_TOPK_WARP, dz, fp32, ldz, col0, H, P, 0.7f, dg);
+    int bad[2] = {0, 0};
+    for (int v = 0; v < 2; v++)
+        for (int p = 0; p < P; p++)
+            for (int j = 0; j < k; j++) {
+                int sl = out[v].slot[(size_t)p * k + j];
+                bad[v] += sl < 0 || sl >= s.slots || (j > 0 && sl <= out[v].slot[(size_t)p * k + j - 1]);
+            }
+    int same = !memcmp(out[0].slot, out[1].slot, sizeof(int) * nk) && !memcmp(out[0].w, out[1].w, 4 * nk) &&
+               !memcmp(out[0].sc, out[1].sc, 4 * nk) && !memcmp(out[0].gam, out[1].gam, 4 * nk);
+    printf("top-k F=%d (%d", F, n[0]);
+    for (int f = 1; f < F; f++) printf("x%d", n[f]);
+    printf(") k=%d problems=%d non-finite %s: slots out of range or order %d/%d (warp/block), bitwise equal: %s\n", k,
+           P, fp32 ? "fp32" : "bf16", bad[0], bad[1], same ? "yes" : "NO");
+    CHECK(bad[0] == 0 && bad[1] == 0, "top-k non-finite: bad slots (warp %d, block %d)", bad[0], bad[1]);
+    CHECK(same, "top-k non-finite: the warp and block kernels differ (F=%d k=%d)", F, k);
+    sdm_topk_plan_free(&pl);
+    cudaCheck(cudaFree(dz)); cudaCheck(cudaFree(dg));
+    for (int v = 0; v < 2; v++) { free(out[v].slot); free(out[v].w); free(out[v].sc); free(out[v].gam); }
+    free(z); free(g);
+}
+
 // The layer's addressing as one call (sdm_layer_select): the gates and values, then the write and the read selections
 // (different k and softmax scales) over the same T tokens of H heads, z laid out as the layer's fused projection.
 enum { AO_WSLOT, AO_WW, AO_WSC, AO_WGAM, AO_RSLOT, AO_RW, AO_RSC, AO_V, AO_G, AO_BETA, AO_COUNT };
@@ -1254,6 +1296,22 @@ int main(int argc, char **argv) {
         test_topk(&rng, 3, f3b, 3, H, T, SC_INTS);
     }
     test_topk(&rng, 3, f3b, 64, 1, 1, SC_EQUAL);
+    // the shipped configs' other factor shapes (recall_sdm: 32 x 32, k = 64 > n_f; debug_sdm: 64 x 64, k = 32)
+    const int f32x32[] = {32, 32}, f64x64[] = {64, 64};
+    test_topk(&rng, 2, f32x32, 64, 1, 64, SC_NORMAL);
+    test_topk(&rng, 2, f32x32, 64, 1, 64, SC_QUARTERS);
+    test_topk(&rng, 2, f64x64, 32, 1, 64, SC_BF16);
+    test_topk(&rng, 2, f64x64, 32, 1, 64, SC_INTS);
+    // non-finite scores: each shape here made the earlier block kernel read unwritten selections (CPU emulation)
+    for (int fp32 = 0; fp32 <= 1; fp32++) {
+        test_topk_nonfinite(&rng, 2, f32x32, 64, 2, 32, fp32);
+        test_topk_nonfinite(&rng, 2, f256, 255, 1, 16, fp32);
+        test_topk_nonfinite(&rng, 2, f256, 64, 2, 32, fp32);
+        test_topk_nonfinite(&rng, 3, f3b, 32, 2, 32, fp32);
+        test_topk_nonfinite(&rng, 3, f3, 12, 2, 32, fp32);
+        test_topk_nonfinite(&rng, 2, f2x3, 6, 1, 32, fp32);
+        test_topk_nonfinite(&rng, 1, f300, 50, 1, 32, fp32);
+    }
     // the decode path: write and read addressing and the gates in one launch, at batch 1, 8, 32 (flagship factors,
     // W = 64, R = 48 so that a job mixed up shows; head width 1024 as the flagship), ties included; small shapes
     const int batches[] = {1, 8, 32};
