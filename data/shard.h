@@ -228,7 +228,9 @@ static inline int shard_manifest_check(const char *path, const ShardHeader *h, c
 // Opening removes the prefix's manifest; a successful close removes stale shards of the prefix beyond the last
 // one written and writes the manifest; shard_writer_abort (any failure) removes the temporary file only.
 
+#ifndef SHARD_WRITE_BUF  // a fuzz harness may shrink it (at least SHARD_HEADER_BYTES + 4), to reach the flushes
 #define SHARD_WRITE_BUF (1 << 20)
+#endif
 
 typedef struct {
     char dir[SHARD_PATH_LEN], prefix[128];
