@@ -478,6 +478,12 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
     CkptTensor *table = ok ? (CkptTensor *)sdm_malloc(sizeof(CkptTensor) * (h.n_tensors + 1)) : NULL;
     ok = ok && ckpt_get(fp, text, h.config_bytes, &hash, path, err) &&
          ckpt_get(fp, table, sizeof(CkptTensor) * h.n_tensors, &hash, path, err);
+    const char *nul = ok ? (const char *)memchr(text, 0, h.config_bytes) : NULL;
+    if (nul) { // the parser would stop there and ignore the rest (cfg_load_file refuses a NUL too)
+        snprintf(err, CKPT_ERR, "%.300s: NUL byte in the config text at offset %zu", path,
+                 sizeof h + (size_t)(nul - text));
+        ok = 0;
+    }
     if (ok) {
         text[h.config_bytes] = 0;
         ok = ckpt_check_model(path, text, h.config_bytes, table, h.n_tensors, c, m, err);

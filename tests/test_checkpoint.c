@@ -168,9 +168,10 @@ static void test_fuzz(int cases) {
 // A crashed save (a .tmp folder) is ignored; the newest `keep` complete checkpoints survive.
 // Found by tests/fuzz/fuzz_checkpoint.c's promise check: a file edited after it was written, its checksum recomputed
 // (by hand, a tool or an attacker: the checksum catches corruption, not edits), loaded NaN parameters and moments
-// and a negative AdamW v, which a resumed run would train on silently. Each must be refused with the file, the value's
-// index and its offset; a finite edit still loads (the refusal is of the value, not of the edit).
-static void edit_and_load(int state, size_t at, float value, const char *want) {
+// and a negative AdamW v, which a resumed run would train on silently, and a config text with a NUL byte, whose rest
+// the parser ignored. Each must be refused with the file and the offset (and a value's index); a finite edit still
+// loads (the refusal is of the value, not of the edit).
+static void edit_bytes_and_load(int state, size_t at, const void *bytes, size_t len, const char *want) {
     const char *names[2] = {"model.bin", "state.bin"};
     char path[1024], bad[1024], err[CKPT_ERR] = "";
     snprintf(path, sizeof path, "%s/step_00000017/%s", RUN, names[state]);
@@ -178,7 +179,7 @@ static void edit_and_load(int state, size_t at, float value, const char *want) {
     uint8_t *data;
     size_t n;
     if (!file_bytes(path, &data, &n)) { CHECK(0, "cannot read %s", path); return; }
-    memcpy(data + at, &value, 4);
+    memcpy(data + at, bytes, len);
     CkptHeader h;
     memcpy(&h, data, sizeof h);
     h.checksum = ckpt_file_checksum(ckpt_hash(CKPT_HASH_SEED, data + sizeof h, n - sizeof h), &h);
@@ -194,13 +195,17 @@ static void edit_and_load(int state, size_t at, float value, const char *want) {
                    : ckpt_load_model(bad, &c, &g_loaded, &p, &step, err);
     char offset[64];
     snprintf(offset, sizeof offset, "at offset %zu", at);
-    if (want) CHECK(!ok && strstr(err, bad) && strstr(err, offset) && strstr(err, want), "%s with %g at %zu: %s",
-                    names[state], value, at, ok ? "loaded" : err);
-    else CHECK(ok, "%s with %g at %zu: %s", names[state], value, at, err);
+    if (want) CHECK(!ok && strstr(err, bad) && strstr(err, offset) && strstr(err, want), "%s edited at %zu: %s",
+                    names[state], at, ok ? "loaded" : err);
+    else CHECK(ok, "%s edited at %zu: %s", names[state], at, err);
     free(p);
     free(m);
     free(v);
     remove(bad);
+}
+
+static void edit_and_load(int state, size_t at, float value, const char *want) {
+    edit_bytes_and_load(state, at, &value, 4, want);
 }
 
 static void test_edited_values(void) {
@@ -215,6 +220,14 @@ static void test_edited_values(void) {
     edit_and_load(0, params_at, NAN, "parameter 0 ");
     edit_and_load(0, bytes - 4, INFINITY, "non-finite");
     edit_and_load(0, params_at + 40, 1.5f, NULL);
+    // a NUL in the config text: the parser stopped there and ignored the rest, here its last line's '\n'
+    CkptHeader h;
+    snprintf(path, sizeof path, "%s/step_00000017/model.bin", RUN);
+    FILE *fp = fopen(path, "rb");
+    CHECK(fp && fread(&h, sizeof h, 1, fp) == 1, "cannot read the header of %s", path);
+    if (fp) fclose(fp);
+    edit_bytes_and_load(0, sizeof h + h.config_bytes - 1, "", 1, "NUL byte in the config text");
+    edit_bytes_and_load(0, sizeof h + 3, "", 1, "NUL byte in the config text");
     size_t m_at = sizeof(CkptHeader), v_at = m_at + 4 * n;
     edit_and_load(1, m_at + 12, NAN, "AdamW m 3 ");
     edit_and_load(1, v_at + 20, -1.0f, "negative second moment");

@@ -5,7 +5,7 @@
 //          hand-made or maliciously edited file would)
 //   bit 2: set body_bytes to the file's size - 128 first (the same, for the size check)
 // Promises checked: a refusal names the file and an offset (tests/test_checkpoint.c's rule); an accepted model.bin
-// holds exactly the model its config describes, every parameter finite; an accepted state.bin holds finite moments,
+// holds exactly the model its config describes, a config text without NUL bytes, every parameter finite; an accepted state.bin holds finite moments,
 // v >= 0.
 #include <math.h>
 
@@ -40,6 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (ckpt_load_model(path, &c, &g_model, &params, &step, err)) {
             FUZZ_ASSERT(n == sizeof h + h.body_bytes && h.n_params == (uint64_t)g_model.storage,
                         "model.bin accepted with sizes that do not match its model");
+            FUZZ_ASSERT(!memchr(file + sizeof h, 0, h.config_bytes), "model.bin accepted with a NUL in its config");
             for (long long i = 0; i < g_model.storage; i++)
                 FUZZ_ASSERT(isfinite(params[i]), "model.bin accepted with parameter %lld = %g", i, params[i]);
             free(params);
