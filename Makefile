@@ -1,5 +1,6 @@
 # sdm.c build. `make` builds the programs, `make test` runs every CPU test and compiles every CUDA source,
-# `make test-gpu` runs the GPU tests, `make bench` runs the benchmarks.
+# `make test-gpu` runs the GPU tests, `make bench` runs the benchmarks, `make fuzz` (clang, optional, not part of
+# `make test`) runs the libFuzzer harnesses of tests/fuzz/ for FUZZ_SECONDS each.
 # Overrides: GPU_ARCH (default sm_90), CUDA_HOME, NCCL_HOME, NCCL (1: require it, 0: leave it out).
 
 CUDA_HOME ?= /usr/local/cuda
@@ -47,7 +48,7 @@ CPU_SCRIPTS := $(wildcard tests/test_*.sh)
 GPU_TESTS  := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/gpu_test_*.cu))
 BENCHES    := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/bench_*.cu))
 
-.PHONY: all test test-cpu test-gpu bench compile-cuda clean
+.PHONY: all test test-cpu test-gpu bench compile-cuda clean fuzz fuzz-build
 all: $(PROGRAMS)
 
 train_sdm: train_sdm.cu | $(BUILD)
@@ -92,6 +93,40 @@ test-gpu: $(GPU_TESTS) train_sdm infer_sdm prepare_data  # gpu_test_infer and gp
 
 bench: $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+
+# Coverage-guided fuzzing (docs/TESTING.md#coverage-guided-fuzzing): every harness tests/fuzz/fuzz_*.c built with
+# clang's libFuzzer, ASan and UBSan, seeded by tests/fuzz/seeds.sh from the repository's own inputs, then run for
+# FUZZ_SECONDS each, one process. `make fuzz FUZZ=fuzz_config FUZZ_SECONDS=600` runs one; the corpus grows in
+# build/fuzz/corpus/, a crash, hang or broken promise stops with its input in build/fuzz/crashes/. FUZZ_ARGS adds
+# libFuzzer flags. The longest input tried is a little above the largest seed (state.bin of the test model: 123 KB).
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_CFLAGS  := -std=c11 -D_POSIX_C_SOURCE=200809L -O1 -g -I. -fsanitize=fuzzer,address,undefined \
+                -fno-sanitize-recover=undefined -fno-omit-frame-pointer -pthread
+FUZZ_ALL     := $(patsubst tests/fuzz/%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
+FUZZ         ?= $(FUZZ_ALL)
+FUZZ_ARGS    ?=
+FUZZ_HEADERS := $(wildcard core/*.h data/*.h model/*.h) tools/svgplot.c tests/fuzz/fuzz.h
+
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_HEADERS)
+	@mkdir -p $(BUILD)/fuzz
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $< -o $@ -lm
+
+fuzz-build:
+	@command -v $(FUZZ_CC) > /dev/null || { echo "make fuzz needs clang with libFuzzer (FUZZ_CC=$(FUZZ_CC) not found)"; exit 1; }
+	@$(MAKE) --no-print-directory $(addprefix $(BUILD)/fuzz/,$(FUZZ_ALL))
+
+fuzz: fuzz-build $(BUILD)/test_checkpoint prepare_data
+	tests/fuzz/seeds.sh $(BUILD)/fuzz/corpus
+	@mkdir -p $(BUILD)/fuzz/crashes
+	@for h in $(FUZZ); do \
+	    case $$h in fuzz_checkpoint) len=131072;; fuzz_config|fuzz_shard) len=8192;; *) len=4096;; esac; \
+	    echo "== $$h: $(FUZZ_SECONDS) s"; mkdir -p $(BUILD)/fuzz/corpus/$$h; \
+	    $(BUILD)/fuzz/$$h -max_total_time=$(FUZZ_SECONDS) -timeout=10 -max_len=$$len \
+	        -print_final_stats=1 -artifact_prefix=$(BUILD)/fuzz/crashes/$$h- $(FUZZ_ARGS) \
+	        $(BUILD)/fuzz/corpus/$$h 2> $(BUILD)/fuzz/$$h.log || { tail -40 $(BUILD)/fuzz/$$h.log; exit 1; }; \
+	    grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|Done )' $(BUILD)/fuzz/$$h.log | tail -2; \
+	done
 
 clean:
 	rm -rf $(BUILD) $(PROGRAMS)

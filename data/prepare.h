@@ -20,7 +20,9 @@ typedef enum {
     PREP_JSONL       // every non-blank line is a JSON object whose string field `field` is a document
 } PrepUnit;
 
+#ifndef PREP_BLOCK  // a test or fuzz harness may shrink it, to reach the block boundaries with small inputs
 #define PREP_BLOCK (4u << 20)  // input is read in blocks of this many bytes
+#endif
 
 typedef struct Preparer Preparer;
 struct Preparer {

@@ -208,12 +208,18 @@ static inline int shard_manifest_check(const char *path, const ShardHeader *h, c
     if (!f)
         return data_fail(err, "%s: no complete shard set: %s: %s (it is written last; the set is incomplete, being "
                          "written, or older than manifests: run prepare_data again)", path, manifest, why);
-    int ok = fgets(line, sizeof line, f) && !strcmp(line, SHARD_MANIFEST_HEADER), found = 0;
+    int ok = fgets(line, sizeof line, f) && !strcmp(line, SHARD_MANIFEST_HEADER), found = 0, lineno = 1, whole = 1;
     unsigned long long tokens = 0, bytes = 0;
-    while (ok && !found && fgets(line, sizeof line, f))
-        found = sscanf(line, "%1023s %llu %llu", listed, &tokens, &bytes) == 3 && !strcmp(listed, name);
+    while (ok && whole && !found && fgets(line, sizeof line, f)) {
+        lineno++;
+        whole = strchr(line, '\n') || feof(f); // else the rest of the line would be read as a line of its own
+        found = whole && sscanf(line, "%1023s %llu %llu", listed, &tokens, &bytes) == 3 && !strcmp(listed, name);
+    }
     fclose(f);
     if (!ok) return data_fail(err, "%s: not a shard manifest (first line)", manifest);
+    if (!whole)
+        return data_fail(err, "%s: line %d is longer than %d characters: not a shard manifest", manifest, lineno,
+                         (int)sizeof line - 2);
     if (!found) return data_fail(err, "%s: not listed in %s: not part of the complete shard set", path, manifest);
     if (tokens != h->count || bytes != shard_expected_size(h))
         return data_fail(err, "%s: %s lists %llu tokens (%llu bytes), the file holds %llu: another run's shard",
@@ -228,7 +234,9 @@ static inline int shard_manifest_check(const char *path, const ShardHeader *h, c
 // Opening removes the prefix's manifest; a successful close removes stale shards of the prefix beyond the last
 // one written and writes the manifest; shard_writer_abort (any failure) removes the temporary file only.
 
+#ifndef SHARD_WRITE_BUF  // a fuzz harness may shrink it (at least SHARD_HEADER_BYTES + 4), to reach the flushes
 #define SHARD_WRITE_BUF (1 << 20)
+#endif
 
 typedef struct {
     char dir[SHARD_PATH_LEN], prefix[128];

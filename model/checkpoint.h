@@ -8,8 +8,9 @@
 // checkpoint is written into step_<n>.tmp/ (each file fsync'ed), then renamed into place, so a crash never leaves a
 // half-written checkpoint under a valid name and never touches the last good one; older checkpoints are deleted only
 // afterwards, DONE first, so a crash while deleting leaves an incomplete folder, never a complete-looking one.
-// ckpt_save refuses non-finite values. A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks and sends it
-// to every rank, and refuses one whose architecture keys or tensor table differ from the requested model's.
+// ckpt_save refuses non-finite values and a negative AdamW v; a load refuses them too (an edited file whose checksum
+// was recomputed). A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks and sends it to every rank, and
+// refuses one whose architecture keys or tensor table differ from the requested model's.
 // infer_sdm needs model.bin alone: its config text rebuilds the model description.
 #ifndef SDM_CORE_CHECKPOINT_H
 #define SDM_CORE_CHECKPOINT_H
@@ -297,10 +298,12 @@ static inline int ckpt_prepare_run_dir(const char *run_dir, char *err) {
     return 1;
 }
 
-// 1 when the fp32 array x [m->storage] is finite; else 0 with err naming the tensor and index of the first bad value.
-static inline int ckpt_check_finite(const ModelDesc *m, const float *x, const char *what, uint64_t step, char *err) {
+// 1 when the fp32 array x [m->storage] is finite (and >= 0 when nonneg: AdamW's v); else 0 with err naming the
+// tensor and index of the first bad value.
+static inline int ckpt_check_finite(const ModelDesc *m, const float *x, int nonneg, const char *what, uint64_t step,
+                                    char *err) {
     for (long long i = 0; i < m->storage; i++) {
-        if (isfinite(x[i])) continue;
+        if (isfinite(x[i]) && !(nonneg && x[i] < 0)) continue;
         const char *name = "alignment gap";
         long long at = i;
         for (int k = 0; k < m->n_params; k++)
@@ -308,8 +311,9 @@ static inline int ckpt_check_finite(const ModelDesc *m, const float *x, const ch
                 name = m->params[k].name;
                 at = i - m->params[k].offset;
             }
-        snprintf(err, CKPT_ERR, "step %llu: %s %s[%lld] is %g: refusing to write a checkpoint of non-finite values",
-                 (unsigned long long)step, what, name, at, x[i]);
+        snprintf(err, CKPT_ERR, "step %llu: %s %s[%lld] is %g: refusing to write a checkpoint of %s",
+                 (unsigned long long)step, what, name, at, x[i],
+                 isfinite(x[i]) ? "a negative second moment" : "non-finite values");
         return 0;
     }
     return 1;
@@ -338,9 +342,9 @@ static inline int ckpt_write_files(const char *dir, const ModelDesc *m, const Co
 static inline int ckpt_save(const char *run_dir, const ModelDesc *m, const Config *c, const float *params,
                             const CkptTrainState *s, int keep, char *err) {
     char tmp[900], final_dir[900];
-    if (!ckpt_check_finite(m, params, "parameter", s->step, err) ||
-        !ckpt_check_finite(m, s->adam_m, "AdamW m of", s->step, err) ||
-        !ckpt_check_finite(m, s->adam_v, "AdamW v of", s->step, err) || !ckpt_make_dirs(run_dir, err))
+    if (!ckpt_check_finite(m, params, 0, "parameter", s->step, err) ||
+        !ckpt_check_finite(m, s->adam_m, 0, "AdamW m of", s->step, err) ||
+        !ckpt_check_finite(m, s->adam_v, 1, "AdamW v of", s->step, err) || !ckpt_make_dirs(run_dir, err))
         return 0;
     ckpt_step_dir(tmp, sizeof tmp, run_dir, s->step, ".tmp");
     ckpt_step_dir(final_dir, sizeof final_dir, run_dir, s->step, "");
@@ -409,6 +413,20 @@ static inline void ckpt_checksum_error(const char *path, const CkptHeader *h, ch
              "(corrupt file)", path, (unsigned long long)(sizeof *h + h->body_bytes));
 }
 
+// 1 when the n loaded fp32 values x, read from offset `at` of path, are finite (and >= 0 when nonneg: AdamW's v);
+// else 0 with err naming the first bad value's index and offset. A loaded NaN would train on silently.
+static inline int ckpt_check_loaded(const char *path, const float *x, uint64_t n, int nonneg, size_t at,
+                                    const char *what, char *err) {
+    for (uint64_t i = 0; i < n; i++)
+        if (!isfinite(x[i]) || (nonneg && x[i] < 0)) {
+            snprintf(err, CKPT_ERR, "%.300s: %s %llu at offset %llu is %g: a checkpoint never holds %s", path, what,
+                     (unsigned long long)i, (unsigned long long)(at + 4 * i), x[i],
+                     isfinite(x[i]) ? "a negative second moment" : "a non-finite value");
+            return 0;
+        }
+    return 1;
+}
+
 // The config text and tensor table of a model.bin: rebuild the model description from the text (into c and m)
 // and check that the table describes exactly that model.
 static inline int ckpt_check_model(const char *path, char *text, size_t text_bytes, const CkptTensor *table,
@@ -460,6 +478,12 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
     CkptTensor *table = ok ? (CkptTensor *)sdm_malloc(sizeof(CkptTensor) * (h.n_tensors + 1)) : NULL;
     ok = ok && ckpt_get(fp, text, h.config_bytes, &hash, path, err) &&
          ckpt_get(fp, table, sizeof(CkptTensor) * h.n_tensors, &hash, path, err);
+    const char *nul = ok ? (const char *)memchr(text, 0, h.config_bytes) : NULL;
+    if (nul) { // the parser would stop there and ignore the rest (cfg_load_file refuses a NUL too)
+        snprintf(err, CKPT_ERR, "%.300s: NUL byte in the config text at offset %zu", path,
+                 sizeof h + (size_t)(nul - text));
+        ok = 0;
+    }
     if (ok) {
         text[h.config_bytes] = 0;
         ok = ckpt_check_model(path, text, h.config_bytes, table, h.n_tensors, c, m, err);
@@ -477,6 +501,9 @@ static inline int ckpt_load_model(const char *path, Config *c, ModelDesc *m, flo
         ckpt_checksum_error(path, &h, err);
         ok = 0;
     }
+    // ckpt_save never writes a non-finite value, so one here was put there after the checksum was (an edited file)
+    ok = ok && ckpt_check_loaded(path, *params, (uint64_t)m->storage, 0,
+                                 sizeof h + h.config_bytes + sizeof(CkptTensor) * h.n_tensors, "parameter", err);
     if (ok) *step = h.step;
     fclose(fp);
     free(text);
@@ -505,7 +532,8 @@ static inline int ckpt_load_state(const char *path, uint64_t n_params, float *ad
                ckpt_get(fp, adam_v, 4 * n_params, &hash, path, err) &&
                ckpt_get(fp, loader, loader_bytes, &hash, path, err)) {
         if (ckpt_file_checksum(hash, &h) != h.checksum) ckpt_checksum_error(path, &h, err);
-        else ok = 1;
+        else ok = ckpt_check_loaded(path, adam_m, n_params, 0, sizeof h, "AdamW m", err) &&
+                  ckpt_check_loaded(path, adam_v, n_params, 1, sizeof h + 4 * n_params, "AdamW v", err);
     }
     fclose(fp);
     *step = h.step;

@@ -31,6 +31,13 @@ static void build_model(Config *c) {
     model_build(&g_model, c);
 }
 
+// AdamW's v: |normal| (a second moment is never negative; ckpt_save refuses one that is)
+static float *random_moments(size_t n, Rng *r) {
+    float *v = (float *)sdm_malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)fabs(rng_normal(r));
+    return v;
+}
+
 static float *random_floats(size_t n, Rng *r) {
     float *v = (float *)sdm_malloc(sizeof(float) * n);
     for (size_t i = 0; i < n; i++) v[i] = (float)rng_normal(r);
@@ -61,7 +68,7 @@ static void test_round_trip(void) {
     build_model(&c);
     Rng r = rng_make(3);
     size_t n = (size_t)g_model.storage;
-    float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
+    float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_moments(n, &r);
     LoaderRecord rec = {123456789, 42};
     CkptTrainState s = {17, 0xABCDEFull, m, v, &rec, sizeof rec};
     char err[CKPT_ERR];
@@ -159,12 +166,82 @@ static void test_fuzz(int cases) {
 }
 
 // A crashed save (a .tmp folder) is ignored; the newest `keep` complete checkpoints survive.
+// Found by tests/fuzz/fuzz_checkpoint.c's promise check: a file edited after it was written, its checksum recomputed
+// (by hand, a tool or an attacker: the checksum catches corruption, not edits), loaded NaN parameters and moments
+// and a negative AdamW v, which a resumed run would train on silently, and a config text with a NUL byte, whose rest
+// the parser ignored. Each must be refused with the file and the offset (and a value's index); a finite edit still
+// loads (the refusal is of the value, not of the edit).
+static void edit_bytes_and_load(int state, size_t at, const void *bytes, size_t len, const char *want) {
+    const char *names[2] = {"model.bin", "state.bin"};
+    char path[1024], bad[1024], err[CKPT_ERR] = "";
+    snprintf(path, sizeof path, "%s/step_00000017/%s", RUN, names[state]);
+    snprintf(bad, sizeof bad, "%s/edited.bin", RUN);
+    uint8_t *data;
+    size_t n;
+    if (!file_bytes(path, &data, &n)) { CHECK(0, "cannot read %s", path); return; }
+    memcpy(data + at, bytes, len);
+    CkptHeader h;
+    memcpy(&h, data, sizeof h);
+    h.checksum = ckpt_file_checksum(ckpt_hash(CKPT_HASH_SEED, data + sizeof h, n - sizeof h), &h);
+    memcpy(data, &h, sizeof h);
+    write_bytes(bad, data, n);
+    free(data);
+    size_t storage = (size_t)g_model.storage;
+    float *p = NULL, *m = (float *)sdm_malloc(4 * storage), *v = (float *)sdm_malloc(4 * storage);
+    uint64_t step, rng;
+    LoaderRecord rec;
+    Config c;
+    int ok = state ? ckpt_load_state(bad, storage, m, v, &rec, sizeof rec, &step, &rng, err)
+                   : ckpt_load_model(bad, &c, &g_loaded, &p, &step, err);
+    char offset[64];
+    snprintf(offset, sizeof offset, "at offset %zu", at);
+    if (want) CHECK(!ok && strstr(err, bad) && strstr(err, offset) && strstr(err, want), "%s edited at %zu: %s",
+                    names[state], at, ok ? "loaded" : err);
+    else CHECK(ok, "%s edited at %zu: %s", names[state], at, err);
+    free(p);
+    free(m);
+    free(v);
+    remove(bad);
+}
+
+static void edit_and_load(int state, size_t at, float value, const char *want) {
+    edit_bytes_and_load(state, at, &value, 4, want);
+}
+
+static void test_edited_values(void) {
+    size_t n = (size_t)g_model.storage, params_at = 0;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/step_00000017/model.bin", RUN);
+    uint8_t *data;
+    size_t bytes;
+    if (!file_bytes(path, &data, &bytes)) { CHECK(0, "cannot read %s", path); return; }
+    params_at = bytes - 4 * n; // the parameters end the file
+    free(data);
+    edit_and_load(0, params_at, NAN, "parameter 0 ");
+    edit_and_load(0, bytes - 4, INFINITY, "non-finite");
+    edit_and_load(0, params_at + 40, 1.5f, NULL);
+    // a NUL in the config text: the parser stopped there and ignored the rest, here its last line's '\n'
+    CkptHeader h;
+    snprintf(path, sizeof path, "%s/step_00000017/model.bin", RUN);
+    FILE *fp = fopen(path, "rb");
+    CHECK(fp && fread(&h, sizeof h, 1, fp) == 1, "cannot read the header of %s", path);
+    if (fp) fclose(fp);
+    edit_bytes_and_load(0, sizeof h + h.config_bytes - 1, "", 1, "NUL byte in the config text");
+    edit_bytes_and_load(0, sizeof h + 3, "", 1, "NUL byte in the config text");
+    size_t m_at = sizeof(CkptHeader), v_at = m_at + 4 * n;
+    edit_and_load(1, m_at + 12, NAN, "AdamW m 3 ");
+    edit_and_load(1, v_at + 20, -1.0f, "negative second moment");
+    edit_and_load(1, v_at + 24, -INFINITY, "AdamW v 6 ");
+    edit_and_load(1, m_at + 8, -2.0f, NULL);  // m may be negative
+    edit_and_load(1, v_at + 8, -0.0f, NULL);  // and v zero, of either sign
+}
+
 static void test_atomic_and_keep(void) {
     Config c;
     build_model(&c);
     Rng r = rng_make(5);
     size_t n = (size_t)g_model.storage;
-    float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
+    float *params = random_floats(n, &r), *m = random_floats(n, &r), *v = random_moments(n, &r);
     LoaderRecord rec = {1, 2};
     char err[CKPT_ERR], path[1024];
     for (uint64_t step = 20; step <= 50; step += 10) {
@@ -298,6 +375,9 @@ static void test_nonfinite(void) {
     v[n - 1] = INFINITY;
     CHECK(!ckpt_save(run, &g_model, &c, p, &s, 2, err) && strstr(err, "AdamW v of") && strstr(err, "inf"),
           "infinite moment: '%s'", err);
+    v[n - 1] = -1e-3f; // a load refuses a negative v (test_edited_values), so a save must never write one
+    CHECK(!ckpt_save(run, &g_model, &c, p, &s, 2, err) && strstr(err, "AdamW v of") && strstr(err, "negative"),
+          "negative second moment: '%s'", err);
     uint64_t step;
     CHECK(!ckpt_newest(run, &step) && access("build/test_ckpt_nan/step_00000009.tmp", F_OK) != 0,
           "a refused save left a checkpoint or a .tmp folder");
@@ -365,7 +445,7 @@ static void test_architecture(void) {
     build_model(&c);
     size_t n = (size_t)g_model.storage;
     Rng r = rng_make(4);
-    float *p = random_floats(n, &r), *m = random_floats(n, &r), *v = random_floats(n, &r);
+    float *p = random_floats(n, &r), *m = random_floats(n, &r), *v = random_moments(n, &r);
     LoaderRecord rec = {5, 6}, back;
     CkptTrainState s = {30, 77, m, v, &rec, sizeof rec};
     char err[CKPT_ERR], dir[256];
@@ -549,6 +629,7 @@ int main(int argc, char **argv) {
     cleanup();
     test_round_trip();
     test_fuzz(cases);
+    test_edited_values();
     test_atomic_and_keep();
     test_newest_of_many();
     test_strict_names();

@@ -285,8 +285,36 @@ static void test_manifest(void) {
     CHECK(load_train("killed", err) != 0 && strstr(err, "no complete shard set"), "killed run loadable: %s", err);
 }
 
+// Found by tests/fuzz/fuzz_shard.c's promise that an accepted manifest lists the shard on a line of its own: a line
+// longer than the reader's buffer was read in two pieces, so "AAA...As_000000.bin 5 1034" (another name) listed
+// s_000000.bin. Such a line is refused now, naming the manifest and the line.
+static void test_manifest_long_line(void) {
+    char dir[TEST_PATH_LEN + 64], shard[TEST_PATH_LEN + 96], manifest[TEST_PATH_LEN + 96], err[DATA_ERR_LEN] = "";
+    snprintf(dir, sizeof dir, "%s/longline", g_dir);
+    mkdir(dir, 0755);
+    snprintf(shard, sizeof shard, "%s/s_000000.bin", dir);
+    snprintf(manifest, sizeof manifest, "%s/s.manifest", dir);
+    ShardHeader h = {2, TOK_BYTES_VOCAB, SHARD_TOKENIZER_BYTES, 5};
+    uint8_t file[SHARD_HEADER_BYTES + 10] = {0};
+    shard_header_write(file, &h);
+    test_write_file(shard, file, sizeof file);
+    char text[4096] = SHARD_MANIFEST_HEADER;
+    for (int len = 1080; len <= 1095; len++) {  // the split falls before, inside and after the name
+        size_t at = strlen(SHARD_MANIFEST_HEADER);
+        memset(text + at, 'A', (size_t)len);
+        snprintf(text + at + len, sizeof text - at - (size_t)len, "s_000000.bin 5 1034\n");
+        test_write_file(manifest, text, strlen(text));
+        CHECK(shard_manifest_check(shard, &h, err) != 0 && strstr(err, "s.manifest: line 2 is longer"),
+              "a %d-character line listing another name: %s", len, err);
+    }
+    snprintf(text, sizeof text, "%ss_000000.bin 5 1034\n", SHARD_MANIFEST_HEADER);
+    test_write_file(manifest, text, strlen(text));
+    CHECK(shard_manifest_check(shard, &h, err) == 0, "the honest manifest: %s", err);
+}
+
 int main(void) {
     test_tmpdir(g_dir);
+    test_manifest_long_line();
     test_round_trip();
     test_bad_input();
     test_long_line();

@@ -112,9 +112,31 @@ static void test_refusals(void) {
     free(svg);
 }
 
+// Ranges narrower than the rounding of their values (found by tests/fuzz/fuzz_svgplot.c): the tick loops added a
+// step of 0.2 to y = 3.28e15, whose neighbours are 0.5 apart, so v never moved and svgplot hung. Each must give a
+// well-formed SVG with a bounded number of grid lines.
+static void test_narrow_ranges(void) {
+    PlotOpts o = {NULL, NULL, NULL, 0, 0, 0, 0, 0}, logx = o;
+    logx.logx = 1;
+    const struct { const char *tsv; const PlotOpts *o; } cases[] = {
+        {"1s\t1\t03280078736850944.1\n", &o},                      // the fuzzer's input: one point, y axis
+        {"a\t3280078736850944\t1\na\t3280078736850945\t2\n", &o},  // the x axis
+        {"a\t1e300\t1\na\t1.0000000000001e300\t2\n", &logx},       // the log x axis
+        {"a\t1\t1e308\na\t2\t-1e308\n", &o},                      // a y range that overflows
+    };
+    char err[PLOT_ERR] = "";
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char *svg = plot(cases[k].tsv, cases[k].o, err);
+        CHECK(svg && xml_check(svg) == 0 && count(svg, "stroke=\"#e6e6e6\"") <= 2 * PLOT_MAX_TICKS,
+              "narrow range %zu: %s", k, svg ? "malformed or too many ticks" : err);
+        free(svg);
+    }
+}
+
 int main(void) {
     test_chart(0);
     test_chart(1);
     test_refusals();
+    test_narrow_ranges();
     return test_summary();
 }

@@ -20,6 +20,7 @@
 #define PLOT_RIGHT 180 // room for the legend
 #define PLOT_TOP 48
 #define PLOT_BOTTOM 56
+#define PLOT_MAX_TICKS 64 // per axis: a bound on the tick loops whatever the range's rounding (about 10 are drawn)
 
 static const char *PLOT_COLORS[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
                                     "#9467bd", "#8c564b", "#e377c2", "#17becf"};
@@ -164,8 +165,10 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
         fputs("</text>\n", out);
     }
     // y ticks and grid
-    double step = plot_nice_step(ay.lo, ay.hi, 6);
-    for (double v = ceil(ay.lo / step - 1e-9) * step; v <= ay.hi + 1e-9 * step; v += step) {
+    double step = plot_nice_step(ay.lo, ay.hi, 6), first = ceil(ay.lo / step - 1e-9);
+    for (int i = 0; i < PLOT_MAX_TICKS; i++) {
+        double v = (first + i) * step;  // not v += step: a step below the rounding of v would never move it
+        if (!(v <= ay.hi + 1e-9 * step)) break;
         double py = plot_map(&ay, v, y0, y1);
         fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", x0, py, x1, py);
         fprintf(out, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n", x0 - 6, py + 4,
@@ -174,7 +177,10 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
     // x ticks: powers of 2 (or 10 over wide ranges) in log mode, 1-2-5 steps otherwise
     if (ax.log) {
         double span = ax.hi - ax.lo, every = span > 24 ? log2(10) : fmax(1, ceil(span / 10));
-        for (double u = ceil(ax.lo / every - 1e-9) * every; u <= ax.hi + 1e-9; u += every) {
+        double first_u = ceil(ax.lo / every - 1e-9);
+        for (int i = 0; i < PLOT_MAX_TICKS; i++) {
+            double u = (first_u + i) * every;
+            if (!(u <= ax.hi + 1e-9)) break;
             double px = x0 + (x1 - x0) * (u - ax.lo) / (ax.hi - ax.lo);
             fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px,
                     y1);
@@ -182,8 +188,10 @@ static void plot_write_svg(FILE *out, Series *s, int ns, const PlotOpts *o) {
                     round(exp2(u) * 1e6) / 1e6);
         }
     } else {
-        double xs = plot_nice_step(ax.lo, ax.hi, 8);
-        for (double v = ceil(ax.lo / xs - 1e-9) * xs; v <= ax.hi + 1e-9 * xs; v += xs) {
+        double xs = plot_nice_step(ax.lo, ax.hi, 8), first_x = ceil(ax.lo / xs - 1e-9);
+        for (int i = 0; i < PLOT_MAX_TICKS; i++) {
+            double v = (first_x + i) * xs;
+            if (!(v <= ax.hi + 1e-9 * xs)) break;
             double px = plot_map(&ax, v, x0, x1);
             fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#e6e6e6\"/>\n", px, y0, px,
                     y1);
