@@ -2,6 +2,7 @@
 // generated recall tasks with --task recall|mqar|copy (data/recall.h, data/synthetic.h). Exits non-zero with a
 // file:line (or file and offset) message on bad input.
 #define _POSIX_C_SOURCE 200809L  // clock_gettime
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,10 +40,15 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+// Decimal digits only (no sign, no spaces: strtoull would take "+5", " 5" and "-1"), within 64 bits.
 static unsigned long long parse_count(const char *opt, const char *s) {
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (!*s || *end || s[0] == '-') sdm_die("%s: expected a non-negative integer, got \"%s\"", opt, s);
+    unsigned long long v = 0;
+    if (!*s) sdm_die("%s: expected a non-negative integer, got \"\"", opt);
+    for (const char *c = s; *c; c++) {
+        if (*c < '0' || *c > '9') sdm_die("%s: expected a non-negative integer, got \"%s\"", opt, s);
+        if (v > (ULLONG_MAX - (unsigned)(*c - '0')) / 10) sdm_die("%s: %s is too large", opt, s);
+        v = v * 10 + (unsigned)(*c - '0');
+    }
     return v;
 }
 
