@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build everything for the local GPU, run the GPU tests and the benchmarks, keep the logs
 # under $OUT (or ./gpu_logs), and print a short table last.
-#   scripts/gpu_check.sh [tests|bench|all|model] [extra make args]
+#   scripts/gpu_check.sh [tests|bench|all|model|decode] [extra make args]
 # model: instead of tests and benches, the whole-model figures of BENCHMARKS.md: the flagship's step profile (8 steps,
 # about 1.5 minutes and a 24 GB checkpoint under $MODEL_RUN, default /tmp/sdm_flagship_check), generation from that
 # checkpoint (infer_sdm --bench: prefill, decode at batch 1, 8, 32) and debug_hybrid's training speed.
+# decode: the generation figures alone: decode's products and the dependent-kernel floor (bench_layers), the flagship
+# SDM layer's decode step (bench_sdm_layer 3), and infer_sdm --bench on a one-step flagship checkpoint (about 3
+# minutes with the build).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -37,6 +40,25 @@ if [ "$what" = model ]; then
     grep -E 'prefill|decode' "$out/infer_bench.log"
     grep -E '^step +12/' "$out/debug_hybrid.log"
     [ $build_rc -eq 0 ] && [ $model_rc -eq 0 ]
+    exit
+fi
+
+if [ "$what" = decode ]; then
+    run=${MODEL_RUN:-/tmp/sdm_flagship_check}
+    rm -rf "$run"
+    dec_rc=0
+    build/bench_layers >"$out/bench_layers.log" 2>&1 || dec_rc=1
+    build/bench_sdm_layer 3 >"$out/bench_sdm_layer.log" 2>&1 || dec_rc=1
+    ./train_sdm -c configs/sdm_flagship.cfg steps=1 checkpoint.dump_every=1 logging.freq=1 checkpoint.eval_every=0 \
+        probe_freq=0 run_dir="$run" >"$out/flagship.log" 2>&1 || dec_rc=1
+    ./infer_sdm "$run" --bench --max-new 200 >"$out/infer_bench.log" 2>&1 || dec_rc=1
+    echo
+    echo "==================== summary ===================="
+    echo "build: exit $build_rc; decode runs: exit $dec_rc"
+    echo "-- bench_layers"; grep -E '^\|' "$out/bench_layers.log" | tail -n 40
+    echo "-- bench_sdm_layer 3"; grep -E 'decode step|parts alone|top-k alone' "$out/bench_sdm_layer.log"
+    grep -E 'prefill|decode' "$out/infer_bench.log"
+    [ $build_rc -eq 0 ] && [ $dec_rc -eq 0 ]
     exit
 fi
 
