@@ -439,6 +439,7 @@ static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const vo
 static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, const ResidualNorm *norm,
                                   void *ab, void *hf, void *y, int n, int keep, cudaStream_t st) {
     int D = g->D, F = g->F;
+    if (keep && norm) sdm_die("gm_ffn_forward: an input norm is for inference, which keeps no intermediates");
     if (keep || !matmul_forward_swiglu(hf, x, w->ffn_w13, g->ctype, n, F, D, st, norm)) {
         matmul_forward(ab, g->ctype, 2 * F, x, w->ffn_w13, NULL, g->ctype, n, 2 * F, D, st);
         gm_mark(g, GM_PART_FFN, 2.0 * n * D * 2 * F, 0, st);
