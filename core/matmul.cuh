@@ -280,8 +280,9 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     float acc[R][M] = {};
     int k = k0;
     for (int g = blockIdx.x, i = 0; g < groups; i++) {
-        // refill the stage read one tile ago; __syncwarp orders this thread's reads of it before the new copies
-        __syncwarp();
+        // refill the stage read one tile ago: only this thread reads or writes its slots, so program order keeps its
+        // reads of them before the new copies; the compiler barrier keeps the reads where they are
+        asm volatile("" ::: "memory");
         matmul_gemv_issue<T, R, OP>(stages + (i + S - 1) % S * TILE, P, groups, K, ig, ik);
         core_cp_async_wait<S - 1>(); // this tile's copies have landed
         if (k < K) {
@@ -326,6 +327,9 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     }
 }
 
+// Tests: at most this many GEMV blocks when non-zero, so that every shape has blocks taking several groups.
+static unsigned g_matmul_gemv_grid_cap = 0;
+
 // Every part of P (whose op is OP) for M in 1..8 rows of X (with P's input norm, if any: matmul_norm_in_prologue).
 // The grid: as many blocks as fit on the GPU at once, at most one a group; which block takes a group does not
 // change its sums.
@@ -350,7 +354,9 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
     int per_sm = 0;
     cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MATMUL_GEMV_THREADS, smem));
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
-    const unsigned fit = (unsigned)(per_sm * core_sm_count()), grid = groups < fit ? groups : fit;
+    unsigned fit = (unsigned)(per_sm * core_sm_count());
+    if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
+    const unsigned grid = groups < fit ? groups : fit;
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
     cudaCheckLast();
 }

@@ -234,6 +234,64 @@ static void test_matmul_small_m(Rng *rng, MatmulKernel kernel, int fp32, int out
     free(h1); free(h2);
 }
 
+// The GEMV's blocks take group after group of weight rows, as many blocks as fit on the GPU: which block takes a group
+// must not change its sums. The same product with the grid capped at 5 blocks (every block then takes many groups,
+// its copies running ahead across their boundaries, whatever the GPU) gives the bits of the uncapped run, for Y and
+// the input norm's h_out: plain with a bias, SwiGLU, the gate, 3 parts, with and without the input norm, K below one
+// stride and of several.
+static void test_gemv_grid_cap(Rng *rng, int fp32, int M, int N, int K, MatmulOut op, int parts, int norm) {
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
+    size_t es = dtype_size(t), ybytes = (size_t)M * N * es, hbytes = (size_t)M * K * es;
+    int wrows = op == MATMUL_OUT_SWIGLU ? 2 * N : N;
+    double *x = hzeros((size_t)M * K), *w = hzeros((size_t)wrows * K), *b = hzeros(N), *o = hzeros((size_t)M * N);
+    double *h = hzeros((size_t)M * K), *add = hzeros((size_t)M * K), *g = hzeros(K);
+    fill_normal(rng, x, (size_t)M * K, 1.0); fill_normal(rng, w, (size_t)wrows * K, 1.0 / sqrt((double)K));
+    fill_normal(rng, b, N, 1.0); fill_normal(rng, o, (size_t)M * N, 1.0);
+    fill_normal(rng, h, (size_t)M * K, 1.0); fill_normal(rng, add, (size_t)M * K, 1.0); fill_normal(rng, g, K, 1.0);
+    void *dx = dev_upload(x, (size_t)M * K, fp32), *dw = dev_upload(w, (size_t)wrows * K, fp32);
+    void *db = op == MATMUL_OUT_PLAIN ? dev_upload(b, N, fp32) : NULL, *d_o = dev_upload(o, (size_t)M * N, fp32);
+    void *dh = dev_upload(h, (size_t)M * K, fp32), *dadd = dev_upload(add, (size_t)M * K, fp32);
+    void *dg = dev_upload(g, K, fp32), *y[2], *hout[2];
+    unsigned char *hy[2], *hh[2];
+    for (int v = 0; v < 2; v++) {
+        cudaCheck(cudaMalloc(&y[v], ybytes)); cudaCheck(cudaMalloc(&hout[v], hbytes));
+        cudaCheck(cudaMemset(y[v], 0xFF, ybytes)); cudaCheck(cudaMemset(hout[v], 0xFF, hbytes));
+        hy[v] = (unsigned char *)sdm_malloc(ybytes); hh[v] = (unsigned char *)sdm_malloc(hbytes);
+        MatmulParts P = {parts, {NULL}, {NULL}, {NULL}, {0}, {0}, op, d_o, N};
+        for (int p = 0, n0 = 0; p < parts; p++) { // parts side by side in Y's rows
+            int np = p < parts - 1 ? N / parts : N - n0;
+            P.w[p] = dtype_elem_ptr(dw, (size_t)n0 * K, t);
+            P.y[p] = (void *)dtype_elem_ptr(y[v], n0, t);
+            P.bias[p] = db ? dtype_elem_ptr(db, n0, t) : NULL;
+            P.N[p] = np;
+            P.ldy[p] = N;
+            n0 += np;
+        }
+        if (norm) P.norm = ResidualNorm{dh, dadd, hout[v], dg, 1e-5f};
+        g_matmul_gemv_grid_cap = v ? 5 : 0;
+        matmul_parts_run(MATMUL_KERNEL_GEMV, &P, t, dx, t, M, K, 0);
+        g_matmul_gemv_grid_cap = 0;
+        cudaCheck(cudaDeviceSynchronize());
+        cudaCheck(cudaMemcpy(hy[v], y[v], ybytes, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(hh[v], hout[v], hbytes, cudaMemcpyDeviceToHost));
+    }
+    size_t nan_y = 0; // outputs left as the 0xFF fill
+    unsigned char fill[4] = {0xFF, 0xFF, 0xFF, 0xFF};
+    for (size_t i = 0; i < (size_t)M * N; i++) nan_y += memcmp(hy[0] + i * es, fill, es) == 0;
+    int same_y = memcmp(hy[0], hy[1], ybytes) == 0, same_h = !norm || memcmp(hh[0], hh[1], hbytes) == 0;
+    char what[128];
+    snprintf(what, sizeof what, "GEMV grid capped at 5 blocks: M=%d N=%d K=%d %s op %d, %d part%s%s", M, N, K,
+             dtype_name(t), (int)op, parts, parts > 1 ? "s" : "", norm ? ", input norm" : "");
+    printf("%s: Y %s, h_out %s, %zu outputs unwritten\n", what, same_y ? "same bits" : "DIFFERS",
+           same_h ? "same bits" : "DIFFERS", nan_y);
+    CHECK(same_y && same_h && nan_y == 0, "%s: the capped grid changed the result or left outputs unwritten", what);
+    void *bufs[] = {dx, dw, db, d_o, dh, dadd, dg, y[0], y[1], hout[0], hout[1]};
+    for (void *p : bufs) cudaCheck(cudaFree(p));
+    double *hb[] = {x, w, b, o, h, add, g};
+    for (double *p : hb) free(p);
+    for (int v = 0; v < 2; v++) { free(hy[v]); free(hh[v]); }
+}
+
 // Three products sharing X through matmul_forward_parts (one launch of a small-M kernel, else one cuBLASLt product
 // each) give the bits of each product alone by the kernel the parts took. K = 136: a ragged last k-block for the
 // MMA kernel.
@@ -1188,6 +1246,19 @@ int main(int argc, char **argv) {
         test_matmul_parts(&rng, fp32, 64); // bf16: the MMA kernel, four whole tiles
         test_matmul_parts(&rng, fp32, MATMUL_MMA_MAX_M + 1); // cuBLASLt, part by part
         for (int M : {1, 5, 33}) test_matmul_parts_merged(&rng, fp32, M); // GEMV; bf16 cuBLASLt, fp32 GEMV; cuBLASLt
+    }
+    { // the GEMV with its grid capped (test_gemv_grid_cap): the decode shapes of the flagship at one bf16 row, fp32 rows
+        const MatmulOut PL = MATMUL_OUT_PLAIN, SW = MATMUL_OUT_SWIGLU, GA = MATMUL_OUT_GATE;
+        test_gemv_grid_cap(&rng, 0, 1, 6148, 2048, PL, 1, 1); // the SDM input product with its norm and bias
+        test_gemv_grid_cap(&rng, 0, 1, 6144, 2048, PL, 3, 1); // q, k, v as 3 parts with the norm
+        test_gemv_grid_cap(&rng, 0, 1, 5632, 2048, SW, 1, 1); // W1|W3 and SwiGLU with the norm
+        test_gemv_grid_cap(&rng, 0, 1, 2048, 5632, PL, 1, 0); // W2: 3 strides of K
+        test_gemv_grid_cap(&rng, 0, 1, 2048, 2048, GA, 1, 0); // the gate
+        test_gemv_grid_cap(&rng, 0, 1, 45, 96, PL, 1, 0);     // K below one stride
+        test_gemv_grid_cap(&rng, 0, 1, 1037, 4096, SW, 1, 1); // the 7B configs' norm rows, 2 strides
+        test_gemv_grid_cap(&rng, 1, 3, 1037, 1032, SW, 1, 1); // fp32 rows
+        test_gemv_grid_cap(&rng, 1, 8, 2048, 2048, PL, 3, 1);
+        test_gemv_grid_cap(&rng, 1, 2, 2051, 4104, PL, 1, 0); // fp32: 5 strides, the last ragged
     }
     // the policy sends rows of 88 bytes (not whole 16-byte vectors) to cuBLASLt
     CHECK(matmul_small_m_kernel(DT_BF16, 1, 64, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
