@@ -330,6 +330,21 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 // Tests: at most this many GEMV blocks when non-zero, so that every shape has blocks taking several groups.
 static unsigned g_matmul_gemv_grid_cap = 0;
 
+// Blocks of `kernel` (MATMUL_GEMV_THREADS threads, `smem` bytes of dynamic shared memory) that fit on an SM, with its
+// dynamic shared memory limit raised to `limit` first: asked of the driver once per kernel and size, not per launch
+// (an eager decode step launches some 130 products).
+static inline int matmul_gemv_blocks_per_sm(const void *kernel, int limit, size_t smem) {
+    static struct { const void *kernel; size_t smem; int blocks; } memo[64];
+    static int used = 0;
+    for (int i = 0; i < used; i++)
+        if (memo[i].kernel == kernel && memo[i].smem == smem) return memo[i].blocks;
+    int blocks = 0;
+    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, MATMUL_GEMV_THREADS, smem));
+    if (used < 64) memo[used++] = {kernel, smem, blocks};
+    return blocks;
+}
+
 // Every part of P (whose op is OP) for M in 1..8 rows of X (with P's input norm, if any: matmul_norm_in_prologue).
 // The grid: as many blocks as fit on the GPU at once, at most one a group; which block takes a group does not
 // change its sums.
@@ -348,11 +363,10 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    // an instance's largest need, so that no launch lowers the limit a graph captured earlier was launched under
+    // the limit: an instance's largest need, so that no launch lowers the limit a graph captured earlier was launched
+    // under
     const int limit = (int)(stages + (P->norm.h ? MATMUL_GEMV_NORM_X_MAX : 0));
-    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-    int per_sm = 0;
-    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MATMUL_GEMV_THREADS, smem));
+    const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, limit, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
     unsigned fit = (unsigned)(per_sm * core_sm_count());
     if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
