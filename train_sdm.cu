@@ -385,8 +385,9 @@ static void run_sum(void *ctx, float *x, size_t n) {
 }
 
 // Continue from the newest complete checkpoint of rank 0's run_dir, if any, on every rank: rank 0 loads it and sends
-// it to the others; a rank configured for another model, or a checkpoint rank 0 cannot load, stops every rank
-// (model/checkpoint.h).
+// it to the others; a rank configured for another model or another run (any key but the per-rank ones of
+// model/checkpoint.h CKPT_RANK_LOCAL_KEYS, checked whether or not there is a checkpoint), or a checkpoint rank 0
+// cannot load, stops every rank (model/checkpoint.h).
 static inline void resume(Run *r) {
     CkptComm comm = {r->dist.rank, r->dist.world, &r->dist, run_broadcast0, run_sum};
     CkptResume cr;

@@ -594,6 +594,37 @@ static inline int ckpt_check_same_model(const char *path, const Config *saved, c
     return 1;
 }
 
+// The keys a rank may set for itself: its run name, the folders and data paths of its own host (only rank 0 writes
+// run_dir) and what only rank 0 logs. Every other key decides either the sequence of collectives every rank must issue
+// alike (steps, grad_acc_steps, fsdp_type, model_dtype, dump_every, eval_every, probe_freq, ...) or the arithmetic
+// ranks must share (seed and init: the initial weights; the optimizer's hyper-parameters: each rank updates its own
+// shard): a rank that differs would hang the run in a collective or train silently on inconsistent weights.
+static const char *const CKPT_RANK_LOCAL_KEYS[] = {"name", "run_dir", "data.train", "data.val", "checkpoint.keep",
+                                                   "logging.freq", "logging.profile", "logging.peak_tflops",
+                                                   "logging.hbm_tbps"};
+
+// 1 when this rank's configuration `mine` agrees with rank 0's on every key but the architecture keys (which
+// ckpt_check_same_model compares) and CKPT_RANK_LOCAL_KEYS; else 0 with err naming the keys that differ.
+static inline int ckpt_check_same_run(const Config *rank0, const Config *mine, char *err) {
+    size_t pos = (size_t)snprintf(err, CKPT_ERR, "its settings differ from rank 0's (every key but the per-rank "
+                                  "name, run_dir, data.train, data.val, checkpoint.keep, logging.* must agree):");
+    char a[1200], b[1200];
+    int diffs = 0;
+    for (int i = 0; i < CFG_N_FIELDS; i++) {
+        const CfgField *f = &CFG_FIELDS[i];
+        int local = cfg_is_architecture(f->key);
+        for (size_t k = 0; k < sizeof CKPT_RANK_LOCAL_KEYS / sizeof CKPT_RANK_LOCAL_KEYS[0]; k++)
+            local |= !strcmp(f->key, CKPT_RANK_LOCAL_KEYS[k]);
+        if (local) continue;
+        cfg_format(rank0, f, a, sizeof a);
+        cfg_format(mine, f, b, sizeof b);
+        if (!strcmp(a, b)) continue;
+        diffs++;
+        if (pos < CKPT_ERR) pos += snprintf(err + pos, CKPT_ERR - pos, " %s: rank 0 %.100s vs %.100s;", f->key, a, b);
+    }
+    return diffs == 0;
+}
+
 // The checkpoint rank 0 resumes from (found = 0: none, start afresh).
 typedef struct { uint64_t found, step; } CkptId;
 
@@ -678,9 +709,9 @@ static inline void ckpt_broadcast0(const CkptComm *c, void *buf, size_t bytes) {
 // Resume on every rank from the newest complete checkpoint of rank 0's run_dir. Rank 0 picks and loads it, then
 // broadcasts its step, parameters, AdamW moments and loader record, so the other ranks need no copy of the folder.
 // Every rank first checks its configured model against rank 0's (the architecture keys and the tensor table; rank 0
-// checks the checkpoint's against its own), so ranks that disagree stop before anything is sent. Returns 1 with
-// r->id.found = 0 (start afresh) or r loaded; 0 on every rank, with err naming the ranks, when rank 0 cannot load the
-// checkpoint or any rank's model differs.
+// checks the checkpoint's against its own), then the rest of its configuration (ckpt_check_same_run), so ranks that
+// disagree stop before anything is sent. Returns 1 with r->id.found = 0 (start afresh) or r loaded; 0 on every rank,
+// with err naming the ranks, when rank 0 cannot load the checkpoint or any rank's model or run settings differ.
 static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want, const ModelDesc *wm, void *loader,
                                         uint64_t loader_bytes, const CkptComm *comm, CkptResume *r, char *err) {
     memset(r, 0, sizeof *r);
@@ -691,8 +722,12 @@ static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want,
     model_build(m0, cfg0);
     int ok = ckpt_check_same_model("rank 0's configuration", cfg0, m0, want, wm, err);
     free(m0);
+    if (ckpt_all_ranks_ok(comm, ok, "is configured for another model than rank 0", err)) {
+        ok = ckpt_check_same_run(cfg0, want, err);
+        ok = ckpt_all_ranks_ok(comm, ok, "is configured for another run than rank 0", err);
+    } else ok = 0;
     free(cfg0);
-    if (!ckpt_all_ranks_ok(comm, ok, "is configured for another model than rank 0", err)) return 0;
+    if (!ok) return 0;
 
     char dir[1024];
     if (comm->rank == 0 && ckpt_newest(run_dir, &r->id.step)) {

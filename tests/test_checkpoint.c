@@ -575,6 +575,28 @@ static void test_resume_ranks(void) {
     for (int q = 0; q < RANKS; q += 2)
         CHECK(!rr[q].ok && strstr(rr[q].err, "rank 1 is configured for another model"), "rank %d: '%s'", q, rr[q].err);
 
+    // rank 1 configured for another run (steps, seed: its collectives or its initial weights would differ from the
+    // others'): every rank stops, naming rank 1 and the keys, before anything is sent
+    build_model(&other);
+    other.steps += 1;
+    other.seed += 1;
+    resume_ranks(rr, RANKS, &other);
+    CHECK(!rr[1].ok && strstr(rr[1].err, "rank 1 is configured for another run") && strstr(rr[1].err, "steps:") &&
+              strstr(rr[1].err, "seed:") && !strstr(rr[1].err, "run_dir: "),
+          "rank 1 with other run settings: '%s'", rr[1].err);
+    for (int q = 0; q < RANKS; q += 2)
+        CHECK(!rr[q].ok && strstr(rr[q].err, "rank 1 is configured for another run"), "rank %d: '%s'", q, rr[q].err);
+    // per-rank keys (run_dir, data paths, logging) may differ: every rank resumes from rank 0's step 20
+    build_model(&other);
+    snprintf(other.run_dir, sizeof other.run_dir, "elsewhere");
+    snprintf(other.train_data, sizeof other.train_data, "/local/copy/train_*.bin");
+    other.log_freq += 1;
+    resume_ranks(rr, RANKS, &other);
+    for (int q = 0; q < RANKS; q++) {
+        CHECK(rr[q].ok && rr[q].res.id.step == 20, "rank %d with rank 1's per-rank keys changed: %s", q, rr[q].err);
+        ckpt_resume_free(&rr[q].res);
+    }
+
     // rank 0's newest checkpoint is corrupt: every rank stops, naming rank 0 and the file
     char path[600];
     snprintf(path, sizeof path, "%s/step_00000020/state.bin", rr[0].run);
