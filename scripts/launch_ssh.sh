@@ -6,6 +6,8 @@
 # the ssh command line). The repository must be at the same path on every host (a shared filesystem, or a copy).
 # When a rank fails, the others are stopped and the launcher exits with that rank's status, naming it. ssh -tt gives
 # each remote rank a terminal, so stopping its ssh hangs it up on the remote host. SSH overrides the ssh command.
+# Ctrl-C or a TERM to this launcher stops every rank at once, without a checkpoint (a hang-up, not train_sdm's stop
+# signal, reaches the remote ranks); for a graceful stop send TERM to the train_sdm processes on every host.
 set -u
 hostfile=${1:?usage: launch_ssh.sh HOSTFILE COMMAND...}; shift
 [ $# -gt 0 ] || { echo "launch_ssh.sh: no command given" >&2; exit 2; }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The launchers: the rank variables core/bootstrap.h reads, one fresh secret shared by every rank, SLURM's variables
-# out of the way, and a failing rank stopping the others quickly with its number and status reported.
+# out of the way, a failing rank stopping the others quickly with its number and status reported, and a stop sent to
+# launch_local.sh passed on to the ranks (which finish) before a second one stops them at once.
 # (ssh is replaced by a local shell.)
 pass=0; fail=0
 check() {
@@ -25,7 +26,15 @@ again=$(scripts/launch_local.sh 1 sh -c 'echo $SDM_RUN_SECRET')
 fake=$tmp/fake.sh
 printf '#!/bin/sh\necho $$ > %s/pid.$RANK\n[ "$RANK" = 1 ] && { sleep 0.5; exit 3; }\nsleep 60\n' "$tmp" > "$fake"
 chmod +x "$fake"
-survivors() { local n=0 f; for f in "$tmp"/pid.*; do kill -0 "$(cat "$f")" 2>/dev/null && n=$((n + 1)); done; echo $n; }
+# (a zombie is not a survivor: a launcher that exits right after its KILL leaves the reaping to init)
+survivors() {
+    local n=0 f st
+    for f in "$tmp"/pid.*; do
+        st=$(ps -o stat= -p "$(cat "$f")" 2>/dev/null)
+        [ -n "$st" ] && [ "${st#Z}" = "$st" ] && n=$((n + 1))
+    done
+    echo $n
+}
 start=$(date +%s)
 scripts/launch_local.sh 4 "$fake" 2> "$tmp/err"; rc=$?
 check "$rc" "3" "launch_local: exit status of the failing rank"
@@ -33,6 +42,39 @@ check "$(grep -c 'rank 1 exited with status 3' "$tmp/err")" "1" "launch_local na
 check "$(($(date +%s) - start < 10))" "1" "launch_local stops the other ranks quickly"
 check "$(ls "$tmp"/pid.* | wc -l) $(survivors)" "4 0" "launch_local: every rank started, none survives"
 rm -f "$tmp"/pid.*
+
+# A stop sent to launch_local.sh reaches every rank as a TERM, and the launcher waits while they finish: each fake rank
+# takes 1.5 s (longer than the launcher's TERM-then-KILL second) to "write its checkpoint", then exits 0.
+wait_pids() { local i; for i in $(seq 100); do [ "$(ls "$tmp"/pid.* 2>/dev/null | wc -l)" = "$1" ] && return; sleep 0.1; done; }
+graceful=$tmp/graceful.sh
+printf '#!/bin/sh\ntrap '"'"'kill $s; sleep 1.5; echo > %s/saved.$RANK; exit 0'"'"' TERM\nsleep 60 & s=$!\necho $$ > %s/pid.$RANK\nwait $s\n' \
+    "$tmp" "$tmp" > "$graceful"
+chmod +x "$graceful"
+scripts/launch_local.sh 3 "$graceful" 2> "$tmp/err" & launcher=$!
+wait_pids 3
+kill -TERM $launcher
+wait $launcher; rc=$?
+check "$rc" "0" "launch_local: a TERM to the launcher, every rank stopping cleanly"
+check "$(ls "$tmp"/saved.* 2>/dev/null | wc -l) $(survivors)" "3 0" "launch_local: every rank finished its stop"
+check "$(grep -c 'stop requested' "$tmp/err")" "1" "launch_local says the stop was passed on"
+rm -f "$tmp"/pid.* "$tmp"/saved.*
+# a rank that does not stop: a second TERM to the launcher stops every rank at once
+stuck=$tmp/stuck.sh
+printf '#!/bin/sh\ntrap '"'"'echo > %s/saved.$RANK'"'"' TERM\nsleep 60 & s=$!\necho $$ > %s/pid.$RANK\nwhile :; do wait $s; done\n' \
+    "$tmp" "$tmp" > "$stuck"
+chmod +x "$stuck"
+start=$(date +%s)
+scripts/launch_local.sh 3 "$stuck" 2> "$tmp/err" & launcher=$!
+wait_pids 3
+kill -TERM $launcher
+sleep 0.6
+check "$(survivors)" "3" "launch_local: the ranks still run after the first TERM"
+kill -TERM $launcher
+wait $launcher; rc=$?
+check "$rc" "130" "launch_local: a second TERM"
+check "$(($(date +%s) - start < 10)) $(survivors)" "1 0" "launch_local: a second TERM stops every rank at once"
+check "$(ls "$tmp"/saved.* 2>/dev/null | wc -l)" "3" "launch_local: every rank got the first TERM"
+rm -f "$tmp"/pid.* "$tmp"/saved.*
 
 hosts=$tmp/hosts; printf 'a\n# comment\nb\n' > "$hosts"
 fake_ssh=$tmp/ssh; printf '#!/bin/sh\nshift; exec sh -c "$1"\n' > "$fake_ssh"; chmod +x "$fake_ssh"
