@@ -153,6 +153,17 @@ static inline int boot_parse_env(BootConfig *c, char *err) {
            boot_env_str("SDM_RUN_SECRET", c->secret, sizeof c->secret, err) && boot_check(c, err);
 }
 
+// This process's GPU among the `visible` ones: LOCAL_RANK indexes the node's GPUs, except where a per-task binding
+// (CUDA_VISIBLE_DEVICES set, `cuda_visible`, and exactly one GPU visible: SLURM's --gpus-per-task=1 or GPU binding)
+// leaves each process its own, device 0. -1 with err when the local rank has no GPU.
+static inline int boot_device(int local_rank, int visible, const char *cuda_visible, char *err) {
+    if (visible == 1 && cuda_visible && *cuda_visible) return 0;
+    if (local_rank < visible) return local_rank;
+    snprintf(err, BOOT_ERR, "local rank %d but only %d GPUs are visible%s", local_rank, visible,
+             cuda_visible ? " (CUDA_VISIBLE_DEVICES is set: one GPU a process takes device 0)" : "");
+    return -1;
+}
+
 static inline BootConfig boot_from_env(void) {
     BootConfig c;
     char err[BOOT_ERR];

@@ -65,8 +65,9 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     d->local_rank = boot->local_rank;
     int devices = 0;
     cudaCheck(cudaGetDeviceCount(&devices));
-    if (d->local_rank >= devices) sdm_die("local rank %d but only %d GPUs are visible", d->local_rank, devices);
-    cudaCheck(cudaSetDevice(d->local_rank));
+    int device = boot_device(d->local_rank, devices, getenv("CUDA_VISIBLE_DEVICES"), err);
+    if (device < 0) sdm_die("%s", err);
+    cudaCheck(cudaSetDevice(device));
     size_t context = device_used_bytes(); // the first runtime call on the device: the context exists after it
     mem_record(MEM_CONTEXT, context);
 #ifdef SDM_HAVE_NCCL

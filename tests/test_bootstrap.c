@@ -270,6 +270,18 @@ static void test_env(void) {
     CHECK(parse("WORLD_SIZE=2", "RANK=2", s, err) < 0 && strstr(err, "rank 2, world 2"), "rank >= world: %s", err);
 }
 
+// The GPU a process takes: LOCAL_RANK among the node's GPUs; device 0 where a binding leaves each process one.
+static void test_device(void) {
+    char err[BOOT_ERR] = "";
+    CHECK(boot_device(3, 8, NULL, err) == 3 && boot_device(3, 8, "0,1,2,3,4,5,6,7", err) == 3, "8 GPUs: rank 3");
+    CHECK(boot_device(5, 1, "5", err) == 0, "one GPU bound to the task: device 0");
+    CHECK(boot_device(0, 1, NULL, err) == 0, "one GPU, local rank 0");
+    CHECK(boot_device(1, 1, NULL, err) < 0 && strstr(err, "local rank 1 but only 1 GPUs"),
+          "two ranks on one GPU without a binding are refused: %s", err);
+    CHECK(boot_device(1, 1, "", err) < 0, "an empty CUDA_VISIBLE_DEVICES is no binding");
+    CHECK(boot_device(4, 2, "0,1", err) < 0 && strstr(err, "CUDA_VISIBLE_DEVICES"), "4 of 2: %s", err);
+}
+
 int main(void) {
     Rng rng = rng_make((uint64_t)getpid());
     for (int i = 0; i < BOOT_ID_BYTES; i++) g_id[i] = (unsigned char)rng_below(&rng, 256);
@@ -282,5 +294,6 @@ int main(void) {
     test_file(dir);
     rmdir(dir);
     test_env();
+    test_device();
     return test_summary();
 }
