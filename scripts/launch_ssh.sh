@@ -5,7 +5,8 @@
 # host that every host reaches) to the ranks that show this run's SDM_RUN_SECRET (made here unless set; it travels on
 # the ssh command line). The repository must be at the same path on every host (a shared filesystem, or a copy).
 # When a rank fails, the others are stopped and the launcher exits with that rank's status, naming it. ssh -tt gives
-# each remote rank a terminal, so stopping its ssh hangs it up on the remote host. SSH overrides the ssh command.
+# each remote rank a terminal, so stopping its ssh hangs it up on the remote host; keep-alives every 30 s make a dead
+# host's ssh (hence its rank's failure) show within about 90 s. SSH overrides the ssh command.
 # Ctrl-C or a TERM to this launcher stops every rank at once, without a checkpoint (a hang-up, not train_sdm's stop
 # signal, reaches the remote ranks); for a graceful stop send TERM to the train_sdm processes on every host.
 set -u
@@ -25,7 +26,7 @@ for ((h = 0; h < ${#hosts[@]}; h++)); do
         r=$((h * g + l))
         env="MASTER_ADDR=$master MASTER_PORT=$port WORLD_SIZE=$world RANK=$r LOCAL_RANK=$l NCCL_NVLS_ENABLE=0"
         env+=" SDM_RUN_SECRET=$SDM_RUN_SECRET"
-        launch_rank $r ${SSH:-ssh -tt} "${hosts[$h]}" "cd $(printf '%q' "$dir") && $env exec $cmd"
+        launch_rank $r ${SSH:-ssh -tt -o ServerAliveInterval=30 -o ServerAliveCountMax=3} "${hosts[$h]}" "cd $(printf '%q' "$dir") && $env exec $cmd"
     done
 done
 launch_wait launch_ssh.sh
