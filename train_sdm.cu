@@ -135,9 +135,10 @@ static inline void open_data(Run *r) {
         sdm_die("%s", err);
 }
 
-// This rank's shard of a host fp32 array [m->storage] into a device array of the optimizer [shard] of dtype t (its
-// padding stays 0), piece by piece through the staging buffer, converted there (bf16 moments: rounded to nearest
-// even, so a value that came from bf16 is restored exactly).
+// This rank's shard of a host fp32 array, host [hi - lo] holding elements [lo, hi) of the flat [m->storage] one
+// (core/shard.h shard_range), into a device array of the optimizer [shard] of dtype t (its padding stays 0), piece by
+// piece through the staging buffer, converted there (bf16 moments: rounded to nearest even, so a value that came
+// from bf16 is restored exactly).
 static inline void upload_shard(const Run *r, void *dev, Dtype t, const float *host) {
     long long lo, hi;
     shard_range(r->m->storage, r->dist.world, r->dist.rank, &lo, &hi);
@@ -145,7 +146,7 @@ static inline void upload_shard(const Run *r, void *dev, Dtype t, const float *h
     float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
     for (long long at = 0; at < hi - lo; at += piece) {
         long long count = SDM_MIN(piece, hi - lo - at);
-        cudaCheck(cudaMemcpy(stage, host + lo + at, sizeof(float) * count, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(stage, host + at, sizeof(float) * count, cudaMemcpyHostToDevice));
         dtype_convert((char *)dev + at * dtype_size(t), t, stage, DT_FP32, count, 0);
     }
     device_free(stage);
@@ -154,8 +155,26 @@ static inline void upload_shard(const Run *r, void *dev, Dtype t, const float *h
 // The master weights of this rank's shard from host fp32 [m->storage], and the model's whole working copy from the
 // same values.
 static inline void set_params(Run *r, const float *host) {
-    upload_shard(r, r->opt.master, DT_FP32, host);
+    long long lo, hi;
+    shard_range(r->m->storage, r->dist.world, r->dist.rank, &lo, &hi);
+    upload_shard(r, r->opt.master, DT_FP32, host + lo);
     gpu_model_set_params(&r->g, host);
+}
+
+// The elements [lo, hi) of the model's working copy from host fp32 x [hi - lo] (hi <= m->storage), converted to its
+// dtype through the staging buffer: a resume's pieces as they arrive (model/checkpoint.h CkptSink). The conversion is
+// elementwise, so piece by piece gives the bits gpu_model_set_params gives; the padding beyond m->storage keeps the
+// zeros init_params wrote.
+static void take_params_piece(void *ctx, long long lo, long long hi, const float *x) {
+    GpuModel *g = &((Run *)ctx)->g;
+    long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), hi - lo);
+    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * SDM_MAX(piece, 1LL));
+    for (long long at = lo; at < hi; at += piece) {
+        long long count = SDM_MIN(piece, hi - at);
+        cudaCheck(cudaMemcpy(stage, x + (at - lo), sizeof(float) * count, cudaMemcpyHostToDevice));
+        dtype_convert((char *)g->work + at * g->es, g->ctype, stage, DT_FP32, count, 0);
+    }
+    device_free(stage);
 }
 
 // Initial weights (docs/MODEL.md#initialisation), the same on every rank.
@@ -389,18 +408,20 @@ static void run_sum(void *ctx, float *x, size_t n) {
 // model/checkpoint.h CKPT_RANK_LOCAL_KEYS, checked whether or not there is a checkpoint), or a checkpoint rank 0
 // cannot load, stops every rank (model/checkpoint.h).
 static inline void resume(Run *r) {
-    CkptComm comm = {r->dist.rank, r->dist.world, &r->dist, run_broadcast0, run_sum};
+    CkptComm comm = {r->dist.rank, r->dist.world, &r->dist, run_broadcast0, run_sum, 0};
+    CkptSink sink = {r, take_params_piece}; // the working copy, whole on every rank, as the pieces arrive
     CkptResume cr;
     DataLoaderState ls;
     char err[CKPT_ERR], derr[DATA_ERR_LEN];
-    if (!ckpt_resume_all_ranks(r->cfg.run_dir, &r->cfg, r->m, &ls, sizeof ls, &comm, &cr, err)) sdm_die("%s", err);
+    if (!ckpt_resume_all_ranks(r->cfg.run_dir, &r->cfg, r->m, &ls, sizeof ls, &comm, &sink, &cr, err))
+        sdm_die("%s", err);
     if (!cr.id.found) return;
     int ok = dataloader_set_state(&r->train, &ls, derr) == 0;
     if (!ok)
         snprintf(err, sizeof err, "%.300s/step_%08llu/state.bin: %.300s", r->cfg.run_dir,
                  (unsigned long long)cr.id.step, derr);
     if (!ckpt_all_ranks_ok(&comm, ok, "cannot restore the dataloader position", err)) sdm_die("%s", err);
-    set_params(r, cr.params);
+    upload_shard(r, r->opt.master, DT_FP32, cr.params); // the shards ckpt_resume_all_ranks kept
     upload_shard(r, r->opt.m, r->opt.moment_type, cr.adam_m);
     upload_shard(r, r->opt.v, r->opt.moment_type, cr.adam_v);
     r->step = (long long)cr.id.step;

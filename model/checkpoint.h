@@ -9,8 +9,9 @@
 // half-written checkpoint under a valid name and never touches the last good one; older checkpoints are deleted only
 // afterwards, DONE first, so a crash while deleting leaves an incomplete folder, never a complete-looking one.
 // ckpt_save refuses non-finite values and a negative AdamW v; a load refuses them too (an edited file whose checksum
-// was recomputed). A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks and sends it to every rank, and
-// refuses one whose architecture keys or tensor table differ from the requested model's.
+// was recomputed). A resume (ckpt_resume_all_ranks) loads the checkpoint rank 0 picks and sends it to every rank in
+// pieces, of which each rank keeps its ZeRO shard of the parameters and moments (and hands the whole parameters on
+// piece by piece), and refuses one whose architecture keys or tensor table differ from the requested model's.
 // infer_sdm needs model.bin alone: its config text rebuilds the model description.
 #ifndef SDM_CORE_CHECKPOINT_H
 #define SDM_CORE_CHECKPOINT_H
@@ -27,6 +28,7 @@
 
 #include "core/common.h"
 #include "core/config.h"
+#include "core/shard.h"
 #include "model/model.h"
 
 #define CKPT_MODEL_MAGIC "SDMMODEL"
@@ -628,11 +630,17 @@ static inline int ckpt_check_same_run(const Config *rank0, const Config *mine, c
 // The checkpoint rank 0 resumes from (found = 0: none, start afresh).
 typedef struct { uint64_t found, step; } CkptId;
 
-// A checkpoint loaded for resuming: parameters and AdamW moments, malloc'ed fp32 [storage] each.
+// A checkpoint loaded for resuming: parameters and AdamW moments, malloc'ed fp32. ckpt_load_resume fills them whole
+// ([storage], lo = 0, hi = storage); ckpt_resume_all_ranks leaves each rank its ZeRO shard only (core/shard.h
+// shard_range): [hi - lo] values each, element 0 being flat element lo (the whole arrays on one rank).
+// host_bytes: the most host memory the resume held at once for these arrays on this rank (its shards and the
+// broadcast piece; rank 0: the whole arrays it loads).
 typedef struct {
     CkptId id;
     float *params, *adam_m, *adam_v;
+    long long lo, hi;
     uint64_t rng_state;
+    size_t host_bytes;
 } CkptResume;
 
 static inline void ckpt_resume_free(CkptResume *r) {
@@ -657,6 +665,8 @@ static inline int ckpt_load_resume(const char *dir, const Config *want, const Mo
     free(sm);
     if (!ok) return 0;
     size_t n = (size_t)wm->storage;
+    r->lo = 0;
+    r->hi = (long long)n;
     r->adam_m = (float *)sdm_malloc(4 * n);
     r->adam_v = (float *)sdm_malloc(4 * n);
     snprintf(path, sizeof path, "%s/state.bin", dir);
@@ -671,12 +681,29 @@ static inline int ckpt_load_resume(const char *dir, const Config *want, const Mo
 }
 
 // The collectives a resume needs, over every rank of the run: core/dist.cuh's on GPUs, core/loopback.h's in tests.
+// piece_bytes: the largest broadcast0 a resume issues (0: CKPT_PIECE_BYTES; tests take small ones).
 typedef struct {
     int rank, world;
     void *ctx;
     void (*broadcast0)(void *ctx, void *buf, size_t bytes); // rank 0's bytes to every rank
     void (*sum)(void *ctx, float *x, size_t n);             // in place, over ranks
+    size_t piece_bytes;
 } CkptComm;
+
+#define CKPT_PIECE_BYTES ((size_t)256 << 20)
+
+static inline size_t ckpt_piece_bytes(const CkptComm *c) {
+    size_t p = c->piece_bytes ? c->piece_bytes : CKPT_PIECE_BYTES;
+    return p < 4 ? 4 : p / 4 * 4; // whole fp32 values
+}
+
+// What a resume hands over piece by piece: the whole parameter array, which every rank needs (train_sdm: the model's
+// working copy on the device), in consecutive pieces [lo, hi) of the flat array, x [hi - lo] valid during the call
+// only, on every rank alike. NULL params: not needed.
+typedef struct {
+    void *ctx;
+    void (*params)(void *ctx, long long lo, long long hi, const float *x);
+} CkptSink;
 
 // 1 on every rank when every rank passes ok; otherwise 0 on every rank with err: a failed rank's own message
 // prefixed by "rank R <what>: ", elsewhere the failed ranks named. No rank stops alone, waiting for the others.
@@ -699,21 +726,50 @@ static inline int ckpt_all_ranks_ok(const CkptComm *c, int ok, const char *what,
     return 0;
 }
 
-// buf [bytes] on every rank = rank 0's, in pieces of at most 256 MiB (the collective stages them on the device).
+// buf [bytes] on every rank = rank 0's, in pieces of at most ckpt_piece_bytes (the collective stages them on the
+// device).
 static inline void ckpt_broadcast0(const CkptComm *c, void *buf, size_t bytes) {
-    const size_t piece = (size_t)256 << 20;
+    const size_t piece = ckpt_piece_bytes(c);
     for (size_t at = 0; at < bytes; at += piece)
         c->broadcast0(c->ctx, (char *)buf + at, bytes - at < piece ? bytes - at : piece);
 }
 
+// Rank 0's fp32 array src [n] (whole, loaded) to every rank, in the pieces ckpt_broadcast0 would send (the same
+// collectives on every rank): the other ranks receive each piece into buf [min(n, piece)] and copy its part in
+// [lo, hi) to dst [hi - lo] (dst NULL: none kept); every rank passes each piece to take (when not NULL).
+static inline void ckpt_broadcast_array(const CkptComm *c, float *src, long long n, float *buf, long long lo,
+                                        long long hi, float *dst,
+                                        void (*take)(void *, long long, long long, const float *), void *ctx) {
+    const long long piece = (long long)(ckpt_piece_bytes(c) / 4);
+    for (long long at = 0; at < n; at += piece) {
+        long long end = n - at < piece ? n : at + piece;
+        float *x = c->rank == 0 ? src + at : buf;
+        if (c->world > 1) c->broadcast0(c->ctx, x, 4 * (size_t)(end - at));
+        long long a = at > lo ? at : lo, b = end < hi ? end : hi;
+        if (dst && c->rank != 0 && b > a) memcpy(dst + (a - lo), x + (a - at), 4 * (size_t)(b - a));
+        if (take) take(ctx, at, end, x);
+    }
+}
+
+// A malloc'ed array's first count values kept, the rest returned to the allocator.
+static inline float *ckpt_keep_front(float *x, long long count) {
+    float *y = (float *)realloc(x, 4 * (size_t)(count > 0 ? count : 1));
+    return y ? y : x;
+}
+
 // Resume on every rank from the newest complete checkpoint of rank 0's run_dir. Rank 0 picks and loads it, then
 // broadcasts its step, parameters, AdamW moments and loader record, so the other ranks need no copy of the folder.
+// Each rank keeps of the parameters and moments only its ZeRO shard (r->lo, r->hi: core/shard.h shard_range over
+// comm->world); the whole parameters go to sink->params piece by piece (sink NULL: not needed). So a rank other than
+// 0 holds 12 bytes per value of its shard and one broadcast piece (ckpt_piece_bytes), never the whole arrays; rank 0
+// holds the whole arrays it loads until the broadcast is over, then its shard.
 // Every rank first checks its configured model against rank 0's (the architecture keys and the tensor table; rank 0
 // checks the checkpoint's against its own), then the rest of its configuration (ckpt_check_same_run), so ranks that
 // disagree stop before anything is sent. Returns 1 with r->id.found = 0 (start afresh) or r loaded; 0 on every rank,
 // with err naming the ranks, when rank 0 cannot load the checkpoint or any rank's model or run settings differ.
 static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want, const ModelDesc *wm, void *loader,
-                                        uint64_t loader_bytes, const CkptComm *comm, CkptResume *r, char *err) {
+                                        uint64_t loader_bytes, const CkptComm *comm, const CkptSink *sink,
+                                        CkptResume *r, char *err) {
     memset(r, 0, sizeof *r);
     Config *cfg0 = (Config *)sdm_malloc(sizeof(Config));
     ModelDesc *m0 = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
@@ -740,16 +796,35 @@ static inline int ckpt_resume_all_ranks(const char *run_dir, const Config *want,
         ckpt_resume_free(r);
         return 0;
     }
-    if (!r->id.found || comm->world == 1) return 1;
-    size_t n = (size_t)wm->storage;
-    if (comm->rank != 0) {
-        r->params = (float *)sdm_malloc(4 * n);
-        r->adam_m = (float *)sdm_malloc(4 * n);
-        r->adam_v = (float *)sdm_malloc(4 * n);
+    if (!r->id.found) return 1;
+    long long n = wm->storage;
+    void (*take)(void *, long long, long long, const float *) = sink ? sink->params : NULL;
+    void *ctx = sink ? sink->ctx : NULL;
+    if (comm->world == 1) {
+        r->host_bytes = 12 * (size_t)n;
+        ckpt_broadcast_array(comm, r->params, n, NULL, 0, n, NULL, take, ctx); // no collective: the pieces to take
+        return 1;
     }
-    ckpt_broadcast0(comm, r->params, 4 * n);
-    ckpt_broadcast0(comm, r->adam_m, 4 * n);
-    ckpt_broadcast0(comm, r->adam_v, 4 * n);
+    shard_range(n, comm->world, comm->rank, &r->lo, &r->hi);
+    size_t keep = 4 * (size_t)(r->hi - r->lo);
+    float *buf = NULL;
+    if (comm->rank != 0) {
+        size_t piece = ckpt_piece_bytes(comm) < 4 * (size_t)n ? ckpt_piece_bytes(comm) : 4 * (size_t)n;
+        r->params = (float *)sdm_malloc(keep);
+        r->adam_m = (float *)sdm_malloc(keep);
+        r->adam_v = (float *)sdm_malloc(keep);
+        buf = (float *)sdm_malloc(piece);
+        r->host_bytes = 3 * keep + piece;
+    } else r->host_bytes = 12 * (size_t)n;
+    ckpt_broadcast_array(comm, r->params, n, buf, r->lo, r->hi, r->params, take, ctx);
+    ckpt_broadcast_array(comm, r->adam_m, n, buf, r->lo, r->hi, r->adam_m, NULL, NULL);
+    ckpt_broadcast_array(comm, r->adam_v, n, buf, r->lo, r->hi, r->adam_v, NULL, NULL);
+    free(buf);
+    if (comm->rank == 0) { // its shard is the front of the whole arrays: [0, hi)
+        r->params = ckpt_keep_front(r->params, r->hi);
+        r->adam_m = ckpt_keep_front(r->adam_m, r->hi);
+        r->adam_v = ckpt_keep_front(r->adam_v, r->hi);
+    }
     ckpt_broadcast0(comm, loader, loader_bytes);
     comm->broadcast0(comm->ctx, &r->rng_state, sizeof r->rng_state);
     return 1;

@@ -8,6 +8,7 @@
 //   build/test_checkpoint --fuzz N   N fuzz cases, for a long run by hand
 //   build/test_checkpoint --save DIR only write a valid checkpoint of the test model into run folder DIR (for the
 //                                    scripts that run the programs on it: tests/test_infer_args.sh)
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -495,15 +496,34 @@ typedef struct {
     int ok;
     CkptResume res;
     LoaderRecord rec;
+    size_t piece_bytes; // the resume's broadcast pieces (0: CKPT_PIECE_BYTES)
+    float *whole;       // [storage]: the parameters as the sink received them, piece by piece
+    long long next;     // where the next piece must start (the sink checks the pieces are consecutive)
+    int pieces, bad_pieces;
 } RankRun;
+
+// The sink of a resume: the whole parameters, piece by piece, in order.
+static void take_params(void *ctx, long long lo, long long hi, const float *x) {
+    RankRun *rr = (RankRun *)ctx;
+    rr->pieces++;
+    rr->bad_pieces += lo != rr->next || hi <= lo || hi > g_model.storage;
+    if (lo == rr->next && hi > lo && hi <= g_model.storage) memcpy(rr->whole + lo, x, 4 * (size_t)(hi - lo));
+    rr->next = hi;
+}
 
 static void loop_broadcast0(void *ctx, void *buf, size_t bytes) { loop_broadcast((LoopComm *)ctx, buf, bytes, 0); }
 static void loop_sum_floats(void *ctx, float *x, size_t n) { loop_all_reduce_sum((LoopComm *)ctx, x, n); }
 
 static void *rank_resume(void *arg) {
     RankRun *rr = (RankRun *)arg;
-    CkptComm comm = {rr->comm.rank, rr->comm.world, &rr->comm, loop_broadcast0, loop_sum_floats};
-    rr->ok = ckpt_resume_all_ranks(rr->run, rr->cfg, &g_model, &rr->rec, sizeof rr->rec, &comm, &rr->res, rr->err);
+    CkptComm comm = {rr->comm.rank, rr->comm.world, &rr->comm, loop_broadcast0, loop_sum_floats, rr->piece_bytes};
+    CkptSink sink = {rr, take_params};
+    free(rr->whole);
+    rr->whole = (float *)sdm_calloc((size_t)g_model.storage, 4);
+    rr->next = 0;
+    rr->pieces = rr->bad_pieces = 0;
+    rr->ok = ckpt_resume_all_ranks(rr->run, rr->cfg, &g_model, &rr->rec, sizeof rr->rec, &comm, &sink, &rr->res,
+                                   rr->err);
     return NULL;
 }
 
@@ -536,6 +556,76 @@ static void save_rank(RankRun *rr, int q, uint64_t step, float x) {
     char err[CKPT_ERR];
     if (!ckpt_save(rr[q].run, &g_model, &c, p, &s, 5, err)) sdm_die("%s", err);
     free(p);
+}
+
+// Rank 0 saves distinct random parameters and moments; a resume over `world` ranks in pieces of piece_bytes leaves
+// each rank exactly its shard of the parameters and moments (core/shard.h shard_range), shard-sized arrays and no
+// more host memory than its shards and one piece (rank 0: the whole arrays it loads), and every rank the whole
+// parameters through the sink, in consecutive pieces.
+static void check_resume_shards(RankRun *rr, int world, size_t piece_bytes, const float *p, const float *m,
+                                const float *v) {
+    long long n = g_model.storage;
+    for (int q = 0; q < world; q++) rr[q].piece_bytes = piece_bytes;
+    resume_ranks(rr, world, NULL);
+    size_t piece = piece_bytes ? piece_bytes : CKPT_PIECE_BYTES;
+    long long want_pieces = (4 * n + (long long)piece - 1) / (long long)piece;
+    for (int q = 0; q < world; q++) {
+        CkptResume *res = &rr[q].res;
+        long long lo, hi;
+        shard_range(n, world, q, &lo, &hi);
+        size_t keep = 4 * (size_t)(hi - lo);
+        CHECK(rr[q].ok && res->id.step == 40 && rr[q].rec.a == 40, "world %d piece %zu rank %d: %s", world,
+              piece_bytes, q, rr[q].err);
+        if (!rr[q].ok) continue;
+        CHECK(res->lo == lo && res->hi == hi, "world %d rank %d: keeps [%lld, %lld), its shard is [%lld, %lld)",
+              world, q, res->lo, res->hi, lo, hi);
+        CHECK(!memcmp(res->params, p + lo, keep) && !memcmp(res->adam_m, m + lo, keep) &&
+                  !memcmp(res->adam_v, v + lo, keep) && res->rng_state == 1,
+              "world %d piece %zu rank %d: its shard of the parameters or moments differs from the saved one", world,
+              piece_bytes, q);
+        CHECK(!memcmp(rr[q].whole, p, 4 * (size_t)n) && rr[q].pieces == want_pieces && !rr[q].bad_pieces &&
+                  rr[q].next == n,
+              "world %d piece %zu rank %d: the sink got %d pieces (%lld expected, %d out of order, up to %lld of "
+              "%lld) or other parameters", world, piece_bytes, q, rr[q].pieces, want_pieces, rr[q].bad_pieces,
+              rr[q].next, n);
+        if (q == 0 || world == 1) {
+            CHECK(res->host_bytes == 12 * (size_t)n, "world %d rank %d: host_bytes %zu, want %zu", world, q,
+                  res->host_bytes, 12 * (size_t)n);
+        } else {
+            size_t want = 3 * keep + (piece < 4 * (size_t)n ? piece : 4 * (size_t)n);
+            CHECK(res->host_bytes == want && want < 12 * (size_t)n,
+                  "world %d rank %d: host_bytes %zu, want %zu (shards and one piece, below the whole %zu)", world, q,
+                  res->host_bytes, want, 12 * (size_t)n);
+        }
+        if (world > 1) // the arrays it returns are shard-sized (the allocator's rounding aside)
+            CHECK(malloc_usable_size(res->params) < keep + 64 && malloc_usable_size(res->adam_m) < keep + 64 &&
+                      malloc_usable_size(res->adam_v) < keep + 64,
+                  "world %d rank %d: arrays of %zu, %zu, %zu bytes for a shard of %zu", world, q,
+                  malloc_usable_size(res->params), malloc_usable_size(res->adam_m),
+                  malloc_usable_size(res->adam_v), keep);
+        ckpt_resume_free(res);
+    }
+    for (int q = 0; q < world; q++) rr[q].piece_bytes = 0;
+}
+
+static void test_resume_shards(RankRun *rr) {
+    Config c;
+    build_model(&c);
+    size_t n = (size_t)g_model.storage;
+    Rng r = rng_make(9);
+    float *p = random_floats(n, &r), *m = random_floats(n, &r), *v = random_moments(n, &r);
+    LoaderRecord rec = {40, 3};
+    CkptTrainState s = {40, 1, m, v, &rec, sizeof rec};
+    char err[CKPT_ERR];
+    if (!ckpt_save(rr[0].run, &g_model, &c, p, &s, 5, err)) sdm_die("%s", err);
+    // pieces: whole (the default 256 MiB), a few values (crossing shard boundaries mid-piece), 1 value, and 4n / 3
+    // rounded down to whole values (a last piece shorter than the others)
+    size_t pieces[] = {0, 4 * 37, 4, 4 * n / 3 / 4 * 4, 4 * n, 4 * n + 4};
+    for (int world = 1; world <= RANKS; world++)
+        for (size_t k = 0; k < sizeof pieces / sizeof pieces[0]; k++) check_resume_shards(rr, world, pieces[k], p, m, v);
+    free(p);
+    free(m);
+    free(v);
 }
 
 static void test_resume_ranks(void) {
@@ -612,6 +702,8 @@ static void test_resume_ranks(void) {
     resume_ranks(rr, 1, NULL);
     CHECK(rr[0].ok && rr[0].res.id.step == 20, "world 1: %s", rr[0].err);
     ckpt_resume_free(&rr[0].res);
+    test_resume_shards(rr);
+    for (int q = 0; q < RANKS; q++) free(rr[q].whole);
     remove_tree(RANK_BASE);
 }
 
