@@ -142,14 +142,7 @@ static inline void open_data(Run *r) {
 static inline void upload_shard(const Run *r, void *dev, Dtype t, const float *host) {
     long long lo, hi;
     shard_range(r->m->storage, r->dist.world, r->dist.rank, &lo, &hi);
-    long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), r->dist.shard);
-    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
-    for (long long at = 0; at < hi - lo; at += piece) {
-        long long count = SDM_MIN(piece, hi - lo - at);
-        cudaCheck(cudaMemcpy(stage, host + at, sizeof(float) * count, cudaMemcpyHostToDevice));
-        dtype_convert((char *)dev + at * dtype_size(t), t, stage, DT_FP32, count, 0);
-    }
-    device_free(stage);
+    device_upload_fp32_as(dev, t, host, hi - lo, (long long)(MEM_STAGE_BYTES / sizeof(float)));
 }
 
 // The master weights of this rank's shard from host fp32 [m->storage], and the model's whole working copy from the
@@ -167,14 +160,7 @@ static inline void set_params(Run *r, const float *host) {
 // zeros init_params wrote.
 static void take_params_piece(void *ctx, long long lo, long long hi, const float *x) {
     GpuModel *g = &((Run *)ctx)->g;
-    long long piece = SDM_MIN((long long)(MEM_STAGE_BYTES / sizeof(float)), hi - lo);
-    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * SDM_MAX(piece, 1LL));
-    for (long long at = lo; at < hi; at += piece) {
-        long long count = SDM_MIN(piece, hi - at);
-        cudaCheck(cudaMemcpy(stage, x + (at - lo), sizeof(float) * count, cudaMemcpyHostToDevice));
-        dtype_convert((char *)g->work + at * g->es, g->ctype, stage, DT_FP32, count, 0);
-    }
-    device_free(stage);
+    device_upload_fp32_as((char *)g->work + lo * g->es, g->ctype, x, hi - lo, (long long)(MEM_STAGE_BYTES / 4));
 }
 
 // Initial weights (docs/MODEL.md#initialisation), the same on every rank.

@@ -98,6 +98,20 @@ static inline void dtype_convert(void *out, Dtype to, const void *in, Dtype from
     cudaCheckLast();
 }
 
+// dev [n] of dtype t = host fp32 [n], `piece` floats at a time through a MEM_STAGING buffer (no whole device copy of
+// the host array: weights, moments, a resume's pieces), converted on the device (dtype_convert). Elementwise, so the
+// bits do not depend on the pieces.
+static inline void device_upload_fp32_as(void *dev, Dtype t, const float *host, long long n, long long piece) {
+    piece = SDM_MAX(1LL, SDM_MIN(piece, n));
+    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
+    for (long long at = 0; at < n; at += piece) {
+        long long count = SDM_MIN(piece, n - at);
+        cudaCheck(cudaMemcpy(stage, host + at, sizeof(float) * count, cudaMemcpyHostToDevice));
+        dtype_convert((char *)dev + at * dtype_size(t), t, stage, DT_FP32, count, 0);
+    }
+    device_free(stage);
+}
+
 // Device bytes in use now (context, libraries and every allocation), as nvidia-smi counts them.
 static inline size_t device_used_bytes(void) {
     size_t free_b = 0, total_b = 0;

@@ -625,29 +625,25 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
-    if (n0 == N) {
-        matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
-        return;
-    }
     MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
                      {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
     // the narrow remainder by a small-M kernel where one takes it: cuBLASLt's costs as much as the main part (the
     // SDM input product's 4 of 6148 columns at 32 rows); it runs on a stream of its own beside the main part (a
     // parallel branch of a captured graph), since a one-block product of 2048-deep rows is all latency (ncu at 32
     // rows: 6.4 us after the main part's 11.4). The two write disjoint columns: the same bits in either order.
-    MatmulKernel kernel = matmul_small_m_kernel(in_type, M, N - n0, K, 1, matmul_parts_addr(&R, x));
-    if (kernel == MATMUL_KERNEL_LT) {
-        matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
-        matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
-        return;
+    MatmulKernel kernel =
+        n0 < N ? matmul_small_m_kernel(in_type, M, N - n0, K, 1, matmul_parts_addr(&R, x)) : MATMUL_KERNEL_LT;
+    const bool side = kernel != MATMUL_KERNEL_LT;
+    if (side) {
+        matmul_init();
+        cudaCheck(cudaEventRecord(g_matmul.fork, s));
+        cudaCheck(cudaStreamWaitEvent(g_matmul.side, g_matmul.fork, 0));
+        matmul_parts_run(kernel, &R, y_type, x, in_type, M, K, g_matmul.side);
+        cudaCheck(cudaEventRecord(g_matmul.join, g_matmul.side));
     }
-    matmul_init();
-    cudaCheck(cudaEventRecord(g_matmul.fork, s));
-    cudaCheck(cudaStreamWaitEvent(g_matmul.side, g_matmul.fork, 0));
-    matmul_parts_run(kernel, &R, y_type, x, in_type, M, K, g_matmul.side);
-    cudaCheck(cudaEventRecord(g_matmul.join, g_matmul.side));
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
-    cudaCheck(cudaStreamWaitEvent(s, g_matmul.join, 0));
+    if (side) cudaCheck(cudaStreamWaitEvent(s, g_matmul.join, 0));
+    else if (n0 < N) matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's); norm: X's input

@@ -300,25 +300,31 @@ static inline int ckpt_prepare_run_dir(const char *run_dir, char *err) {
     return 1;
 }
 
+// The index of the first value of x [n] that no checkpoint holds: non-finite, or negative when nonneg (AdamW's v);
+// -1 when there is none.
+static inline long long ckpt_first_bad(const float *x, long long n, int nonneg) {
+    for (long long i = 0; i < n; i++)
+        if (!isfinite(x[i]) || (nonneg && x[i] < 0)) return i;
+    return -1;
+}
+
 // 1 when the fp32 array x [m->storage] is finite (and >= 0 when nonneg: AdamW's v); else 0 with err naming the
 // tensor and index of the first bad value.
 static inline int ckpt_check_finite(const ModelDesc *m, const float *x, int nonneg, const char *what, uint64_t step,
                                     char *err) {
-    for (long long i = 0; i < m->storage; i++) {
-        if (isfinite(x[i]) && !(nonneg && x[i] < 0)) continue;
-        const char *name = "alignment gap";
-        long long at = i;
-        for (int k = 0; k < m->n_params; k++)
-            if (i >= m->params[k].offset && i < m->params[k].offset + m->params[k].numel) {
-                name = m->params[k].name;
-                at = i - m->params[k].offset;
-            }
-        snprintf(err, CKPT_ERR, "step %llu: %s %s[%lld] is %g: refusing to write a checkpoint of %s",
-                 (unsigned long long)step, what, name, at, x[i],
-                 isfinite(x[i]) ? "a negative second moment" : "non-finite values");
-        return 0;
-    }
-    return 1;
+    long long i = ckpt_first_bad(x, m->storage, nonneg);
+    if (i < 0) return 1;
+    const char *name = "alignment gap";
+    long long at = i;
+    for (int k = 0; k < m->n_params; k++)
+        if (i >= m->params[k].offset && i < m->params[k].offset + m->params[k].numel) {
+            name = m->params[k].name;
+            at = i - m->params[k].offset;
+        }
+    snprintf(err, CKPT_ERR, "step %llu: %s %s[%lld] is %g: refusing to write a checkpoint of %s",
+             (unsigned long long)step, what, name, at, x[i],
+             isfinite(x[i]) ? "a negative second moment" : "non-finite values");
+    return 0;
 }
 
 // model.bin, state.bin, then DONE into the folder dir, each fsync'ed, then the folder.
@@ -419,14 +425,12 @@ static inline void ckpt_checksum_error(const char *path, const CkptHeader *h, ch
 // else 0 with err naming the first bad value's index and offset. A loaded NaN would train on silently.
 static inline int ckpt_check_loaded(const char *path, const float *x, uint64_t n, int nonneg, size_t at,
                                     const char *what, char *err) {
-    for (uint64_t i = 0; i < n; i++)
-        if (!isfinite(x[i]) || (nonneg && x[i] < 0)) {
-            snprintf(err, CKPT_ERR, "%.300s: %s %llu at offset %llu is %g: a checkpoint never holds %s", path, what,
-                     (unsigned long long)i, (unsigned long long)(at + 4 * i), x[i],
-                     isfinite(x[i]) ? "a negative second moment" : "a non-finite value");
-            return 0;
-        }
-    return 1;
+    long long i = ckpt_first_bad(x, (long long)n, nonneg);
+    if (i < 0) return 1;
+    snprintf(err, CKPT_ERR, "%.300s: %s %lld at offset %llu is %g: a checkpoint never holds %s", path, what, i,
+             (unsigned long long)(at + 4 * (uint64_t)i), x[i],
+             isfinite(x[i]) ? "a negative second moment" : "a non-finite value");
+    return 0;
 }
 
 // The config text and tensor table of a model.bin: rebuild the model description from the text (into c and m)

@@ -402,15 +402,9 @@ static inline double gm_bytes(const GpuModel *g, double tensors, int n, int widt
 // buffer: the same cast of the same values as from a whole device copy, without one (a ZeRO-1 rank holds only its
 // shard of the fp32 master weights, and inference none).
 static inline void gpu_model_set_params_in_pieces(GpuModel *g, const float *host, long long piece) {
-    piece = SDM_MIN(piece, g->padded);
-    float *stage = (float *)device_alloc(MEM_STAGING, sizeof(float) * piece);
-    for (long long lo = 0; lo < g->padded; lo += piece) {
-        long long count = SDM_MIN(piece, g->padded - lo), real = SDM_MAX(0LL, SDM_MIN(count, g->m->storage - lo));
-        cudaCheck(cudaMemcpy(stage, host + SDM_MIN(lo, g->m->storage), sizeof(float) * real, cudaMemcpyHostToDevice));
-        cudaCheck(cudaMemset(stage + real, 0, sizeof(float) * (count - real))); // the padding
-        dtype_convert((char *)g->work + lo * g->es, g->ctype, stage, DT_FP32, count, 0);
-    }
-    device_free(stage);
+    device_upload_fp32_as(g->work, g->ctype, host, g->m->storage, piece);
+    size_t real = (size_t)g->m->storage * g->es;
+    cudaCheck(cudaMemset((char *)g->work + real, 0, (size_t)g->padded * g->es - real)); // the padding
 }
 
 static inline void gpu_model_set_params(GpuModel *g, const float *host) {
