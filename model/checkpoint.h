@@ -78,6 +78,32 @@ static inline uint64_t ckpt_file_checksum(uint64_t body_hash, const CkptHeader *
     return ckpt_hash(body_hash, &copy, sizeof copy);
 }
 
+// The checksum a whole file file[n] (n >= 128) in memory should carry: the body hashed by the parts of
+// docs/FORMATS.md#checksum (model.bin: config text, table, parameters; state.bin: m, v, the loader record), sized
+// by its header and each clipped to the bytes there, then the header. For what edits a checkpoint on purpose: the
+// tests and the fuzzer that check the value checks behind a matching checksum.
+static inline uint64_t ckpt_checksum_of(const uint8_t *file, size_t n) {
+    CkptHeader h;
+    memcpy(&h, file, sizeof h);
+    const uint64_t big = UINT64_MAX / sizeof(CkptTensor), floats = h.n_params > UINT64_MAX / 4 ? UINT64_MAX : 4 * h.n_params;
+    uint64_t parts[3] = {floats, floats, UINT64_MAX};
+    if (!memcmp(h.magic, CKPT_MODEL_MAGIC, 8)) {
+        parts[0] = h.config_bytes;
+        parts[1] = h.n_tensors > big ? UINT64_MAX : sizeof(CkptTensor) * h.n_tensors;
+        parts[2] = floats;
+    }
+    const uint8_t *p = file + sizeof h;
+    size_t left = n - sizeof h;
+    uint64_t hash = CKPT_HASH_SEED;
+    for (int i = 0; i < 3; i++) {
+        size_t k = parts[i] < left ? (size_t)parts[i] : left;
+        hash = ckpt_hash(hash, p, k);
+        p += k;
+        left -= k;
+    }
+    return ckpt_file_checksum(ckpt_hash(hash, p, left), &h); // bytes beyond the parts: a part of their own
+}
+
 // ---- writing ----------------------------------------------------------------------------------------------------
 
 typedef struct { FILE *fp; uint64_t hash, bytes; int failed; } CkptWriter;
