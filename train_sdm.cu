@@ -519,7 +519,7 @@ int main(int argc, char **argv) {
     BootConfig boot = boot_from_env();
     if (boot.rank == 0) open_run_dir(&r);
     cuda_require_gpu();
-    dist_init(&r.dist, &boot, r.m->storage);
+    dist_init(&r.dist, &boot, r.m->storage, c->dist_timeout);
     if (r.dist.rank == 0) model_print_summary(r.m, c, stdout);
     char unimplemented[512];
     cfg_unimplemented(c, unimplemented, sizeof unimplemented);
@@ -555,6 +555,7 @@ int main(int argc, char **argv) {
     size_t peak_used = 0; // device bytes in use at a logged step: allocation is static after step 1, so the peak
     while (r.step < c->steps) {
         float loss = mean_over_ranks(&r, train_step_profiled(&r, r.step - first_step));
+        dist_progress(&r.dist, "finished step", r.step);
         float norm = r.norm;
         if (!isfinite(loss) || !isfinite(norm)) // the same on every rank, so every rank stops here
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,

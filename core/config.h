@@ -44,7 +44,7 @@ typedef struct {
     // distributed / precision (docs/MODEL.md#precision)
     char model_dtype[CFG_STR];
     char fsdp_type[CFG_STR];
-    int matmul_allow_tf32, selective_act_ckpt, recompute_ffn, compile, tp_size;
+    int matmul_allow_tf32, selective_act_ckpt, recompute_ffn, compile, tp_size, dist_timeout;
     // model (docs/MODEL.md#config-keys)
     int dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, multiple_of, weight_tying;
     double rope_theta, norm_eps, ffn_dim_multiplier, init_base_std;
@@ -122,6 +122,10 @@ static const CfgField CFG_FIELDS[] = {
      "capture the training step in a CUDA graph after its first step and replay it (speed knob, same results; one "
      "GPU: eager with several ranks)"},
     {"distributed.tp_size", CFG_INT, CFG_OFF(tp_size), "1", 1, 1, NULL, "tensor parallelism (refused: must be 1)"},
+    {"distributed.timeout", CFG_INT, CFG_OFF(dist_timeout), "1800", 0, 1e7, NULL,
+     "seconds a rank may go without reaching its next collective (waiting on a dead or hung peer) before it aborts "
+     "NCCL and exits 1; longer than any wait on rank 0's checkpoint reading or writing (0: only NCCL's own errors "
+     "end the run; several ranks only)"},
 
     {"model.dim", CFG_INT, CFG_OFF(dim), "1024", 8, 65536, NULL, "model width D"},
     {"model.n_layers", CFG_INT, CFG_OFF(n_layers), "8", 1, CFG_MAX_LAYERS, NULL, "number of blocks"},

@@ -20,12 +20,19 @@
 // first, ZeRO-2 each micro-batch's ranks): tests/test_zero2.c states the bound. In bf16 mode the working copy is the
 // bf16 rounding of the fp32 master, so it may differ by one bf16 ulp (2^-8 relative) where the masters differ at all.
 // Built without NCCL (SDM_HAVE_NCCL undefined) only world = 1 is accepted, and every collective is a no-op.
+//
+// A dead peer: NCCL waits without a timeout, so with several ranks a watchdog thread (core/watchdog.h) watches the
+// run. Every collective call and every finished step (dist_progress) is progress: a rank that has not reached its next
+// collective for distributed.timeout seconds is stuck waiting on a peer, and a communicator whose asynchronous error
+// is set (NCCL saw a peer's connection drop) is broken. Either way the watchdog prints why, aborts the communicator
+// and exits with status 1; the checkpoints written are whole (model/checkpoint.h renames a finished save into place).
 #ifndef SDM_CORE_DIST_CUH
 #define SDM_CORE_DIST_CUH
 
 #include "core/bootstrap.h"
 #include "core/cuda_common.cuh"
 #include "core/shard.h"
+#include "core/watchdog.h"
 
 #ifdef SDM_HAVE_NCCL
 #include <nccl.h>
@@ -39,8 +46,10 @@
 typedef struct {
     int rank, world, local_rank;
     long long n, shard; // parameters, and the per-rank shard: shard_size(n, world)
+    Watchdog watch; // running only with several ranks
 #ifdef SDM_HAVE_NCCL
     ncclComm_t comm;
+    char watch_error[WATCH_MSG];
 #endif
 } Dist;
 
@@ -55,10 +64,41 @@ static inline Dist dist_layout(int rank, int world, long long n_params) {
     return d;
 }
 
-// Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator. The init file
-// (if any) is removed by boot_exchange_id once every rank has read it. The ledger (core/memory.h) gets the device
-// memory the CUDA context and the communicator take, which no device_alloc sees.
-static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params) {
+// Progress for the watchdog: what (a static string; NULL keeps the last one) number at is done.
+static inline void dist_progress(Dist *d, const char *what, long long at) { watchdog_beat(&d->watch, what, at); }
+
+#ifdef SDM_HAVE_NCCL
+// The watchdog's poll: the communicator's asynchronous error, NULL while there is none.
+static const char *dist_watch_poll(void *ctx) {
+    Dist *d = (Dist *)ctx;
+    ncclResult_t e = ncclSuccess;
+    if (ncclCommGetAsyncError(d->comm, &e) != ncclSuccess || e == ncclSuccess || e == ncclInProgress) return NULL;
+    snprintf(d->watch_error, WATCH_MSG, "NCCL error: %s (%s)", ncclGetErrorString(e), ncclGetLastError(d->comm));
+    return d->watch_error;
+}
+
+// The watchdog's fire: say why, abort the communicator (which ends this rank's waiting NCCL kernels), exit 1. The
+// alarm ends the process (SIGALRM's default action) should the abort itself hang; stdout is flushed unless the main
+// thread holds it.
+static void dist_watch_fire(void *ctx, const char *why) {
+    Dist *d = (Dist *)ctx;
+    fprintf(stderr, "sdm: rank %d of %d: %s; a peer rank has probably died or hung. Aborting NCCL and exiting; the "
+            "checkpoints written so far are intact (distributed.timeout sets the time limit)\n", d->rank, d->world, why);
+    if (!ftrylockfile(stdout)) {
+        fflush(stdout);
+        funlockfile(stdout);
+    }
+    alarm(60);
+    ncclCommAbort(d->comm);
+    _exit(1);
+}
+#endif
+
+// Join the run: pick this process's GPU (local_rank), exchange the NCCL id, create the communicator, and with several
+// ranks start the watchdog (timeout_s: distributed.timeout, 0: only NCCL's errors end the run). The init file (if
+// any) is removed by boot_exchange_id once every rank has read it. The ledger (core/memory.h) gets the device memory
+// the CUDA context and the communicator take, which no device_alloc sees.
+static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params, double timeout_s) {
     char err[BOOT_ERR];
     if (!boot_check(boot, err)) sdm_die("%s", err);
     *d = dist_layout(boot->rank, boot->world, n_params);
@@ -77,7 +117,9 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     if (d->world > 1) ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
     size_t with_comm = device_used_bytes();
     mem_record(MEM_NCCL, with_comm > context ? with_comm - context : 0);
+    if (d->world > 1) watchdog_start(&d->watch, timeout_s, 1.0, dist_watch_poll, dist_watch_fire, d, "the start");
 #else
+    (void)timeout_s;
     if (d->world > 1)
         sdm_die("built without NCCL: only single-process runs (world size %d requested); rebuild where NCCL is "
                 "installed (make prints 'NCCL <version>: multi-GPU', or set NCCL_HOME)", d->world);
@@ -85,6 +127,7 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
 }
 
 static inline void dist_destroy(Dist *d) {
+    watchdog_stop(&d->watch);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) ncclCheck(ncclCommDestroy(d->comm));
 #endif
@@ -94,6 +137,7 @@ static inline void dist_destroy(Dist *d) {
 // grads: fp32 [world * shard] (the padding is zero). Afterwards grads[rank*shard ...] holds the sum over ranks
 // (NCCL's in-place form: the received chunk is the rank's own chunk of the send buffer).
 static inline void dist_reduce_scatter_grads(Dist *d, float *grads, cudaStream_t stream) {
+    dist_progress(d, NULL, 0);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1)
         ncclCheck(ncclReduceScatter(grads, grads + d->rank * d->shard, (size_t)d->shard, ncclFloat, ncclSum, d->comm,
@@ -115,6 +159,7 @@ __global__ void dist_add_kernel(float *y, const float *x, long long n) {
 // core/loopback.h loop_reduce_add is the same on the CPU.
 static inline void dist_reduce_add(Dist *d, float *bucket, long long lo, long long hi, float *shard,
                                    cudaStream_t stream) {
+    dist_progress(d, NULL, 0);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) {
         ncclCheck(ncclGroupStart());
@@ -138,6 +183,7 @@ static inline void dist_reduce_add(Dist *d, float *bucket, long long lo, long lo
 // params: [world * shard] elements of elem_bytes (4: fp32, 2: bf16); each rank contributes its shard, all receive
 // every shard.
 static inline void dist_all_gather(Dist *d, void *params, size_t elem_bytes, cudaStream_t stream) {
+    dist_progress(d, NULL, 0);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) {
         ncclDataType_t t = elem_bytes == 4 ? ncclFloat : ncclBfloat16;
@@ -150,6 +196,7 @@ static inline void dist_all_gather(Dist *d, void *params, size_t elem_bytes, cud
 
 // Sum n floats over ranks in place (e.g. squared gradient norms, loss sums).
 static inline void dist_all_reduce_sum(Dist *d, float *x, size_t n, cudaStream_t stream) {
+    dist_progress(d, NULL, 0);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) ncclCheck(ncclAllReduce(x, x, n, ncclFloat, ncclSum, d->comm, stream));
 #endif
@@ -158,6 +205,7 @@ static inline void dist_all_reduce_sum(Dist *d, float *x, size_t n, cudaStream_t
 
 // buf[bytes] (device) of rank `root` to every rank, e.g. the checkpoint rank 0 picked on resume.
 static inline void dist_broadcast(Dist *d, void *buf, size_t bytes, int root, cudaStream_t stream) {
+    dist_progress(d, NULL, 0);
 #ifdef SDM_HAVE_NCCL
     if (d->world > 1) ncclCheck(ncclBroadcast(buf, buf, bytes, ncclUint8, root, d->comm, stream));
 #endif
