@@ -49,6 +49,7 @@ typedef struct {
     Watchdog watch; // running only with several ranks
 #ifdef SDM_HAVE_NCCL
     ncclComm_t comm;
+    int comm_ready; // set (atomically) once comm exists: the watchdog runs from before its creation
     char watch_error[WATCH_MSG];
 #endif
 } Dist;
@@ -72,6 +73,7 @@ static inline void dist_progress(Dist *d, const char *what, long long at) { watc
 static const char *dist_watch_poll(void *ctx) {
     Dist *d = (Dist *)ctx;
     ncclResult_t e = ncclSuccess;
+    if (!__atomic_load_n(&d->comm_ready, __ATOMIC_ACQUIRE)) return NULL;
     if (ncclCommGetAsyncError(d->comm, &e) != ncclSuccess || e == ncclSuccess || e == ncclInProgress) return NULL;
     snprintf(d->watch_error, WATCH_MSG, "NCCL error: %s (%s)", ncclGetErrorString(e), ncclGetLastError(d->comm));
     return d->watch_error;
@@ -89,7 +91,7 @@ static void dist_watch_fire(void *ctx, const char *why) {
         funlockfile(stdout);
     }
     alarm(60);
-    ncclCommAbort(d->comm);
+    if (__atomic_load_n(&d->comm_ready, __ATOMIC_ACQUIRE)) ncclCommAbort(d->comm);
     _exit(1);
 }
 #endif
@@ -114,10 +116,14 @@ static inline void dist_init(Dist *d, const BootConfig *boot, long long n_params
     ncclUniqueId id;
     if (d->rank == 0 && d->world > 1) ncclCheck(ncclGetUniqueId(&id));
     if (!boot_exchange_id(boot, (unsigned char *)&id, err)) sdm_die("%s", err);
-    if (d->world > 1) ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
+    if (d->world > 1) { // the watchdog also ends a creation that waits for a peer which died since the id exchange
+        watchdog_start(&d->watch, timeout_s, 1.0, dist_watch_poll, dist_watch_fire, d, "the NCCL id exchange");
+        ncclCheck(ncclCommInitRank(&d->comm, d->world, id, d->rank));
+        __atomic_store_n(&d->comm_ready, 1, __ATOMIC_RELEASE);
+        dist_progress(d, "the communicator's creation", -1);
+    }
     size_t with_comm = device_used_bytes();
     mem_record(MEM_NCCL, with_comm > context ? with_comm - context : 0);
-    if (d->world > 1) watchdog_start(&d->watch, timeout_s, 1.0, dist_watch_poll, dist_watch_fire, d, "the start");
 #else
     (void)timeout_s;
     if (d->world > 1)
