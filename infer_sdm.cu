@@ -216,9 +216,9 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
     for (int rep = 0; rep <= BENCH_REPS; rep++) { // rep 0 warms up (module loading, cuBLASLt heuristics)
         gpu_infer_reset(I, 0);
         if (rep == 1) cudaCheck(cudaProfilerStart()); // a profiler started with --profile-from-start off sees one
-        double t0 = gen_now();                          // prefill, then the decode steps
+        double t0 = sdm_now_s();                          // prefill, then the decode steps
         gpu_infer_prefill_device(I, 0, prompt, context); // ends by synchronising
-        if (rep > 0) best = SDM_MIN(best, gen_now() - t0);
+        if (rep > 0) best = SDM_MIN(best, sdm_now_s() - t0);
         if (rep == 1) cudaCheck(cudaProfilerStop());
     }
     printf("prefill: %d tokens in %.2f ms = %.0f tokens/s (best of %d)\n", context, 1e3 * best, context / best,
@@ -236,9 +236,9 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
         }
         gpu_infer_step(I, B, use_graph); // warm-up: captures the graph of B streams
         cudaCheck(cudaProfilerStart());
-        double t0 = gen_now();
+        double t0 = sdm_now_s();
         for (int i = 1; i < steps; i++) gpu_infer_step(I, B, use_graph);
-        double t = gen_now() - t0;
+        double t = sdm_now_s() - t0;
         cudaCheck(cudaProfilerStop());
         printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s)\n", B, steps - 1, 1e3 * t / (steps - 1),
                B * (steps - 1) / t, use_graph ? "CUDA graph" : "eager");

@@ -11,8 +11,6 @@
 // dataset is generated on first use. A run resumes from the newest complete checkpoint in its run_dir. SIGTERM or
 // SIGINT stops it after the current step with a checkpoint (a second one at once); a non-finite loss or gradient norm
 // stops it without one.
-#include <time.h>
-
 #include "core/config.h"
 #include "core/dist.cuh"
 #include "core/optim.h"
@@ -108,12 +106,6 @@ static inline void say(const Run *r, const char *fmt, ...) {
     fputs(line, stdout);
     fflush(stdout);
     if (r->log) { fputs(line, r->log); fflush(r->log); }
-}
-
-static inline double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 static inline void open_data(Run *r) {
@@ -549,7 +541,7 @@ int main(int argc, char **argv) {
     profile_start(&r);
 
     // 3. train
-    double t0 = now_s(), t_log = t0;
+    double t0 = sdm_now_s(), t_log = t0;
     long long first_step = r.step;
     long long tokens_per_step = (long long)c->batch_size * c->seq_len * c->grad_acc_steps * r.dist.world;
     size_t peak_used = 0; // device bytes in use at a logged step: allocation is static after step 1, so the peak
@@ -561,7 +553,7 @@ int main(int argc, char **argv) {
             sdm_die("step %lld: the %s is %g; stopping without writing a checkpoint (those in %s are intact)", r.step,
                     isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, c->run_dir);
         if (r.step % c->log_freq == 0 || r.step == c->steps) {
-            double t = now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
+            double t = sdm_now_s(), per_step = (t - t_log) / (r.step % c->log_freq ? r.step % c->log_freq : c->log_freq);
             t_log = t;
             peak_used = SDM_MAX(peak_used, device_used_bytes()); // measured at log steps only: off the hot path
             double tokens_per_s = tokens_per_step / per_step;
@@ -580,7 +572,7 @@ int main(int argc, char **argv) {
     }
     if (r.prof) profile_finish(&r); // the run ended inside the profile window: the steps profiled so far
     if (r.step > first_step && c->dump_every && r.step % c->dump_every) save_checkpoint(&r); // the final state
-    say(&r, "done: %lld steps in %.1f s\n", r.step, now_s() - t0);
+    say(&r, "done: %lld steps in %.1f s\n", r.step, sdm_now_s() - t0);
 
     step_destroy(&r);
     adamw_state_destroy(&r.opt);

@@ -230,12 +230,6 @@ static inline int boot_secret_ok(const BootConfig *c, const BootMsg *m) {
 // ------------------------------------------------------------------------------------------------------------------
 // TCP
 
-static inline double boot_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 // SO_RCVTIMEO / SO_SNDTIMEO (the latter also bounds connect()): a safety net under the poll deadlines.
 static inline void boot_socket_timeouts(int fd, double seconds) {
     struct timeval tv = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
@@ -247,7 +241,7 @@ static inline void boot_socket_timeouts(int fd, double seconds) {
 // Wait until fd is ready for `events` or the deadline passes; 1 when ready.
 static inline int boot_wait(int fd, short events, double deadline) {
     for (;;) {
-        int ms = (int)((deadline - boot_now()) * 1000.0);
+        int ms = (int)((deadline - sdm_now_s()) * 1000.0);
         if (ms <= 0) return 0;
         struct pollfd p = {fd, events, 0};
         int r = poll(&p, 1, ms);
@@ -291,7 +285,7 @@ static inline int boot_serve_client(const BootConfig *c, int fd, const unsigned 
                                     double deadline, int *joined_rank, char *why, size_t why_cap) {
     unsigned char buf[BOOT_MSG_BYTES];
     BootMsg h;
-    double hello_deadline = SDM_MIN(deadline, boot_now() + BOOT_HELLO_S);
+    double hello_deadline = SDM_MIN(deadline, sdm_now_s() + BOOT_HELLO_S);
     boot_socket_timeouts(fd, BOOT_HELLO_S);
     if (!boot_io(fd, buf, 0, hello_deadline)) return snprintf(why, why_cap, "no hello within %d s", BOOT_HELLO_S), 0;
     if (!boot_decode(&h, buf)) return snprintf(why, why_cap, "not an sdm.c hello"), 0;
@@ -334,7 +328,7 @@ static inline int boot_tcp_serve(const BootConfig *c, const unsigned char *id, c
     }
     char *joined = (char *)sdm_calloc((size_t)c->world, 1), why[160] = "", last[200] = "";
     int missing = c->world - 1, refused = 0;
-    double deadline = boot_now() + c->timeout_s;
+    double deadline = sdm_now_s() + c->timeout_s;
     while (missing > 0 && boot_wait(fd, POLLIN, deadline)) {
         struct sockaddr_in peer;
         socklen_t len = sizeof peer;
@@ -367,11 +361,11 @@ static inline int boot_tcp_fetch(const BootConfig *c, unsigned char *id, char *e
     unsigned char hello[BOOT_MSG_BYTES], buf[BOOT_MSG_BYTES];
     BootMsg m = boot_msg(c, c->rank, NULL);
     boot_encode(&m, hello);
-    double deadline = boot_now() + c->timeout_s;
-    while (boot_now() < deadline) {
+    double deadline = sdm_now_s() + c->timeout_s;
+    while (sdm_now_s() < deadline) {
         int fd = socket(AF_INET, SOCK_STREAM, 0), answered = 0;
         if (fd >= 0) {
-            boot_socket_timeouts(fd, deadline - boot_now());
+            boot_socket_timeouts(fd, deadline - sdm_now_s());
             answered = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 && boot_io(fd, hello, 1, deadline) &&
                        boot_io(fd, buf, 0, deadline) && boot_decode(&m, buf) && boot_secret_ok(c, &m);
             close(fd);
@@ -439,8 +433,8 @@ static inline int boot_file_serve(const BootConfig *c, const unsigned char *id, 
         return 0;
     }
     int missing = c->world - 1;
-    double deadline = boot_now() + c->timeout_s;
-    while (missing > 0 && boot_now() < deadline) {
+    double deadline = sdm_now_s() + c->timeout_s;
+    while (missing > 0 && sdm_now_s() < deadline) {
         for (int r = 1; r < c->world; r++) {
             boot_ack_path(c, r, path, sizeof path);
             if (!acked[r] && boot_file_read(c, path, &m) && m.code == r) acked[r] = 1, missing--;
@@ -461,8 +455,8 @@ static inline int boot_file_serve(const BootConfig *c, const unsigned char *id, 
 
 static inline int boot_file_fetch(const BootConfig *c, unsigned char *id, char *err) {
     BootMsg m;
-    double deadline = boot_now() + c->timeout_s;
-    while (boot_now() < deadline) {
+    double deadline = sdm_now_s() + c->timeout_s;
+    while (sdm_now_s() < deadline) {
         if (boot_file_read(c, c->init_file, &m) && m.code == BOOT_OK) {
             if (m.world != c->world) {
                 snprintf(err, BOOT_ERR, "rank %d was started with world size %d, rank 0 with %d", c->rank, c->world,

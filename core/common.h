@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 // Print "sdm: <message>" to stderr and exit(1). Every user-facing error goes through here.
 static inline void sdm_die(const char *fmt, ...) {
@@ -39,6 +40,13 @@ static inline void *sdm_calloc(size_t count, size_t size) {
 #else
 #define SDM_HOST_DEVICE
 #endif
+
+// Seconds on the monotonic clock: for durations and deadlines, never the time of day.
+static inline double sdm_now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 #define SDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define SDM_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -39,12 +39,6 @@ typedef struct {
     char why[WATCH_MSG];      // the message fire got
 } Watchdog;
 
-static inline double watch_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
 // The message when the thread should fire, into why; 0 while all is well. Called with mu held.
 static inline int watch_verdict(Watchdog *w, double now) {
     const char *error = w->poll ? w->poll(w->ctx) : NULL;
@@ -62,13 +56,13 @@ static void *watch_thread(void *arg) {
     Watchdog *w = (Watchdog *)arg;
     pthread_mutex_lock(&w->mu);
     while (!w->stopping) {
-        double wake_at = watch_now() + w->poll_s;
+        double wake_at = sdm_now_s() + w->poll_s;
         struct timespec ts;
         ts.tv_sec = (time_t)wake_at;
         ts.tv_nsec = (long)((wake_at - (double)ts.tv_sec) * 1e9);
         while (!w->stopping && pthread_cond_timedwait(&w->wake, &w->mu, &ts) != ETIMEDOUT) {
         }
-        if (w->stopping || !watch_verdict(w, watch_now())) continue;
+        if (w->stopping || !watch_verdict(w, sdm_now_s())) continue;
         w->fired = 1;
         pthread_mutex_unlock(&w->mu); // fire may take long (an abort), and a test's beats go on meanwhile
         w->fire(w->ctx, w->why);
@@ -89,10 +83,10 @@ static inline void watchdog_start(Watchdog *w, double timeout_s, double poll_s, 
     w->ctx = ctx;
     w->what = what;
     w->at = -1;
-    w->last_beat = watch_now();
+    w->last_beat = sdm_now_s();
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); // the waits' deadlines are watch_now() times
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); // the waits' deadlines are sdm_now_s() times
     if (pthread_mutex_init(&w->mu, NULL) != 0 || pthread_cond_init(&w->wake, &attr) != 0 ||
         pthread_create(&w->thread, NULL, watch_thread, w) != 0)
         sdm_die("cannot start the watchdog thread");
@@ -105,7 +99,7 @@ static inline void watchdog_start(Watchdog *w, double timeout_s, double poll_s, 
 static inline void watchdog_beat(Watchdog *w, const char *what, long long at) {
     if (!w->running) return;
     pthread_mutex_lock(&w->mu);
-    w->last_beat = watch_now();
+    w->last_beat = sdm_now_s();
     if (what) {
         w->what = what;
         w->at = at;

@@ -34,12 +34,6 @@ static void usage(void) {
     exit(2);
 }
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 // Decimal digits only (no sign, no spaces: strtoull would take "+5", " 5" and "-1"), within 64 bits.
 static unsigned long long parse_count(const char *opt, const char *s) {
     unsigned long long v = 0;
@@ -68,7 +62,7 @@ static void print_progress(const Preparer *pp) {
     double mb = (double)pp->bytes_read / 1e6;
     fprintf(stderr, "\rprepare_data: %.0f MB read, %llu documents, %llu tokens, %.0f MB/s", mb,
             (unsigned long long)pp->docs, (unsigned long long)(pp->train.total_tokens + pp->val.total_tokens),
-            mb / SDM_MAX(now_seconds() - g_start, 1e-9));
+            mb / SDM_MAX(sdm_now_s() - g_start, 1e-9));
     g_progress_shown = 1;
 }
 
@@ -92,7 +86,7 @@ static PrepUnit input_unit(const char *path, const char *format, PrepUnit text_u
 
 static void run_task(const char *dir, const char *task, const RecallConfig *rc, SynConfig *sc) {
     char err[DATA_ERR_LEN];
-    double t0 = now_seconds();
+    double t0 = sdm_now_s();
     uint64_t dropped = 0;
     if (!strcmp(task, "recall")) {
         if (recall_dataset_write(dir, rc, err)) sdm_die("%s", err);
@@ -102,7 +96,7 @@ static void run_task(const char *dir, const char *task, const RecallConfig *rc, 
         sc->task = !strcmp(task, "mqar") ? SYN_MQAR : SYN_COPY;
         if (syn_dataset_write(dir, sc, &dropped, err)) sdm_die("%s", err);
     }
-    fprintf(stderr, "prepare_data: %s dataset in %s (%.1f s)\n", task, dir, now_seconds() - t0);
+    fprintf(stderr, "prepare_data: %s dataset in %s (%.1f s)\n", task, dir, sdm_now_s() - t0);
     if (dropped)
         fprintf(stderr, "prepare_data: %llu facts left unqueried (no room at a drawn gap)\n",
                 (unsigned long long)dropped);
@@ -164,7 +158,7 @@ int main(int argc, char **argv) {
     }
 
     Preparer pp;
-    g_start = now_seconds();
+    g_start = sdm_now_s();
     if (preparer_open(&pp, dir, shard_tokens, err)) fail(err);
     pp.val_every = val_every;
     pp.skip_bad = skip_bad;
@@ -179,7 +173,7 @@ int main(int argc, char **argv) {
     int train_shards = pp.train.num_shards + (pp.train.f != NULL), val_shards = pp.val.num_shards + (pp.val.f != NULL);
     uint64_t docs = pp.docs, val_docs = pp.val_docs, skipped = pp.skipped, bytes = pp.bytes_read;
     if (preparer_close(&pp, err)) fail(err);
-    double secs = now_seconds() - g_start;
+    double secs = sdm_now_s() - g_start;
     end_progress_line();
     free(inputs);
     printf("prepare_data: %llu documents (%llu train, %llu validation), %llu skipped\n", (unsigned long long)docs,

@@ -5,8 +5,8 @@
 // read the coefficients from device memory (AdamWState.coeffs), so a step captured in a CUDA graph takes each step's
 // values from a copy made before or inside each replay, with no new kernel arguments. With ZeRO-1 each rank calls
 // adamw_grad_sumsq on its gradient shard, all-reduces the one float, then adamw_clip_scale.
-#ifndef SDM_CORE_ADAMW_CUH
-#define SDM_CORE_ADAMW_CUH
+#ifndef SDM_MODEL_ADAMW_CUH
+#define SDM_MODEL_ADAMW_CUH
 
 #include "core/cuda_common.cuh"
 #include "model/model.h"

@@ -13,8 +13,8 @@
 // pieces, of which each rank keeps its ZeRO shard of the parameters and moments (and hands the whole parameters on
 // piece by piece), and refuses one whose architecture keys or tensor table differ from the requested model's.
 // infer_sdm needs model.bin alone: its config text rebuilds the model description.
-#ifndef SDM_CORE_CHECKPOINT_H
-#define SDM_CORE_CHECKPOINT_H
+#ifndef SDM_MODEL_CHECKPOINT_H
+#define SDM_MODEL_CHECKPOINT_H
 
 #include <dirent.h>
 #include <errno.h>

@@ -15,8 +15,8 @@
 // kernels, so the step's bits do not change; the layers do the same for their cheap activations (attention gate,
 // SDM readout). distributed.recompute_ffn also recomputes the FFN's W1|W3 product (a GEMM: the largest activation,
 // [n, 2F] a layer, traded for 2 n D 2F FLOPs a layer).
-#ifndef SDM_CORE_GPU_MODEL_CUH
-#define SDM_CORE_GPU_MODEL_CUH
+#ifndef SDM_MODEL_GPU_MODEL_CUH
+#define SDM_MODEL_GPU_MODEL_CUH
 
 #include "attention/attention_layer.cuh"
 #include "core/dist.cuh"

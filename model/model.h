@@ -3,8 +3,8 @@
 //
 // Parameters live in one flat array in table order. Within a layer, tensors that one GEMM can consume together are
 // adjacent: attention wq, wk, wv (, wg); SDM wk, wq, wv, wa, wb (, wg) then their biases in the same order; FFN w1, w3.
-#ifndef SDM_CORE_MODEL_H
-#define SDM_CORE_MODEL_H
+#ifndef SDM_MODEL_MODEL_H
+#define SDM_MODEL_MODEL_H
 
 #include <math.h>
 #include <pthread.h>

@@ -2,8 +2,8 @@
 // cross-entropy and the analytic gradient of every parameter. It is the oracle of the GPU training step.
 //
 //   h0 = E[token];  h' = h + Mixer_l(RMSNorm_a(h));  h+ = h' + FFN(RMSNorm_b(h'));  logits = W_out . RMSNorm_f(h^L)
-#ifndef SDM_CORE_MODEL_REF_H
-#define SDM_CORE_MODEL_REF_H
+#ifndef SDM_MODEL_MODEL_REF_H
+#define SDM_MODEL_MODEL_REF_H
 
 #include "attention/attention_ref.h"
 #include "model/model.h"

@@ -88,7 +88,7 @@ static int raw_client_tries(const char *ip, int port, const unsigned char *msg, 
     }
     if (n > 0 && send(fd, msg, (size_t)n, MSG_NOSIGNAL) != n) { close(fd); return 0; }
     unsigned char buf[BOOT_MSG_BYTES];
-    int got = boot_io(fd, reply ? reply : buf, 0, boot_now() + 5) ? BOOT_MSG_BYTES : 0;
+    int got = boot_io(fd, reply ? reply : buf, 0, sdm_now_s() + 5) ? BOOT_MSG_BYTES : 0;
     close(fd);
     return got;
 }
@@ -125,9 +125,9 @@ static void test_tcp_hostile(int port) {
     CHECK(raw_client("127.0.0.1", port, msg, sizeof msg, NULL) == 0, "garbage got an answer");
     CHECK(raw_client_tries("127.0.0.2", port, msg, 0, NULL, 1) == -1, "rank 0 listens beyond MASTER_ADDR 127.0.0.1");
     CHECK(raw_client("127.0.0.1", port, msg, -1, NULL) == 0, "reset");
-    double t = boot_now();
+    double t = sdm_now_s();
     CHECK(raw_client("127.0.0.1", port, msg, 0, NULL) == 0, "silence got an answer");
-    CHECK(boot_now() - t < BOOT_HELLO_S + 1.5, "a silent client held rank 0 for %.1f s", boot_now() - t);
+    CHECK(sdm_now_s() - t < BOOT_HELLO_S + 1.5, "a silent client held rank 0 for %.1f s", sdm_now_s() - t);
     CHECK(raw_client("127.0.0.1", port, msg, 10, NULL) == 0, "a short hello got an answer");
     CHECK(raw_client("127.0.0.1", port, msg, hello(msg, 1, 3, "another-run-secret-0000"), NULL) == 0,
           "a wrong secret got an answer");
@@ -181,9 +181,9 @@ static void test_tcp_refusals(int port) {
     boot_resolve(&c, &a, none.err);
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, 4) == 0, "test listener");
-    double t = boot_now();
+    double t = sdm_now_s();
     Result mute = collect(spawn(c));
-    CHECK(!mute.ok && boot_now() - t < 3, "a mute listener held rank 1 for %.1f s: %s", boot_now() - t, mute.err);
+    CHECK(!mute.ok && sdm_now_s() - t < 3, "a mute listener held rank 1 for %.1f s: %s", sdm_now_s() - t, mute.err);
     close(fd);
 }
 

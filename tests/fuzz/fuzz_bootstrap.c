@@ -38,7 +38,7 @@ static void fuzz_hello(const uint8_t *data, size_t n) {
     shutdown(sv[1], SHUT_WR); // the peer says no more: a short hello ends at once
     int rank = -1;
     char why[160] = "";
-    int joined = boot_serve_client(&c, sv[0], id, taken, boot_now() + 5, &rank, why, sizeof why);
+    int joined = boot_serve_client(&c, sv[0], id, taken, sdm_now_s() + 5, &rank, why, sizeof why);
     unsigned char reply[BOOT_MSG_BYTES + 1];
     ssize_t got = recv(sv[1], reply, sizeof reply, MSG_DONTWAIT);
     close(sv[0]);
