@@ -35,7 +35,7 @@ typedef struct {
     double last_beat;         // monotonic seconds
     const char *what;         // the last progress: what (a static string) and at (a step, a piece; -1: none)
     long long at;
-    int running, stopping, fired;
+    int running, stopping;
     char why[WATCH_MSG];      // the message fire got
 } Watchdog;
 
@@ -63,7 +63,6 @@ static void *watch_thread(void *arg) {
         while (!w->stopping && pthread_cond_timedwait(&w->wake, &w->mu, &ts) != ETIMEDOUT) {
         }
         if (w->stopping || !watch_verdict(w, sdm_now_s())) continue;
-        w->fired = 1;
         pthread_mutex_unlock(&w->mu); // fire may take long (an abort), and a test's beats go on meanwhile
         w->fire(w->ctx, w->why);
         return NULL;
