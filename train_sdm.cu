@@ -518,9 +518,11 @@ int main(int argc, char **argv) {
     if (unimplemented[0]) say(&r, "note: accepted but not implemented yet (no effect on results): %s\n", unimplemented);
     say(&r, "ranks %d | micro-batch %d x %d tokens | %s | %s\n", r.dist.world, c->batch_size, c->seq_len,
         c->model_dtype, step_mode(&r));
-    if (r.dist.world > 1)
-        say(&r, "watchdog: a rank stuck %d s without reaching a collective, or a lost NCCL peer, ends the run%s\n",
-            c->dist_timeout, c->dist_timeout ? "" : " (distributed.timeout = 0: only NCCL's errors)");
+    if (r.dist.world > 1 && c->dist_timeout)
+        say(&r, "watchdog: a lost NCCL peer, or a rank %d s without reaching a collective, ends the run\n",
+            c->dist_timeout);
+    else if (r.dist.world > 1)
+        say(&r, "watchdog: a lost NCCL peer ends the run (distributed.timeout = 0: no time limit)\n");
 
     // 2. data, the model on the GPU, its initial or resumed state
     open_data(&r);
