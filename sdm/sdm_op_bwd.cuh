@@ -252,10 +252,11 @@ __device__ __forceinline__ void sdm_cp_async4(void *smem, const void *gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
-// The calling warp issues copies of `bytes` (a multiple of 4) at src into dst (shared, 16-byte aligned), lane-strided;
-// they are this thread's until it waits and the warp syncs. 16-byte copies when src and bytes allow it; otherwise 4-byte
-// ones (fp8/int4 snapshot rows when d is not a multiple of 16/32, and their scales unless ceil(d/32) is a multiple of
-// 4): so every shape whose staging fits is staged, and only the shared memory makes the launcher fall back.
+// The calling warp issues copies of `bytes` (a multiple of 4) at src into dst (shared, 16-byte aligned),
+// lane-strided; they are this thread's until it waits and the warp syncs. 16-byte copies when src and bytes allow it;
+// otherwise 4-byte ones (fp8/int4 snapshot rows when d is not a multiple of 16/32, and their scales unless ceil(d/32)
+// is a multiple of 4): so every shape whose staging fits is staged, and only the shared memory makes the launcher
+// fall back.
 __device__ __forceinline__ void sdm_stage_row(void *dst, const void *src, int bytes, int lane) {
     if ((((uintptr_t)src | (uintptr_t)bytes) & 15) == 0)
         for (int k = lane * 16; k < bytes; k += 32 * 16) core_cp_async16((char *)dst + k, (const char *)src + k, true);

@@ -301,7 +301,8 @@ static void bench_staged(int B, int T, int H, int N, int d, int W, int R, int C,
         for (int st = 0; st < 2; st++) {
             g_sdm_bscatter_staged = st;
             sdm_op_forward(&s, &b.in, b.bank, b.out, b.saved, 0);
-            float bwd = time_once([&] { sdm_op_backward(&s, &b.in, b.bank, b.dout, NULL, &b.g, b.saved, b.scratch, 0); });
+            float bwd =
+                time_once([&] { sdm_op_backward(&s, &b.in, b.bank, b.dout, NULL, &b.g, b.saved, b.scratch, 0); });
             float sc = time_once([&] {
                 for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, b.bank, 0, b.g.dbank_init, b.dout, c, 0);
             });
@@ -311,9 +312,9 @@ static void bench_staged(int B, int T, int H, int N, int d, int W, int R, int C,
     cudaCheckLast();
     const size_t smem = sdm_bscatter_staged_smem(a, 0);
     const float b0 = median(tb[0]), b1 = median(tb[1]), c0 = median(tc[0]), c1 = median(tc[1]);
-    printf("  backward: plain %.3f ms, staged %.3f ms (%+.1f%%) | bscatter alone: plain %.3f ms, staged %.3f ms (%+.1f%%)"
-           " | staging %zu KB a block%s\n", b0, b1, 100.0 * (b1 - b0) / b0, c0, c1, 100.0 * (c1 - c0) / c0, smem >> 10,
-           smem > SDM_BSCATTER_STAGE_MAX ? " (over the limit: staged = plain)" : "");
+    printf("  backward: plain %.3f ms, staged %.3f ms (%+.1f%%) | bscatter alone: plain %.3f ms, staged %.3f ms "
+           "(%+.1f%%) | staging %zu KB a block%s\n", b0, b1, 100.0 * (b1 - b0) / b0, c0, c1, 100.0 * (c1 - c0) / c0,
+           smem >> 10, smem > SDM_BSCATTER_STAGE_MAX ? " (over the limit: staged = plain)" : "");
     free_op_buffers(&b);
 }
 

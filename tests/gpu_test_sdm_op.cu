@@ -1,7 +1,8 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
 // (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, the persistent forward =
 // the per-chunk launches (bitwise), decode = prefill = training forward, bitwise determinism, snapshot modes and their
-// independence of the batch, refusals.
+// independence of the batch, refusals, and the backward scatter staged by cp.async = the plain one (bitwise, in every
+// run_gpu backward and at the flagship's d in every snapshot format).
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
@@ -1012,16 +1013,25 @@ static void print_wy_digests(void) {
 // that fit (d = 1360 over a bf16 bank: 63.75 KB a block) and rows that fall back (d = 1032 over an fp32 bank, 2048).
 static void test_bscatter_staged(void) {
     static const struct { int B, T, H, N, d, W, R, C, fp32; SdmSnapshot snap; int same; } k[] = {
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_NONE, 0}, {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_BF16, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 0},  {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_INT4, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 0}, {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_FP8, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_INT4, 0}, {1, 130, 1, 2048, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 1},
-        {1, 130, 1, 2048, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 1}, {2, 100, 2, 64, 8, 8, 8, 16, 0, SDM_SNAP_FP8, 0},
-        {2, 100, 2, 64, 8, 8, 8, 16, 1, SDM_SNAP_INT4, 0},       {1, 90, 2, 128, 24, 16, 16, 32, 0, SDM_SNAP_INT4, 0},
-        {1, 90, 2, 128, 24, 16, 16, 32, 1, SDM_SNAP_FP8, 0},     {1, 80, 2, 128, 136, 16, 16, 32, 0, SDM_SNAP_FP8, 0},
-        {1, 80, 2, 128, 136, 16, 16, 32, 1, SDM_SNAP_INT4, 0},   {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_NONE, 0},
-        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_INT4, 0},   {1, 70, 1, 64, 1032, 16, 16, 64, 1, SDM_SNAP_NONE, 0},
-        {1, 70, 1, 64, 2048, 16, 16, 64, 0, SDM_SNAP_NONE, 0},
+        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_NONE, 0}, // the flagship's d, W, R, C; fp32 bank: 64 KB a block
+        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_BF16, 0},
+        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 0},
+        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_INT4, 0},
+        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 0}, // bf16 bank: 48 KB a block
+        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_FP8, 0},
+        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_INT4, 0},
+        {1, 130, 1, 2048, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 1}, // every token the same 64 + 64 slots
+        {1, 130, 1, 2048, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 1},
+        {2, 100, 2, 64, 8, 8, 8, 16, 0, SDM_SNAP_FP8, 0},   // 8-byte rows, 4-byte scales
+        {2, 100, 2, 64, 8, 8, 8, 16, 1, SDM_SNAP_INT4, 0},  // 4-byte rows
+        {1, 90, 2, 128, 24, 16, 16, 32, 0, SDM_SNAP_INT4, 0}, // 12-byte rows
+        {1, 90, 2, 128, 24, 16, 16, 32, 1, SDM_SNAP_FP8, 0},  // 24-byte rows
+        {1, 80, 2, 128, 136, 16, 16, 32, 0, SDM_SNAP_FP8, 0}, // 136-byte rows, 5 scales
+        {1, 80, 2, 128, 136, 16, 16, 32, 1, SDM_SNAP_INT4, 0},
+        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // the widest staged rows over a bf16 bank
+        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_INT4, 0},
+        {1, 70, 1, 64, 1032, 16, 16, 64, 1, SDM_SNAP_NONE, 0}, // falls back: 64.5 KB a block
+        {1, 70, 1, 64, 2048, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // falls back: 96 KB a block
     };
     static const char *const snaps[] = {"none", "bf16", "fp8", "int4"};
     for (int i = 0; i < (int)(sizeof(k) / sizeof(k[0])); i++) {
@@ -1033,7 +1043,8 @@ static void test_bscatter_staged(void) {
         Result r = run_gpu_both_scatters(&c, &s, rb, &same);
         printf("  backward scatter staged vs plain, %s bank, %-4s snapshots, d=%-4d W%d R%d C%d%s (%s): %s\n",
                k[i].fp32 ? "fp32" : "bf16", snaps[k[i].snap], k[i].d, k[i].W, k[i].R, k[i].C,
-               k[i].same ? " same-slots" : "", staged_fits(&s) ? "staged" : "falls back", same ? "same bits" : "DIFFERENT");
+               k[i].same ? " same-slots" : "", staged_fits(&s) ? "staged" : "falls back",
+               same ? "same bits" : "DIFFERENT");
         free_result(&r); free(rb); free_case(&c);
     }
 }
