@@ -8,7 +8,8 @@
 # overwrites a stage between its issue and its read; (2) per column, the sequence of (entry, gath) fmaf steps equals
 # the plain loop's; (3) per entry, the dot's per-lane terms (column groups in order), then the passes in order, equal
 # the plain loop's; (4) the snapshot stores (entry, column) are the same set; (5) the partial row is written for the
-# same columns (all of them, zeros for a warp without entries). Prints a summary; exits 1 on a mismatch.
+# same columns (all of them, zeros for a warp without entries); (6) the slot each item uses (a shuffle from the lane
+# that loaded it up front, or a load past the 32nd entry of a warp) is the entry's. Prints a summary; exits 1 on a mismatch.
 import random
 import sys
 
@@ -58,6 +59,13 @@ def staged(n, d, V, GQ, NS, slots, lane, warp, rng):
                 part_cols.add(col)
         return acc_seq, dot_seq, snaps, part_cols, 0
     items = np_ * nm
+    # the slot (and weight) source: lane j holds entry warp + 8 j's for j < nm, shuffled from lane m & 31; m >= 32
+    # loads it
+    my_sl = [slots[warp + j * WARPS] if j < nm else -1 for j in range(32)]
+
+    def slot_of(m):
+        v = my_sl[m & 31]
+        return v if m < 32 else slots[warp + m * WARPS]
     # stage state: stage -> (item, landed?) ; groups: list of lists of (stage, item)
     stage = [None] * NS
     groups = []
@@ -68,7 +76,8 @@ def staged(n, d, V, GQ, NS, slots, lane, warp, rng):
         g = []
         if it < items:
             p, k = it // nm, warp + (it % nm) * WARPS
-            if slots[k] >= 0:
+            assert slot_of(it % nm) == slots[k]
+            if slot_of(it % nm) >= 0:
                 for u in range(GQ):
                     q = p * GQ + u
                     col = (q * 32 + lane) * V
@@ -100,7 +109,8 @@ def staged(n, d, V, GQ, NS, slots, lane, warp, rng):
         max_inflight = max(max_inflight, sum(1 for gi in pending if groups[gi]))
         p, m = it // nm, it % nm
         k, q0 = warp + m * WARPS, p * GQ
-        sl = slots[k]
+        sl = slot_of(m)
+        assert sl == slots[k]
         pd = []
         used = False
         for u in range(GQ):
@@ -133,7 +143,8 @@ def main():
     cases = 0
     inflight_seen = {}
     for trial in range(3000):
-        n = rng.choice([1, 3, 7, 8, 9, 16, 17, 33, 64, 65, 100, 128]) if trial % 2 else rng.randint(1, 140)
+        n = rng.choice([1, 3, 7, 8, 9, 16, 17, 33, 64, 65, 100, 128, 256, 257, 300, 1024]) if trial % 2 else \
+            rng.randint(1, 140)
         d = 8 * rng.randint(1, 300)
         V = rng.choice([4, 8])
         GQ = rng.choice([1, 2, 4])
