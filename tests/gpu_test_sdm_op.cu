@@ -1087,8 +1087,9 @@ static void test_bscatter_staged(void) {
 // plain ones, bit for bit, the backward scatter plain in both runs: the flagship's d = 1024 and W = R = 64 in every
 // snapshot format over both banks (N = 256; T % C != 0: padding entries), chains of C entries (same slots), small
 // rows (d = 8, 24, 40: one partial column group, lanes idle), fewer entries than warps (W = 3, R = 5: warps without
-// entries), uneven entries per warp (W = 12, R = 10), rows of several passes (d = 1360 over an fp32 bank: 3 passes
-// of G), and the fallbacks (d = 1536: the token kernel falls back; d = 2048: both).
+// entries), uneven entries per warp (W = 12, R = 10), more than 32 entries a warp (W, R > 256: slots past a warp's
+// 32nd entry loaded, not shuffled), rows of several passes (d = 1360 over an fp32 bank: 3 passes of G), and the
+// fallbacks (d = 1536: the token kernel falls back; d = 2048: both).
 static void test_gather_staged(void) {
     static const struct { int B, T, H, N, d, W, R, C, fp32; SdmSnapshot snap; int same; } k[] = {
         {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_NONE, 0},
@@ -1105,6 +1106,8 @@ static void test_gather_staged(void) {
         {1, 90, 2, 128, 24, 16, 16, 32, 0, SDM_SNAP_INT4, 0},
         {1, 90, 2, 128, 40, 3, 5, 32, 1, SDM_SNAP_FP8, 0},
         {2, 80, 2, 96, 32, 12, 10, 32, 0, SDM_SNAP_NONE, 1},
+        {1, 40, 1, 1024, 64, 300, 270, 16, 1, SDM_SNAP_FP8, 0}, // over 32 entries a warp: slots past the 32nd loaded
+        {1, 40, 2, 512, 136, 264, 300, 16, 0, SDM_SNAP_INT4, 0},
         {1, 70, 1, 64, 1360, 16, 16, 64, 1, SDM_SNAP_NONE, 0},
         {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_INT4, 0},
         {1, 70, 1, 64, 1536, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // the token kernel falls back

@@ -9,7 +9,8 @@
 # the plain loop's; (3) per entry, the dot's per-lane terms (column groups in order), then the passes in order, equal
 # the plain loop's; (4) the snapshot stores (entry, column) are the same set; (5) the partial row is written for the
 # same columns (all of them, zeros for a warp without entries); (6) the slot each item uses (a shuffle from the lane
-# that loaded it up front, or a load past the 32nd entry of a warp) is the entry's. Prints a summary; exits 1 on a mismatch.
+# that loaded it up front, or a load past the 32nd entry of a warp) is the entry's. Prints a summary; exits 1 on a
+# mismatch (an assertion: a stage read before its copy landed or overwritten before it was read).
 import random
 import sys
 
