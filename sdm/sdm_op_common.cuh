@@ -294,6 +294,138 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
     }
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// The whole-row gather with its rows streamed through shared memory by cp.async: an A/B candidate against
+// sdm_gather_whole_rows.
+//
+// Why: the gathers are latency-bound. At the flagship shape (d = 1024, W = R = 64) a warp of sdm_gather_whole_rows
+// takes its 8 entries two at a time, so at most two rows (2 x 2 KB bf16, 2 x one 2 KB pass of a 4 KB fp32 G row) are
+// in flight per warp and the loads of the next pair wait for the sums of this one. Here each warp streams its entries'
+// row slices (one pass of SDM_GQ 16-byte vectors a lane, 2 KB, per entry) through a ring of SDM_GATHER_STAGES slices
+// in shared memory: the copies of the next SDM_GATHER_STAGES - 1 (entry, pass) items are in flight while it
+// accumulates the current one, and the pipeline runs on across passes (fp32 G at d = 1024: 2 passes x 8 entries);
+// the warp's slots and weights are loaded once up front (one entry a lane), so no copy waits on a load of its slot.
+// Registers (sm_90, ptxas -v, no spills): fgather bf16 120 -> 86, fp32 91 -> 55, token 78 -> 57; but the rings' 64 KB
+// limit the blocks an SM to two by shared memory (the plain token kernel fits three by registers).
+// g_sdm_gather_staged (default 0) selects it for the forward gather (sdm_fgather_kernel; the persistent forward keeps
+// the plain gather) and the backward token kernel; pending an A/B on a GPU (`build/bench_sdm_op 3 staged`), the
+// slower of the two paths is to be deleted.
+//
+// Same bits as sdm_gather_whole_rows: per column the entries of a warp are accumulated in the same sequence (warp,
+// warp + SDM_ROW_WARPS, ... within each pass of SDM_GQ column groups; the plain loop's pairing of entries does not
+// change that sequence), with the same fmaf chains; each entry's dot adds its column groups in the same order per lane,
+// then the same warp sum, then the passes in order; the snapshot stores see the same values per (entry, column); a
+// padding entry (slot < 0) is skipped as there (no copy, no sum, no snapshot; its dot written as 0 + 0).
+// Each lane copies, and later reads, only its own vectors (the slice's bytes u * 512 + lane * 16, its column group u),
+// so a lane needs its own cp.async.wait_group only, no warp barrier. A stage is overwritten (the issue of item
+// it + STAGES - 1 into stage (it - 1) % STAGES) only after the same thread read it in program order (item it - 1;
+// compiler barrier before the issue).
+
+static int g_sdm_gather_staged = 0; // 1: sdm_fgather_kernel and sdm_token_kernel take sdm_gather_whole_rows_staged
+
+#ifndef SDM_GATHER_STAGES // (-DSDM_GATHER_STAGES=3 to try another depth in the A/B; at least 2)
+#define SDM_GATHER_STAGES 4 // (entry, pass) slices in a warp's ring: 3 in flight while one is summed
+#endif
+static_assert(SDM_GATHER_STAGES >= 2, "the staged gather needs a ring of at least two stages");
+#define SDM_GATHER_SLICE_VECS (SDM_GQ * 32)                              // 16-byte vectors of one slice (2 KB)
+#define SDM_GATHER_WARP_STAGE (SDM_GATHER_STAGES * SDM_GATHER_SLICE_VECS) // vectors of a warp's ring (8 KB)
+// Dynamic shared memory of a staged block at most (bytes): two blocks an SM (H200: 228 KB an SM, 1 KB of it reserved
+// per block). The rings take SDM_ROW_WARPS x 8 KB = 64 KB at any d, the partial rows SDM_ROW_WARPS d floats (the
+// token kernel also delta_t, d floats): at d = 1024 the forward gather takes 96 KB and the token kernel 100 KB; wider
+// rows (fgather d > 1568, token d > 1392) fall back to sdm_gather_whole_rows.
+#define SDM_GATHER_STAGE_MAX (113 << 10)
+static inline size_t sdm_gather_stage_smem(void) { return (size_t)SDM_ROW_WARPS * SDM_GATHER_WARP_STAGE * 16; }
+
+// As sdm_gather_whole_rows (same arguments, same results bit for bit), `ring` this warp's SDM_GATHER_WARP_STAGE
+// vectors of shared memory (16-byte aligned).
+template <typename Tb>
+__device__ __forceinline__ void sdm_gather_whole_rows_staged(const SdmOpArgs &a, const Tb *M, const int *slots,
+                                                             const float *gath, size_t e0, int n, float *part,
+                                                             bool snap, uint4 *ring, const float *dot_row = NULL,
+                                                             float *dots = NULL) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V),
+              np = (nq + SDM_GQ - 1) / SDM_GQ;                                  // passes
+    const int nm = warp < n ? (n - warp + SDM_ROW_WARPS - 1) / SDM_ROW_WARPS : 0; // this warp's entries
+    if (nm == 0) { // no entries: zero partial row, as the plain loop leaves it
+        for (int q = 0; q < nq; q++) {
+            int col = (q * 32 + lane) * V;
+            if (col < a.d)
+                for (int i = 0; i < V; i++) part[col + i] = 0.f;
+        }
+        return;
+    }
+    const int items = np * nm; // item it: pass it / nm, entry warp + (it % nm) SDM_ROW_WARPS
+    // the slots and weights of the warp's first 32 entries, one a lane, loaded at once (later ones as needed), so
+    // that an issue does not wait on a load of its slot
+    const int my_k = warp + lane * SDM_ROW_WARPS, my_sl = lane < nm ? slots[e0 + my_k] : -1;
+    const float my_g = my_sl >= 0 ? gath[e0 + my_k] : 0.f;
+    auto slot_of = [&](int m) { // warp-uniform m; every lane calls it
+        int v = __shfl_sync(0xffffffffu, my_sl, m & 31);
+        return m < 32 ? v : slots[e0 + warp + m * SDM_ROW_WARPS];
+    };
+    // copies of item it into stage it % STAGES (none past the last item or for padding), then one commit group
+    auto issue = [&](int it) {
+        if (it < items) {
+            int p = it / nm, sl = slot_of(it % nm);
+            uint4 *st = ring + (it % SDM_GATHER_STAGES) * SDM_GATHER_SLICE_VECS;
+            if (sl >= 0) {
+#pragma unroll
+                for (int u = 0; u < SDM_GQ; u++) {
+                    int q = p * SDM_GQ + u, col = (q * 32 + lane) * V;
+                    if (q < nq && col < a.d) core_cp_async16(st + u * 32 + lane, M + (size_t)sl * a.d + col, true);
+                }
+            }
+        }
+        core_cp_async_commit();
+    };
+    for (int it = 0; it < SDM_GATHER_STAGES - 1; it++) issue(it);
+    float acc[SDM_GQ][V];
+    for (int it = 0; it < items; it++) {
+        asm volatile("" ::: "memory"); // item it - 1's reads of the stage issue() overwrites stay before it
+        issue(it + SDM_GATHER_STAGES - 1);
+        core_cp_async_wait<SDM_GATHER_STAGES - 1>(); // this thread's copies of items 0..it landed
+        const int p = it / nm, m = it % nm, k = warp + m * SDM_ROW_WARPS, q0 = p * SDM_GQ;
+        const uint4 *st = ring + (it % SDM_GATHER_STAGES) * SDM_GATHER_SLICE_VECS;
+        if (m == 0) {
+#pragma unroll
+            for (int u = 0; u < SDM_GQ; u++)
+                for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+        }
+        const int sl = slot_of(m); // -1 for padding: warp-uniform
+        float g = __shfl_sync(0xffffffffu, my_g, m & 31);
+        if (m >= 32) g = sl >= 0 ? gath[e0 + k] : 0.f;
+        float pd = 0.f;
+#pragma unroll
+        for (int u = 0; u < SDM_GQ; u++) {
+            int col = ((q0 + u) * 32 + lane) * V;
+            if (sl < 0 || q0 + u >= nq) continue; // warp-uniform
+            bool on = col < a.d;
+            float x[V];
+            if (on) {
+                SdmBankVec<Tb>::unpack(st[u * 32 + lane], x);
+                for (int i = 0; i < V; i++) acc[u][i] = fmaf(g, x[i], acc[u][i]);
+                if (dot_row)
+                    for (int i = 0; i < V; i++) pd = fmaf(dot_row[col + i], x[i], pd);
+            }
+            if (snap) sdm_snap_store<V>(a.snap, e0 + k, col, x, on, SDM_SNAP_SCALE_COLS / V);
+        }
+        if (dot_row) {
+            float s = core_warp_sum(pd);
+            if (lane == 0) dots[e0 + k] = (q0 > 0 ? dots[e0 + k] : 0.f) + s;
+        }
+        if (m == nm - 1) {
+#pragma unroll
+            for (int u = 0; u < SDM_GQ; u++) {
+                int col = ((q0 + u) * 32 + lane) * V;
+                if (q0 + u < nq && col < a.d)
+                    for (int i = 0; i < V; i++) part[col + i] = acc[u][i];
+            }
+        }
+    }
+    core_cp_async_wait<0>(); // the trailing (empty) groups, before the block's shared memory is reused
+}
+
 // Sums the warps' partial rows in warp order into part[0..d) (the block's total).
 __device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
     __syncthreads();
