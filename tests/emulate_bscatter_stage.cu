@@ -1,4 +1,4 @@
-// tools/emulate_bscatter_stage.cu: emulates, on the CPU (no GPU needed), the staging of sdm_bscatter_staged_kernel
+// tests/emulate_bscatter_stage.cu: emulates, on the CPU (no GPU needed), the staging of sdm_bscatter_staged_kernel
 // (sdm/sdm_op_bwd.cuh): the real host-side layout (sdm_op_layout, sdm_op_args, sdm_bscatter_stage,
 // sdm_bscatter_staged_smem, SDM_BSCATTER_STAGE_MAX) with a mirror of the device pieces (sdm_stage_row's two copy
 // loops for the 32 lanes, sdm_stage_snap, sdm_staged_snap_view, the column loop lane * 8 + 256 k, and the bytes
@@ -17,8 +17,8 @@
 // scales over the row; 3: scale view off by one; 4: G over the row; 5: a lane stride of 31; 6: warp areas 16 bytes
 // short) to show the checks see it: 2-6 fail; 1 passes, since every row the op stages starts 16-aligned whenever
 // its size is a multiple of 16 (256-aligned regions, rows a multiple of 16 apart), so the source test is defensive.
-// Build and run from the repository root:
-//   nvcc -O2 -std=c++17 -arch=sm_90 -I. --expt-relaxed-constexpr tools/emulate_bscatter_stage.cu -o build/emu_bsc
+// Not built by make (it mirrors a kernel that is to go after its A/B). Build and run from the repository root:
+//   nvcc -O2 -std=c++17 -arch=sm_90 -I. --expt-relaxed-constexpr tests/emulate_bscatter_stage.cu -o build/emu_bsc
 //   build/emu_bsc            # prints a summary; exits 1 on a failed check
 #include <algorithm>
 #include <cstdio>
