@@ -232,6 +232,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
 // staged: each is shared by the W (R) entries of its token, which neighbouring warps of a block handle, so they are
 // L1 hits, and staging them too would halve the blocks an SM at the flagship shape. g_sdm_bscatter_staged (default 0)
 // selects it; pending an A/B on a GPU (`build/bench_sdm_op 3 staged`), the slower of the two kernels is to be deleted.
+// tests/emulate_bscatter_stage.cu checks the staging on the CPU: every copy's alignment and bounds, each row copied
+// once, and every value a lane decodes from shared memory the bits the plain kernel decodes, in every format and d.
 
 static int g_sdm_bscatter_staged = 0; // 1: sdm_op_launch_bscatter runs sdm_bscatter_staged_kernel where it fits
 
