@@ -1083,6 +1083,22 @@ static void test_bscatter_staged(void) {
     }
 }
 
+// A prefill (no backward) through the per-chunk launches, plain and with the gathers staged: the readings and the
+// final bank must be the same bits (the persistent prefill keeps the plain gather, so only the launches can differ).
+static int prefill_gathers_same(const Case *c, SdmOpShape s, double *rounded_bank) {
+    s.training = 0;
+    s.fwd_path = SDM_FWD_LAUNCHES;
+    const int keep = g_sdm_gather_staged;
+    g_sdm_gather_staged = 0;
+    Result plain = run_gpu_shape(c, &s, rounded_bank);
+    g_sdm_gather_staged = 1;
+    Result staged = run_gpu_shape(c, &s, rounded_bank);
+    g_sdm_gather_staged = keep;
+    int same = forward_equal(c, &plain, &staged);
+    free_result(&plain); free_result(&staged);
+    return same;
+}
+
 // The staged whole-row gathers (sdm_gather_whole_rows_staged in the forward gather and the token kernel) against the
 // plain ones, bit for bit, the backward scatter plain in both runs: the flagship's d = 1024 and W = R = 64 in every
 // snapshot format over both banks (N = 256; T % C != 0: padding entries), chains of C entries (same slots), small
@@ -1121,9 +1137,12 @@ static void test_gather_staged(void) {
         double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
         int same = 0;
         Result r = run_gpu_two_ways(&c, &s, rb, 0, 1, &same);
-        printf("  gathers staged vs plain, %s bank, %-4s snapshots, d=%-4d W%d R%d C%d%s (%s): %s\n",
-               k[i].fp32 ? "fp32" : "bf16", snaps[k[i].snap], k[i].d, k[i].W, k[i].R, k[i].C,
-               k[i].same ? " same-slots" : "", gather_fits_name(gather_fits(&s)), same ? "same bits" : "DIFFERENT");
+        int pre = prefill_gathers_same(&c, s, rb);
+        CHECK(pre, "gathers staged vs plain, case %d: a prefill through the launches differs", i);
+        printf("  gathers staged vs plain, %s bank, %-4s snapshots, d=%-4d W%d R%d C%d%s (%s): training %s, "
+               "prefill %s\n", k[i].fp32 ? "fp32" : "bf16", snaps[k[i].snap], k[i].d, k[i].W, k[i].R, k[i].C,
+               k[i].same ? " same-slots" : "", gather_fits_name(gather_fits(&s)), same ? "same bits" : "DIFFERENT",
+               pre ? "same bits" : "DIFFERENT");
         free_result(&r); free(rb); free_case(&c);
     }
 }
