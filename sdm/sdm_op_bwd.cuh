@@ -235,7 +235,10 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
 // tests/emulate_bscatter_stage.cu checks the staging on the CPU: every copy's alignment and bounds, each row copied
 // once, and every value a lane decodes from shared memory the bits the plain kernel decodes, in every format and d.
 
-static int g_sdm_bscatter_staged = 0; // 1: sdm_op_launch_bscatter runs sdm_bscatter_staged_kernel where it fits
+#ifndef SDM_BSCATTER_STAGED // (-DSDM_BSCATTER_STAGED=1: a whole program on the staged scatter, for the A/B)
+#define SDM_BSCATTER_STAGED 0
+#endif
+static int g_sdm_bscatter_staged = SDM_BSCATTER_STAGED; // 1: sdm_op_launch_bscatter runs the staged kernel where it fits
 
 // Dynamic shared memory of one block at most (bytes): at least three blocks an SM (H200: 228 KB an SM, 1 KB of it
 // reserved per block). The flagship's bf16 bank takes 48 KB (four blocks, as the launch bounds allow), an fp32 bank at

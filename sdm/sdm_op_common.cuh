@@ -321,7 +321,10 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 // it + STAGES - 1 into stage (it - 1) % STAGES) only after the same thread read it in program order (item it - 1;
 // compiler barrier before the issue).
 
-static int g_sdm_gather_staged = 0; // 1: sdm_fgather_kernel and sdm_token_kernel take sdm_gather_whole_rows_staged
+#ifndef SDM_GATHER_STAGED // (-DSDM_GATHER_STAGED=1: a whole program on the staged gathers, for the A/B)
+#define SDM_GATHER_STAGED 0
+#endif
+static int g_sdm_gather_staged = SDM_GATHER_STAGED; // 1: sdm_fgather_kernel and sdm_token_kernel take the staged gather
 
 #ifndef SDM_GATHER_STAGES // (-DSDM_GATHER_STAGES=3 to try another depth in the A/B; at least 2)
 #define SDM_GATHER_STAGES 4 // (entry, pass) slices in a warp's ring: 3 in flight while one is summed
