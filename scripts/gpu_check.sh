@@ -2,6 +2,7 @@
 # One call on a GPU machine: build everything for the local GPU, run the GPU tests and the benchmarks, keep the logs
 # under $OUT (or ./gpu_logs), and print a short table last.
 #   scripts/gpu_check.sh [tests|bench|all|model|decode] [extra make args]
+# With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
 # model: instead of tests and benches, the whole-model figures of BENCHMARKS.md: the flagship's step profile (8 steps,
 # about 1.5 minutes and a 24 GB checkpoint under $MODEL_RUN, default /tmp/sdm_flagship_check), generation from that
 # checkpoint (infer_sdm --bench: prefill, decode at batch 1, 8, 32) and debug_hybrid's training speed.
@@ -11,6 +12,11 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
+source_digest() {
+    find . -path ./build -prune -o -path ./.git -prune -o \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \
+        -o -name Makefile \) -type f -print | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -d' ' -f1
+}
+[ "$what" = --source-digest ] && { source_digest; exit; }
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 jobs=$(nproc 2>/dev/null || echo 4)
 
@@ -18,6 +24,16 @@ jobs=$(nproc 2>/dev/null || echo 4)
   git log -1 --format='commit %h %s'; } \
     2>&1 | tee "$out/machine.txt"
 
+# The binaries from build/gpu_pack.tar.xz (scripts/gpu_pack.sh) where it was built from these sources: unpacked and
+# touched, newer than the sources copied here, so make builds nothing.
+if [ -f build/gpu_pack.tar.xz ]; then
+    if [ "$(tar -xJOf build/gpu_pack.tar.xz build/gpu_pack.id)" = "$(source_digest)" ]; then
+        tar -xJf build/gpu_pack.tar.xz && touch build/gpu_test_* build/bench_* train_sdm infer_sdm prepare_data svgplot
+        echo "binaries from build/gpu_pack.tar.xz"
+    else
+        echo "build/gpu_pack.tar.xz was built from other sources: ignored, building here"
+    fi
+fi
 make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
