@@ -24,11 +24,11 @@ jobs=$(nproc 2>/dev/null || echo 4)
   git log -1 --format='commit %h %s'; } \
     2>&1 | tee "$out/machine.txt"
 
-# The binaries from build/gpu_pack.tar.xz (scripts/gpu_pack.sh) where it was built from these sources: unpacked and
-# touched, newer than the sources copied here, so make builds nothing.
+# The binaries from build/gpu_pack.tar.xz (scripts/gpu_pack.sh) where it was built from these sources for this
+# GPU_ARCH: unpacked and touched, newer than the sources copied here, so make builds nothing.
 if [ -f build/gpu_pack.tar.xz ]; then
-    if [ "$(tar -xJOf build/gpu_pack.tar.xz build/gpu_pack.id)" = "$(source_digest)" ]; then
-        tar -xJf build/gpu_pack.tar.xz && touch build/gpu_test_* build/bench_* train_sdm infer_sdm prepare_data svgplot
+    if [ "$(tar -xJOf build/gpu_pack.tar.xz build/gpu_pack.id)" = "$(source_digest) ${GPU_ARCH:-sm_90}" ]; then
+        tar -xJvf build/gpu_pack.tar.xz | xargs touch
         echo "binaries from build/gpu_pack.tar.xz"
     else
         echo "build/gpu_pack.tar.xz was built from other sources: ignored, building here"

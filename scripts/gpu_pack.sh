@@ -2,12 +2,12 @@
 # Build every program, GPU test and benchmark here (a machine without a GPU will do) and pack them into
 # build/gpu_pack.tar.xz (about 35 MB), so that a GPU machine with a short lease runs instead of compiling:
 # scripts/gpu_check.sh unpacks the pack when it finds one whose sources' digest (build/gpu_pack.id, every C, CUDA
-# source and header and the Makefile) is the tree's, so a stale pack is never run.
+# source and header and the Makefile, and GPU_ARCH) is the tree's and its own, so a stale pack is never run.
 # Send the pack with the tree (it is git-ignored: name it where your tool copies ignored paths).
-#   scripts/gpu_pack.sh [extra make args, e.g. GPU_ARCH=sm_90]
+#   [GPU_ARCH=sm_90] scripts/gpu_pack.sh [extra make args]
 set -eu -o pipefail
 cd "$(dirname "$0")/.."
-make -j"$(nproc 2>/dev/null || echo 2)" "$@" compile-cuda prepare_data
-scripts/gpu_check.sh --source-digest > build/gpu_pack.id
+make -j"$(nproc 2>/dev/null || echo 2)" GPU_ARCH="${GPU_ARCH:-sm_90}" "$@" compile-cuda prepare_data
+echo "$(scripts/gpu_check.sh --source-digest) ${GPU_ARCH:-sm_90}" > build/gpu_pack.id
 tar -cJf build/gpu_pack.tar.xz build/gpu_pack.id build/gpu_test_* build/bench_* train_sdm infer_sdm prepare_data svgplot
 ls -l build/gpu_pack.tar.xz
