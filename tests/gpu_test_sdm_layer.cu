@@ -4,7 +4,8 @@
 //          the small-M forward (decode's GEMV and tensor-core kernels): accuracy, rerun bits, a row's bits
 //          independent of M and of the other rows; products sharing X in one launch (matmul_forward_parts) = one
 //          call each, bit for bit; the SwiGLU and attention gate in the product's store = the product then their
-//          kernel, bit for bit.
+//          kernel, bit for bit; a cuBLASLt product's narrow remainder on the side stream, in a captured CUDA graph
+//          between PDL kernels = the eager launches, bit for bit.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
@@ -566,6 +567,84 @@ static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, i
     void *bufs[] = {dw, parts[0], parts[1], parts[2], db, dh, da, dg, xr, hr, yr, xs, hs, ys, rstd, c.ab};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     free(hw); free(hb); free(h); free(a); free(g); free(y_ref); free(x_ref); free(h_ref);
+}
+
+// A decode step's product at 2..64 bf16 rows whose cuBLASLt part leaves a narrow remainder (the SDM input's 6148
+// columns, here N = 6152: 8 columns) runs that remainder by the MMA kernel on the side stream (matmul_forward_lt),
+// forked and joined by events: in a captured decode graph a parallel branch, its kernel launched with PDL. The chain
+// here is the step's: on a stream of its own (PDL on), the input norm's kernel, the forked product with a bias, then
+// a product that reads all of Y (K = N; the MMA kernel). A CUDA graph of the chain, replayed 3 times, each on
+// poisoned outputs (NaN in bf16), gives the eager launches' bits in x, h_out, Y and the next product's Z; a join
+// missing or early would leave Y's remainder or feed the poison to Z. (gpu_test_infer's small model has no such
+// product: its bf16 decode products are MMA or whole multiples of 64 columns.)
+static void test_matmul_side_graph(Rng *rng, int M) {
+    const int D = 2048, N = 6152, N2 = 45;
+    const Dtype t = DT_BF16;
+    double *hw = hzeros((size_t)N * D), *hw2 = hzeros((size_t)N2 * N), *hb = hzeros(N), *h = hzeros((size_t)M * D);
+    double *a = hzeros((size_t)M * D), *g = hzeros(D);
+    fill_normal(rng, hw, (size_t)N * D, 1.0 / sqrt((double)D));
+    fill_normal(rng, hw2, (size_t)N2 * N, 1.0 / sqrt((double)N));
+    fill_normal(rng, hb, N, 1.0);
+    fill_normal(rng, h, (size_t)M * D, 1.0);
+    fill_normal(rng, a, (size_t)M * D, 1.0);
+    fill_normal(rng, g, D, 0.2);
+    void *dw = dev_upload(hw, (size_t)N * D, 0), *dw2 = dev_upload(hw2, (size_t)N2 * N, 0), *db = dev_upload(hb, N, 0);
+    void *dh = dev_upload(h, (size_t)M * D, 0), *da = dev_upload(a, (size_t)M * D, 0), *dg = dev_upload(g, D, 0);
+    size_t xb = (size_t)M * D * 2, yb = (size_t)M * N * 2, zb = (size_t)M * N2 * 2;
+    void *x, *hout, *y, *z;
+    cudaCheck(cudaMalloc(&x, xb)); cudaCheck(cudaMalloc(&hout, xb));
+    cudaCheck(cudaMalloc(&y, yb)); cudaCheck(cudaMalloc(&z, zb));
+    const ResidualNorm norm = {dh, da, hout, dg, 1e-5f};
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    auto chain = [&] {
+        matmul_forward(y, t, N, x, dw, db, t, M, N, D, st, &norm);
+        matmul_forward(z, t, N2, y, dw2, NULL, t, M, N2, N, st);
+    };
+    void *bufs[] = {x, hout, y, z};
+    const size_t bytes[] = {xb, xb, yb, zb};
+    auto poison = [&] {
+        for (int i = 0; i < 4; i++) cudaCheck(cudaMemsetAsync(bufs[i], 0xFF, bytes[i], st));
+    };
+    poison();
+    chain();
+    cudaCheck(cudaStreamSynchronize(st));
+    unsigned char *ref[4];
+    for (int i = 0; i < 4; i++) ref[i] = device_bytes(bufs[i], bytes[i]);
+    size_t poisoned = 0; // non-finite elements: unwritten by the eager run, or the poison read (the inputs are finite)
+    for (int i = 0; i < 4; i++)
+        for (size_t e = 0; e < bytes[i]; e += 2) poisoned += (ref[i][e + 1] & 0x7F) == 0x7F && ref[i][e] >= 0x80;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+    chain();
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    size_t nodes = 0;
+    cudaCheck(cudaGraphGetNodes(graph, NULL, &nodes));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    int same = 1;
+    for (int rep = 0; rep < 3; rep++) {
+        poison();
+        cudaCheck(cudaGraphLaunch(exec, st));
+        cudaCheck(cudaStreamSynchronize(st));
+        for (int i = 0; i < 4; i++) same &= device_bytes_are(bufs[i], ref[i], bytes[i]);
+    }
+    char what[128];
+    snprintf(what, sizeof what, "side-stream remainder in a CUDA graph: M=%d N=%d K=%d bf16 (%s + MMA), %zu nodes", M,
+             N, D, matmul_kernel_name(matmul_small_m_kernel(t, M, N, D, 1, 0)), nodes);
+    printf("%s: %zu non-finite outputs of the eager launches, 3 replays %s\n", what, poisoned,
+           same ? "same bits as eager" : "DIFFER");
+    CHECK(poisoned == 0, "%s: %zu outputs of the eager launches not finite (unwritten, or the poison read)", what,
+          poisoned);
+    CHECK(same, "%s: a replay differs from the eager launches", what);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    cudaCheck(cudaStreamDestroy(st));
+    void *dev[] = {dw, dw2, db, dh, da, dg, x, hout, y, z};
+    for (void *p : dev) cudaCheck(cudaFree(p));
+    for (int i = 0; i < 4; i++) free(ref[i]);
+    double *hbufs[] = {hw, hw2, hb, h, a, g};
+    for (double *p : hbufs) free(p);
 }
 
 // ---- product-key top-k -------------------------------------------------------------------------------------------
@@ -1323,6 +1402,7 @@ int main(int argc, char **argv) {
                     test_matmul_input_norm(&rng, kind, fp32, M, 2048, add, 1);
                 }
             }
+    for (int M : {2, 32, 64}) test_matmul_side_graph(&rng, M); // the remainder's side stream in a decode graph
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
