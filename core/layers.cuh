@@ -3,7 +3,7 @@
 //   token embedding    out[n, D] = E[tokens[i], :]             backward: dE[V, D] += scatter of dout (sorted plan)
 //   RMSNorm (+resid)   h = h_in + branch (optional);  y = h * rstd * w,  rstd[n] saved (fp32)
 //                      backward: dx (=, or +=) d/dh;  dw[D] += two-pass column reduction (fixed order)
-//                      as a product's input (ResidualNorm): the decode GEMV's prologue computes it, the same bits
+//                      as a product's input (ResidualNorm: core/matmul.cuh runs it before the product)
 //   SwiGLU pointwise   h[n, F] = silu(a) * b        backward: da, db from dh (a, b are the W1, W3 GEMM outputs)
 // Shapes are row-major. Weights are the working copy (dtype T); weight gradients are fp32. RMSNorm and SwiGLU are
 // bandwidth-bound: they move 16-byte vectors where the widths allow (see "Vector access").
@@ -204,21 +204,15 @@ typedef struct {
     int threads, vpt;
 } RmsVecLayout;
 
-// The layout for vectors of per_vec elements (on the device too: a product that normalizes its input in its
-// prologue follows it, see rms_rows_block).
-__host__ __device__ inline RmsVecLayout rms_vec_layout(int per_vec, int D) {
+static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
     RmsVecLayout lay = {0, 0};
-    int V = D / per_vec, vpt = 1;
+    int per_vec = 16 / (int)dtype_size(dtype), V = D / per_vec, vpt = 1;
     if (D % per_vec) return lay;
     while (vpt < RMS_MAX_VPT && vpt * RMS_THREADS < V) vpt *= 2;
     if (vpt * RMS_THREADS < V) return lay;
     lay.vpt = vpt;
-    lay.threads = 32 * (((V + vpt - 1) / vpt + 31) / 32);
+    lay.threads = 32 * ceil_div(ceil_div(V, vpt), 32);
     return lay;
-}
-
-static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
-    return rms_vec_layout(16 / (int)dtype_size(dtype), D);
 }
 
 // Run `...` (a statement using the constant VPT) with VPT = vpt, 1 or 2.
@@ -233,8 +227,7 @@ static inline RmsVecLayout rmsnorm_vec_layout(Dtype dtype, int D) {
         }                                                                               \
     } while (0)
 
-// The steps of the forward that must give the same bits wherever they run: the norm kernels below and the products
-// that normalize their input in their prologue (ResidualNorm). One definition each, inlined into all of them.
+// The steps of the forward, one definition each: the vector kernel's row (rms_vec_row) and its sums and output.
 
 // h += b, rounded to T: the stored residual sum.
 template <typename T> __device__ __forceinline__ void rms_residual(DtypeVec<T> &h, const DtypeVec<T> &b) {
@@ -390,14 +383,12 @@ static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, c
     rmsnorm_forward_launch("residual_rmsnorm_forward", y, rstd, h_out, h_in, branch, w, dtype, n, D, eps, s);
 }
 
-// The residual add and RMSNorm as the input of a product: where a decode step's GEMV takes the product
-// (core/matmul.cuh, MatmulParts.norm), each of its blocks computes them in its prologue (rms_rows_block; a block
-// reads whole rows of its input anyway) instead of a kernel of its own between two products, with the norm kernel's
-// bits.
+// The residual add and RMSNorm as the input of a product (core/matmul.cuh, MatmulParts.norm: the norm kernel writes X
+// into the product's input buffer, then the product runs).
 //   X [n, D] = RMSNorm(h + add) * w (add NULL: RMSNorm(h) * w), h_out = h + add
 typedef struct {
     const void *h, *add; // [n, D] the residual stream and the branch added to it (NULL: none)
-    void *h_out;         // [n, D] h + add when add is given; aliases neither (the GEMV reads them while it writes it)
+    void *h_out;         // [n, D] h + add when add is given (may alias h)
     const void *w;       // [D] the norm's weight
     float eps;
 } ResidualNorm;
@@ -406,45 +397,6 @@ typedef struct {
 static inline void residual_norm_forward(const ResidualNorm *r, void *y, Dtype dtype, int n, int D, cudaStream_t s) {
     if (r->add) residual_rmsnorm_forward(r->h_out, y, NULL, r->h, r->add, r->w, dtype, n, D, r->eps, s);
     else rmsnorm_forward(y, NULL, r->h, r->w, dtype, n, D, r->eps, s);
-}
-
-// X [M, D] of `norm` into x (shared memory) and, with `store`, h_out = h + add, by a block of any multiple of 32
-// threads, after pdl_wait. The bits of rmsnorm_forward_vec_kernel where its layout for D has one vector a thread:
-// its thread t is thread t % blockDim.x here (the same lanes of a warp, so the same butterfly), its warps' sums are
-// added in the same order; then, from the same loads again (L1), each element of X is the same expression of the
-// same values, whichever thread takes it. Ends with a barrier.
-template <typename T, int M>
-__device__ __forceinline__ void rms_rows_block(const ResidualNorm &norm, int D, T *x, bool store) {
-    typedef DtypeVec<T> Vec;
-    __shared__ float warp_ss[M][RMS_THREADS / 32], rstd[M];
-    const int V = D / Vec::N, threads = rms_vec_layout(Vec::N, D).threads;
-#pragma unroll 1 // a row at a time: decode's case is one row, and copies of the loop cost every program compile time
-    for (int m = 0; m < M; m++) {
-        size_t row = (size_t)m * D;
-        const T *h = (const T *)norm.h + row, *add = norm.add ? (const T *)norm.add + row : NULL;
-        for (int t = threadIdx.x; t < threads; t += blockDim.x) { // whole warps: both are multiples of 32
-            Vec v[1];
-            float ss = core_warp_sum(rms_vec_row<T, 1>(v, h, add, t, threads, V));
-            if (t % 32 == 0) warp_ss[m][t / 32] = ss;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < M)
-        rstd[threadIdx.x] = rms_rstd(rms_warps_sum(warp_ss[threadIdx.x], threads / 32), D, norm.eps);
-    __syncthreads();
-#pragma unroll 1
-    for (int m = 0; m < M; m++)
-        for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            size_t col = (size_t)j * Vec::N, i = (size_t)m * D + col;
-            Vec h = dtype_pack_load<Vec>((const T *)norm.h + i), w = dtype_pack_load<Vec>((const T *)norm.w + col);
-            if (norm.add) rms_residual(h, dtype_pack_load<Vec>((const T *)norm.add + i));
-            if (store && norm.add) dtype_pack_store((T *)norm.h_out + i, h);
-            Vec out;
-#pragma unroll
-            for (int e = 0; e < Vec::N; e++) out.set(e, rms_scaled(h.get(e), rstd[m], w.get(e)));
-            dtype_pack_store(x + i, out);
-        }
-    __syncthreads();
 }
 
 // RMSNorm backward: dx = rstd·w·dy − rstd³·x·dot/D with dot = Σ_k dy·w·x of the row, and dw += Σ_rows dy·x·rstd.

@@ -5,8 +5,7 @@
 //                                                             product, else the caller runs the element-wise
 //                                                             kernel: decode's SwiGLU and attention gate in the
 //                                                             product's store, bit for bit)
-//   input norm       X = RMSNorm(h + add), ResidualNorm     (decode: in the GEMV's prologue, bit for bit the norm
-//                                                             kernel's; elsewhere that kernel runs first:
+//   input norm       X = RMSNorm(h + add), ResidualNorm     (the norm kernel into x, then the product:
 //                                                             MatmulParts.norm)
 //   backward input   dX[M,K] = dY[M,N] · W[N,K]            (overwrite or accumulate)
 //   backward weight  dW[N,K] = dY[M,N]ᵀ · X[M,K]           (overwrite or accumulate)
@@ -131,8 +130,6 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #define MATMUL_GEMV_ROWS 4
 #define MATMUL_GEMV_THREADS 256
 #define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB
-#define MATMUL_GEMV_NORM_X_MAX (64 << 10) // the input norm's X in shared memory (matmul_norm_in_prologue): 8 fp32 rows
-                                          // of 2048, one bf16 row of 4096
 
 // v[0..VEC) = the 16 bytes u as floats (VEC = 8 bf16 or 4 fp32).
 __device__ __forceinline__ void matmul_gemv_unpack(uint4 u, const __nv_bfloat16 *, float *v) {
@@ -167,8 +164,9 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 // Products that share X (e.g. a layer's q, k, v): part p is Y_p[M,N_p] (row stride ldy_p) = X · W_p[N_p,K]ᵀ
 // (+ bias_p, NULL or [N_p] in Y's dtype). The small-M kernels run every part in one launch. An output op other than
 // MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype. With an input norm (norm.h set; core/layers.cuh
-// ResidualNorm, rows of K in X's dtype) X is the norm's output: the GEMV computes it in its prologue, never writing
-// x (matmul_norm_in_prologue); elsewhere the norm's own kernel writes X into the product's x first.
+// ResidualNorm, rows of K in X's dtype) X is the norm's output, which the norm's own kernel writes into x first. (The
+// GEMV computing it in its prologue instead, one kernel less, made the flagship's decode 4.5% slower on an H100: a
+// block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.)
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -257,26 +255,21 @@ __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulPart
 }
 
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
-// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)). NORM: X is P.norm's output,
-// which every block computes into its shared memory ([M, K], dynamic, after the stages) before its first group
-// (block 0 also stores h + add); x is not read.
-template <typename T, typename TY, int M, MatmulOut OP, bool NORM>
+// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)).
+template <typename T, typename TY, int M, MatmulOut OP>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
                                                                          int groups) {
     constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS,
                   WARPS = MATMUL_GEMV_THREADS / 32, S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     constexpr int C = matmul_block_cols(OP, R);
     __shared__ float part[WARPS][R * M];
-    extern __shared__ __align__(16) unsigned char matmul_gemv_smem[]; // the stages, then (NORM) X
-    uint4 *stages = (uint4 *)matmul_gemv_smem;
-    const T *xn = (const T *)(matmul_gemv_smem + S * MATMUL_GEMV_STAGE_BYTES);
+    extern __shared__ __align__(16) uint4 stages[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
     int ig = blockIdx.x, ik = k0; // the next tile to issue
 #pragma unroll
     for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
         matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
     pdl_enter();
-    if (NORM) rms_rows_block<T, M>(P.norm, K, (T *)xn, blockIdx.x == 0);
     float acc[R][M] = {};
     int k = k0;
     for (int g = blockIdx.x, i = 0; g < groups; i++) {
@@ -292,8 +285,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                                                            x, wv[r]);
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (NORM) matmul_gemv_unpack(*(const uint4 *)(xn + (size_t)m * K + k), xn, xv);
-                else matmul_gemv_load(x + (size_t)m * K + k, xv);
+                matmul_gemv_load(x + (size_t)m * K + k, xv);
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -331,42 +323,36 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 static unsigned g_matmul_gemv_grid_cap = 0;
 
 // Blocks of `kernel` (MATMUL_GEMV_THREADS threads, `smem` bytes of dynamic shared memory) that fit on an SM, with its
-// dynamic shared memory limit raised to `limit` first: asked of the driver once per kernel and size, not per launch
-// (an eager decode step launches some 130 products).
-static inline int matmul_gemv_blocks_per_sm(const void *kernel, int limit, size_t smem) {
+// dynamic shared memory limit raised to `smem` first: asked of the driver once per kernel and size, not per launch
+// (an eager decode step launches some 180 products).
+static inline int matmul_gemv_blocks_per_sm(const void *kernel, size_t smem) {
     static struct { const void *kernel; size_t smem; int blocks; } memo[64];
     static int used = 0;
     for (int i = 0; i < used; i++)
         if (memo[i].kernel == kernel && memo[i].smem == smem) return memo[i].blocks;
     int blocks = 0;
-    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, MATMUL_GEMV_THREADS, smem));
     if (used < 64) memo[used++] = {kernel, smem, blocks};
     return blocks;
 }
 
-// Every part of P (whose op is OP) for M in 1..8 rows of X (with P's input norm, if any: matmul_norm_in_prologue).
+// Every part of P (whose op is OP) for M in 1..8 rows of X (P's input norm, if any, already in x).
 // The grid: as many blocks as fit on the GPU at once, at most one a group; which block takes a group does not
 // change its sums.
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
     const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
-    const size_t stages = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES, xbytes = (size_t)M * K * sizeof(T);
-    if (P->norm.h && xbytes > MATMUL_GEMV_NORM_X_MAX) sdm_die("matmul GEMV: %zu bytes of normalized X", xbytes);
-    const size_t smem = stages + (P->norm.h ? xbytes : 0); // X of the input norm after the stages
-    constexpr bool NORM = OP != MATMUL_OUT_GATE; // no gated product takes an input norm: no such kernels
+    const size_t smem = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES;
     void (*kernel)(MatmulParts, const T *, int, int) = NULL;
 #define MATMUL_GEMV_CASE(m) \
-    case m: kernel = P->norm.h ? matmul_gemv_kernel<T, TY, m, OP, NORM> : matmul_gemv_kernel<T, TY, m, OP, 0>; break;
+    case m: kernel = matmul_gemv_kernel<T, TY, m, OP>; break;
     switch (M) {
         MATMUL_GEMV_CASE(1) MATMUL_GEMV_CASE(2) MATMUL_GEMV_CASE(3) MATMUL_GEMV_CASE(4)
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    // the limit: an instance's largest need, so that no launch lowers the limit a graph captured earlier was launched
-    // under
-    const int limit = (int)(stages + (P->norm.h ? MATMUL_GEMV_NORM_X_MAX : 0));
-    const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, limit, smem);
+    const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
     unsigned fit = (unsigned)(per_sm * core_sm_count());
     if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
@@ -572,16 +558,9 @@ static inline uintptr_t matmul_parts_addr(const MatmulParts *P, const void *x) {
 static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s);
 
-// Whether `kernel` takes an input norm of rows of K in_type elements in its prologue: the GEMV, where the norm
-// kernel's layout has one vector a thread (core/layers.cuh: rows of up to 4096 bf16 or 2048 fp32, every shipped
-// config's; two a thread cost the GEMV registers, hence blocks an SM).
-static inline int matmul_norm_in_prologue(MatmulKernel kernel, Dtype in_type, int K) {
-    return kernel == MATMUL_KERNEL_GEMV && rmsnorm_vec_layout(in_type, K).vpt == 1;
-}
-
 // Every part of P by the given kernel (the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernel for bf16 and
 // M <= MATMUL_MMA_MAX_M, both on 16-byte rows; cuBLASLt part by part). The tests and benches pick kernels here.
-// P's input norm, if any, by the norm's own kernel into x first where the kernel does not take it.
+// P's input norm, if any, by the norm's own kernel into x first.
 static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, Dtype y_type, const void *x,
                                     Dtype in_type, int M, int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
@@ -594,17 +573,7 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
                 dtype_name(in_type));
     if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
         sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
-    if (P->op == MATMUL_OUT_GATE && P->norm.h) sdm_die("matmul: the gate op takes no input norm");
-    MatmulParts plain;
-    if (P->norm.h && !matmul_norm_in_prologue(kernel, in_type, K)) {
-        residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
-        plain = *P;
-        plain.norm = ResidualNorm{};
-        P = &plain;
-    } else if (P->norm.h) {
-        const void *ptrs[] = {P->norm.h, P->norm.add, P->norm.h_out, P->norm.w};
-        for (const void *p : ptrs) layers_require_aligned16("matmul input norm", p);
-    }
+    if (P->norm.h) residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
     if (P->op == MATMUL_OUT_SWIGLU) matmul_small_m_op<MATMUL_OUT_SWIGLU>(P, kernel, x, in_type, M, K, s);
     else if (P->op == MATMUL_OUT_GATE) matmul_small_m_op<MATMUL_OUT_GATE>(P, kernel, x, in_type, M, K, s);
     else if (kernel == MATMUL_KERNEL_MMA) {

@@ -779,9 +779,9 @@ static inline void gpu_infer_mixer(GpuInferState *I, int l, int b, int n, const 
 }
 
 // The model on n tokens[n] (device; see gpu_infer_mixer for b); the logits of the last n_out rows go to rows
-// first..first+n_out-1 of I->logits. Each norm is the input norm of the product after it (ResidualNorm: at a decode
-// step the GEMV's prologue, no kernel of its own), which reads the stream from one of I->h while one of its blocks
-// writes the sum to the other: h[0] enters each block (the embedding first), h[1] leaves its mixer.
+// first..first+n_out-1 of I->logits. Each norm is the input norm of the product after it (ResidualNorm: its kernel
+// runs first, in the product's call), which reads the stream from one of I->h and writes the sum to the other: h[0]
+// enters each block (the embedding first), h[1] leaves its mixer.
 static inline void gpu_infer_run(GpuInferState *I, const int *tokens, int b, int n, int n_out, int first) {
     const GpuModel *g = I->g;
     int D = g->D;

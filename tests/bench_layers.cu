@@ -6,8 +6,7 @@
 // dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this part also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
 // Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernel
-// and cuBLASLt, each called directly (see bench_products), and those that take a residual add and RMSNorm with and
-// without the norm in the GEMV's prologue (bench_input_norm). Last, the cost of one more kernel in a decode step
+// and cuBLASLt, each called directly (see bench_products). Last, the cost of one more kernel in a decode step
 // (bench_chain).
 #include "core/layers.cuh"
 #include "core/matmul.cuh"
@@ -225,51 +224,6 @@ static void bench_products(void) {
     cudaCheck(cudaFree(x));
 }
 
-// ---- decode's input norms -----------------------------------------------------------------------------------------
-// A decode step's residual add and RMSNorm at one row, before the products that take it (D = 2048, bf16): the norm
-// kernel (residual_rmsnorm_forward) then the GEMV, as before the GEMV took the norm, against the GEMV with the norm in
-// its prologue (MatmulParts.norm), timed as bench_products does. The two outputs must have the same bits.
-
-static void bench_input_norm(void) {
-    static const int WHICH[] = {1, 3, 5, 6}; // PRODUCTS: qkv as one, FFN w13, SDM input, LM head
-    const int D = 2048;
-    matmul_init();
-    bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 30), *h = dev_random(D, 31), *add = dev_random(D, 32);
-    bf16 *g = dev_random(D, 33), *bias = dev_random(PROD_MAX_N, 34), *h_out = dev_random(D, 35), *x = dev_random(D, 36);
-    void *y[2];
-    for (int v = 0; v < 2; v++) cudaCheck(cudaMalloc(&y[v], (size_t)PROD_MAX_N * sizeof(float)));
-    cudaStream_t st;
-    cudaCheck(cudaStreamCreate(&st));
-    printf("\ndecode's input norm at one row (D = %d, bf16), mean of %d launches in a CUDA graph\n", D, PROD_REPS);
-    printf("| product | norm kernel + GEMV | GEMV with the norm | same bits |\n|---|---|---|---|\n");
-    for (int i : WHICH) {
-        const Product *pr = &PRODUCTS[i];
-        Dtype ty = pr->fp32_out ? DT_FP32 : DT_BF16;
-        size_t ybytes = (size_t)pr->N[0] * dtype_size(ty);
-        const ResidualNorm norm = {h, add, h_out, g, 1e-5f};
-        float ms[2];
-        for (int fused = 0; fused <= 1; fused++) {
-            auto run = [&](const bf16 *w) {
-                MatmulParts P = {1, {w}, {y[fused]}, {pr->bias ? bias : NULL}, {pr->N[0]}, {pr->N[0]}};
-                if (fused) P.norm = norm;
-                else residual_norm_forward(&norm, x, DT_BF16, 1, D, st);
-                matmul_parts_run(MATMUL_KERNEL_GEMV, &P, ty, x, DT_BF16, 1, D, st);
-            };
-            ms[fused] = product_graph_time(pr, pool, run, st);
-        }
-        unsigned char *a = (unsigned char *)sdm_malloc(ybytes), *b = (unsigned char *)sdm_malloc(ybytes);
-        cudaCheck(cudaMemcpy(a, y[0], ybytes, cudaMemcpyDeviceToHost));
-        cudaCheck(cudaMemcpy(b, y[1], ybytes, cudaMemcpyDeviceToHost));
-        int same = memcmp(a, b, ybytes) == 0;
-        printf("| %s | %.2f us | %.2f us | %s |\n", pr->name, ms[0] * 1e3, ms[1] * 1e3, same ? "yes" : "NO");
-        CHECK(same, "%s: the GEMV with the input norm differs from the norm kernel and the GEMV", pr->name);
-        free(a); free(b);
-    }
-    cudaCheck(cudaStreamDestroy(st));
-    void *bufs[] = {pool, h, add, g, bias, h_out, x, y[0], y[1]};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
-}
-
 // ---- the dependent-kernel floor of a decode step -------------------------------------------------------------------
 // A decode step at batch 1 is a chain of ~185 kernels, each of which reads what the one before it wrote. This times
 // such a chain with nothing else in it: CHAIN_KERNELS launches in a CUDA graph, each of CHAIN_BLOCKS blocks that read
@@ -367,7 +321,6 @@ int main(void) {
                     b.flush};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     bench_products();
-    bench_input_norm();
     bench_chain();
     matmul_destroy();
     return test_summary();
