@@ -22,34 +22,21 @@
 
 // Per (stream, token) of chunk c, from G before the chunk's update: the write-path gradient of delta,
 // wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per write
-// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats; STAGED: G's rows through
-// cp.async rings (sdm_gather_whole_rows_staged), which follow, sdm_gather_stage_smem() bytes more.
-template <bool STAGED = false>
+// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const float *G, int c) {
-    extern __shared__ __align__(16) float sdm_tok_smem[]; // delta_t [d], the warps' partial rows [SDM_ROW_WARPS][d]
+    extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
     __syncthreads();
-    if (STAGED)
-        sdm_gather_whole_rows_staged<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W,
-                                            part + warp * d, false,
-                                            (uint4 *)(part + SDM_ROW_WARPS * d) + warp * SDM_GATHER_WARP_STAGE, drow,
-                                            a.omega);
-    else
-        sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
-                                     false, drow, a.omega);
+    sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
+                                 false, drow, a.omega);
     sdm_sum_partials(part, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
 
 static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) * d * sizeof(float); }
-// Whether the token kernel runs staged: g_sdm_gather_staged and the staging fits SDM_GATHER_STAGE_MAX (else the plain
-// gather: the fallback).
-static inline bool sdm_token_staged(int d) {
-    return g_sdm_gather_staged && sdm_token_smem(d) + sdm_gather_stage_smem() <= SDM_GATHER_STAGE_MAX;
-}
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
 // dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): dO,
@@ -571,11 +558,9 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
 
 // The backward's launches (separate so the benchmark can time them one by one).
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const float *G, int c, cudaStream_t stream) {
-    const bool staged = sdm_token_staged(a.d);
-    size_t smem = sdm_token_smem(a.d) + (staged ? sdm_gather_stage_smem() : 0);
-    void (*kern)(SdmOpArgs, const float *, int) = staged ? sdm_token_kernel<true> : sdm_token_kernel<false>;
-    cudaCheck(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kern<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    size_t smem = sdm_token_smem(a.d);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {

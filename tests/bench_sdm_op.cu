@@ -3,8 +3,7 @@
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
 // these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128; `staged`:
-// the backward scatter plain and cp.async-staged side by side, sdm/sdm_op_bwd.cuh, then the whole-row gathers
-// (forward gather and backward token kernel) plain and cp.async-staged, sdm/sdm_op_common.cuh). Prefills
+// the backward scatter plain and cp.async-staged side by side, sdm/sdm_op_bwd.cuh). Prefills
 // are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative launch for
 // the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
@@ -135,25 +134,18 @@ template <typename F> static float time_ms(int reps, F fn) {
     return median(t);
 }
 
-// The forward gather of chunk c over a bf16 bank, alone, staged or plain as g_sdm_gather_staged and the shape pick.
-static void launch_fgather_bf16(const SdmOpArgs &a, const float *v, const void *bank, int c) {
-    const size_t rs = sdm_fgather_smem(a);
-    void (*k)(SdmOpArgs, const float *, const __nv_bfloat16 *, int) =
-        sdm_fgather_staged(a) ? sdm_fgather_kernel<__nv_bfloat16, true> : sdm_fgather_kernel<__nv_bfloat16, false>;
-    cudaCheck(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
-    k<<<sdm_fwd_grids(a).gather, SDM_ROW_THREADS, rs>>>(a, v, (const __nv_bfloat16 *)bank, c);
-}
-
 // Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
 // by a full forward + backward; the values they compute are not used).
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
                         void *saved, void *scratch, int reps) {
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    size_t ts = sdm_op_tile_smem(a);
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     SdmFwdGrids fgr = sdm_fwd_grids(a);
     float fg = time_ms(reps, [&] {
-        for (int c = 0; c < a.nc; c++) launch_fgather_bf16(a, in->v, bank, c);
+        for (int c = 0; c < a.nc; c++)
+            sdm_fgather_kernel<__nv_bfloat16>
+                <<<fgr.gather, SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
@@ -326,46 +318,6 @@ static void bench_staged(int B, int T, int H, int N, int d, int W, int R, int C,
     free_op_buffers(&b);
 }
 
-// The A/B of the whole-row gathers (`staged` as the second argument, after the scatter's): sdm_gather_whole_rows
-// (g_sdm_gather_staged = 0) against sdm_gather_whole_rows_staged (= 1) in the forward gather and the token kernel, the
-// backward scatter plain in both, at one shape, medians of reps runs each, the two taken in turn: the whole forward,
-// the whole backward, and the fgather and token launches alone over all chunks (on the state the last backward left;
-// their values are not used).
-static void bench_gather_staged(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
-                                int hot = 0) {
-    SdmOpShape s = bench_shape(B, T, H, N, d, W, R, C, snap, hot);
-    OpBuffers b = op_buffers(&s, hot);
-    SdmOpArgs a = sdm_op_args(&s, b.saved, b.scratch);
-    std::vector<float> tf[2], tb[2], tg[2], tt[2];
-    g_sdm_bscatter_staged = 0;
-    for (int r = 0; r <= reps; r++) // first round is the warm-up
-        for (int st = 0; st < 2; st++) {
-            g_sdm_gather_staged = st;
-            float fwd = time_once([&] { sdm_op_forward(&s, &b.in, b.bank, b.out, b.saved, 0); });
-            float bwd =
-                time_once([&] { sdm_op_backward(&s, &b.in, b.bank, b.dout, NULL, &b.g, b.saved, b.scratch, 0); });
-            float fg = time_once([&] { for (int c = 0; c < a.nc; c++) launch_fgather_bf16(a, b.in.v, b.bank, c); });
-            float tk = time_once([&] {
-                for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, b.g.dbank_init, c, 0);
-            });
-            if (r) { tf[st].push_back(fwd); tb[st].push_back(bwd); tg[st].push_back(fg); tt[st].push_back(tk); }
-        }
-    g_sdm_gather_staged = 1;
-    const int fits = sdm_fgather_staged(a) + 2 * sdm_token_staged(a.d);
-    g_sdm_gather_staged = 0;
-    cudaCheckLast();
-    const float f0 = median(tf[0]), f1 = median(tf[1]), b0 = median(tb[0]), b1 = median(tb[1]), g0 = median(tg[0]),
-                g1 = median(tg[1]), t0 = median(tt[0]), t1 = median(tt[1]);
-    printf("  gathers plain vs staged: forward %.3f / %.3f ms (%+.1f%%), backward %.3f / %.3f ms (%+.1f%%) | fgather "
-           "alone %.3f / %.3f ms (%+.1f%%), token alone %.3f / %.3f ms (%+.1f%%) | staged smem: fgather %zu KB%s, "
-           "token %zu KB%s a block\n",
-           f0, f1, 100.0 * (f1 - f0) / f0, b0, b1, 100.0 * (b1 - b0) / b0, g0, g1, 100.0 * (g1 - g0) / g0, t0, t1,
-           100.0 * (t1 - t0) / t0, (sdm_op_row_smem(a) + sdm_gather_stage_smem()) >> 10,
-           fits & 1 ? "" : " (over the limit: staged = plain)", (sdm_token_smem(a.d) + sdm_gather_stage_smem()) >> 10,
-           fits & 2 ? "" : " (over the limit: staged = plain)");
-    free_op_buffers(&b);
-}
-
 // Decode steps for a batch of B streams per head, timed as 100 steps of a captured CUDA graph.
 static void bench_decode(int B, int H, int N, int d, int W, int R) {
     SdmOpShape s;
@@ -419,12 +371,6 @@ int main(int argc, char **argv) {
         bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
         bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
         bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
-        // the gathers' A/B at the same shapes
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
         return 0;
     }
     if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
