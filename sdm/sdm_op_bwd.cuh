@@ -22,34 +22,21 @@
 
 // Per (stream, token) of chunk c, from G before the chunk's update: the write-path gradient of delta,
 // wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per write
-// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats; STAGED: G's rows through
-// cp.async rings (sdm_gather_whole_rows_staged), which follow, sdm_gather_stage_smem() bytes more.
-template <bool STAGED = false>
+// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const float *G, int c) {
-    extern __shared__ __align__(16) float sdm_tok_smem[]; // delta_t [d], the warps' partial rows [SDM_ROW_WARPS][d]
+    extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
     __syncthreads();
-    if (STAGED)
-        sdm_gather_whole_rows_staged<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W,
-                                            part + warp * d, false,
-                                            (uint4 *)(part + SDM_ROW_WARPS * d) + warp * SDM_GATHER_WARP_STAGE, drow,
-                                            a.omega);
-    else
-        sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
-                                     false, drow, a.omega);
+    sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
+                                 false, drow, a.omega);
     sdm_sum_partials(part, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
 
 static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) * d * sizeof(float); }
-// Whether the token kernel runs staged: g_sdm_gather_staged and the staging fits SDM_GATHER_STAGE_MAX (else the plain
-// gather: the fallback).
-static inline bool sdm_token_staged(int d) {
-    return g_sdm_gather_staged && sdm_token_smem(d) + sdm_gather_stage_smem() <= SDM_GATHER_STAGE_MAX;
-}
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
 // dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): dO,
@@ -212,183 +199,6 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
                 for (int k = 0; k < 8; k++) x[k] = g[u][k] + racc[k];
                 sdm_store8(grow + col, x);
             }
-        }
-        phi = core_warp_sum(phi);
-        if (lane == 0) a.phi[er + r] = phi;
-    }
-}
-
-// ------------------------------------------------------------------------------------------------------------------
-// The backward scatter with its rows staged by cp.async: an A/B candidate against sdm_bscatter_kernel.
-//
-// Why: sdm_bscatter_kernel is latency-bound (ncu at the flagship shape, B = 8: 58% of DRAM bandwidth, 0.47 eligible
-// warps a scheduler, stalls on L1TEX). At d = 1024 a lane takes 8 columns per step over 4 steps, so only a quarter of
-// a warp's rows is in flight at a time, and staging whole rows in registers cost occupancy (bench_sdm_op's notes:
-// 23.6 -> 34.8 ms). Here each warp first issues cp.async copies of the whole rows it reads (its snapshot row and
-// scales, or for a read entry of a slot the chunk does not write the bank row; the G row when it updates it) into
-// shared memory, commits them as one group, waits, and then computes exactly as sdm_bscatter_kernel does: the same
-// columns per lane in the same order, the same fma chains, chain walks and warp sums, so the outputs are bitwise
-// equal (tests/gpu_test_sdm_op.cu runs every backward both ways and compares the bits). dR0 and dO rows are not
-// staged: each is shared by the W (R) entries of its token, which neighbouring warps of a block handle, so they are
-// L1 hits, and staging them too would halve the blocks an SM at the flagship shape. g_sdm_bscatter_staged (default 0)
-// selects it; pending an A/B on a GPU (`build/bench_sdm_op 3 staged`), the slower of the two kernels is to be deleted.
-// tests/emulate_bscatter_stage.cu checks the staging on the CPU: every copy's alignment and bounds, each row copied
-// once, and every value a lane decodes from shared memory the bits the plain kernel decodes, in every format and d.
-
-#ifndef SDM_BSCATTER_STAGED // (-DSDM_BSCATTER_STAGED=1: a whole program on the staged scatter, for the A/B)
-#define SDM_BSCATTER_STAGED 0
-#endif
-static int g_sdm_bscatter_staged = SDM_BSCATTER_STAGED; // 1: sdm_op_launch_bscatter runs the staged kernel where it fits
-
-// Dynamic shared memory of one block at most (bytes): at least three blocks an SM (H200: 228 KB an SM, 1 KB of it
-// reserved per block). The flagship's bf16 bank takes 48 KB (four blocks, as the launch bounds allow), an fp32 bank at
-// d = 1024 64 KB (three). Larger rows fall back to sdm_bscatter_kernel.
-#define SDM_BSCATTER_STAGE_MAX (64 << 10)
-
-// One warp's staging area (byte offsets, all multiples of 16): G's row [d] fp32 at 0, then at m_off either a bank
-// row (d bf16 or fp32) or a snapshot row (row_bytes rounded up to 16) with its scales at s_off (fp8/int4:
-// n_scales fp32, rounded up to 16). Flagship (d = 1024, bf16 bank, any snapshot format): 4 + 2 KB a warp.
-struct SdmBscatterStage {
-    int m_off, s_off, bytes;
-};
-__host__ __device__ __forceinline__ SdmBscatterStage sdm_bscatter_stage(const SdmOpArgs &a, int bank_fp32) {
-    const int bank_row = a.d * (bank_fp32 ? 4 : 2), snap_row = ((int)a.snap.row_bytes + 15) & ~15,
-              scales = (4 * a.snap.n_scales + 15) & ~15;
-    SdmBscatterStage L;
-    L.m_off = 4 * a.d;
-    L.s_off = L.m_off + snap_row;
-    L.bytes = L.m_off + (bank_row > snap_row + scales ? bank_row : snap_row + scales);
-    return L;
-}
-static inline size_t sdm_bscatter_staged_smem(const SdmOpArgs &a, int bank_fp32) {
-    return (size_t)SDM_ROW_WARPS * sdm_bscatter_stage(a, bank_fp32).bytes;
-}
-
-// cp.async of 4 bytes (cp.async.cg, core_cp_async16, takes only 16; .ca takes 4, 8 or 16)
-__device__ __forceinline__ void sdm_cp_async4(void *smem, const void *gmem) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-
-// The calling warp issues copies of `bytes` (a multiple of 4) at src into dst (shared, 16-byte aligned),
-// lane-strided; they are this thread's until it waits and the warp syncs. 16-byte copies when src and bytes allow it;
-// otherwise 4-byte ones (fp8/int4 snapshot rows when d is not a multiple of 16/32, and their scales unless ceil(d/32)
-// is a multiple of 4): so every shape whose staging fits is staged, and only the shared memory makes the launcher
-// fall back.
-__device__ __forceinline__ void sdm_stage_row(void *dst, const void *src, int bytes, int lane) {
-    if ((((uintptr_t)src | (uintptr_t)bytes) & 15) == 0)
-        for (int k = lane * 16; k < bytes; k += 32 * 16) core_cp_async16((char *)dst + k, (const char *)src + k, true);
-    else
-        for (int k = lane * 4; k < bytes; k += 32 * 4) sdm_cp_async4((char *)dst + k, (const char *)src + k);
-}
-
-// Stages snapshot row e: its payload at row_s, its scales at scale_s.
-__device__ __forceinline__ void sdm_stage_snap(const SdmSnapView &sv, size_t e, char *row_s, float *scale_s,
-                                               int lane) {
-    sdm_stage_row(row_s, sv.data + e * sv.row_bytes, (int)sv.row_bytes, lane);
-    if (sv.n_scales) sdm_stage_row(scale_s, sv.scale + e * sv.n_scales, 4 * sv.n_scales, lane);
-}
-// The view whose entry 0 is the row sdm_stage_snap staged, so that sdm_snap_load8(view, 0, col, x) decodes it with the
-// very code that decodes the original (its pointers always shared memory: the compiler emits shared loads).
-__device__ __forceinline__ SdmSnapView sdm_staged_snap_view(const SdmSnapView &sv, char *row_s, float *scale_s) {
-    SdmSnapView st = sv;
-    st.data = row_s;
-    st.scale = scale_s;
-    return st;
-}
-
-// This thread's copies landed, then everyone's in the warp (the lanes read columns other lanes copied).
-__device__ __forceinline__ void sdm_stage_wait() {
-    core_cp_async_commit();
-    core_cp_async_wait<0>();
-    __syncwarp();
-}
-
-// As sdm_bscatter_kernel (the same grid, one warp per entry, the same outputs bit for bit), its rows staged first.
-// Dynamic smem: SDM_ROW_WARPS staging areas (sdm_bscatter_stage). The column loop is sdm_bscatter_kernel's at any
-// SDM_SQ: lane columns lane * 8 + 256 k in increasing k.
-__global__ void __launch_bounds__(SDM_ROW_THREADS, 4)
-    sdm_bscatter_staged_kernel(SdmOpArgs a, void *bank, int bank_fp32, float *G, const float *dout, int c) {
-    extern __shared__ __align__(16) unsigned char sdm_bsc_smem[];
-    const int s = blockIdx.y, warp = threadIdx.x / 32, i = blockIdx.x * SDM_ROW_WARPS + warp, lane = threadIdx.x % 32,
-              d = a.d;
-    const int CW = a.C * a.W;
-    if (i >= CW + a.C * a.R) return;
-    const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R, row0 = (size_t)s * a.N;
-    const size_t row_bytes = (size_t)d * (bank_fp32 ? 4 : 2);
-    const SdmBscatterStage L = sdm_bscatter_stage(a, bank_fp32);
-    unsigned char *area = sdm_bsc_smem + warp * L.bytes;
-    float *Gs = (float *)area, *Ss = (float *)(area + L.s_off);
-    char *Ms = (char *)(area + L.m_off);
-    const SdmSnapView sm = sdm_staged_snap_view(a.snap, Ms, Ss); // read after sdm_stage_snap and sdm_stage_wait
-    if (i < CW) {
-        int slot = a.w_slot[ew + i];
-        if (slot < 0) { // padding
-            if (lane == 0) a.psi[ew + i] = a.eta[ew + i] = 0.f;
-            return;
-        }
-        const bool first = a.w_prev[ew + i] < 0, last = a.w_next[ew + i] < 0;
-        void *brow = (char *)bank + (row0 + slot) * row_bytes;
-        float *grow = G + (row0 + slot) * d;
-        sdm_stage_snap(a.snap, ew + i, Ms, Ss, lane); // the chunk-start row M0[slot]
-        if (last) sdm_stage_row(Gs, grow, 4 * d, lane);
-        const float *dr0 = a.cx + ((size_t)s * a.C + i / a.W) * d;
-        const float el = a.w_elam_tot[ew + i];
-        const int lr = a.w_lastread[ew + i];
-        sdm_stage_wait();
-        float psi = 0.f, eta = 0.f;
-        for (int col = lane * 8; col < d; col += 256) {
-            float m[8], g[8], x[8];
-            sdm_snap_load8(sm, 0, col, m);
-            if (last) sdm_load8(Gs + col, g);
-            sdm_load8(dr0 + col, x);
-            psi = sdm_dot8(x, m, psi);
-            if (first) sdm_store8_any(brow, col, m, bank_fp32);
-            if (!last) continue;
-            eta = sdm_dot8(g, m, eta);
-            float acc[8] = {}, racc[8] = {};
-            sdm_write_chain_sum(a, s, ew, i, col, acc);
-            if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-            for (int k = 0; k < 8; k++) x[k] = fmaf(el, g[k], acc[k]) + racc[k];
-            sdm_store8(grow + col, x);
-        }
-        psi = core_warp_sum(psi);
-        eta = core_warp_sum(eta);
-        if (lane == 0) {
-            a.psi[ew + i] = psi;
-            if (last)
-                for (int q = i; q >= 0; q = a.w_prev[ew + q]) a.eta[ew + q] = el * eta;
-        }
-    } else {
-        int r = i - CW, slot = a.r_slot[er + r];
-        if (slot < 0) { // padding
-            if (lane == 0) a.phi[er + r] = 0.f;
-            return;
-        }
-        const int lw = a.r_nearw[er + r];                  // a write entry of the slot in this chunk, or -1
-        const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
-        const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
-        float *grow = G + (row0 + slot) * d;
-        if (lw >= 0) sdm_stage_snap(a.snap, ew + lw, Ms, Ss, lane);
-        else sdm_stage_row(Ms, brow, (int)row_bytes, lane);
-        if (upd) sdm_stage_row(Gs, grow, 4 * d, lane);
-        const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
-        sdm_stage_wait();
-        float phi = 0.f;
-        for (int col = lane * 8; col < d; col += 256) {
-            float m[8], g[8], x[8];
-            if (lw >= 0) sdm_snap_load8(sm, 0, col, m);
-            else sdm_load8_any(Ms, col, bank_fp32, m);
-            if (upd) sdm_load8(Gs + col, g);
-            if (lw >= 0 && !bank_fp32)
-                for (int k = 0; k < 8; k++) m[k] = __bfloat162float(__float2bfloat16_rn(m[k]));
-            sdm_load8(dO + col, x);
-            phi = sdm_dot8(x, m, phi);
-            if (!upd) continue;
-            float racc[8] = {};
-            sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
-            for (int k = 0; k < 8; k++) x[k] = g[k] + racc[k];
-            sdm_store8(grow + col, x);
         }
         phi = core_warp_sum(phi);
         if (lane == 0) a.phi[er + r] = phi;
@@ -571,11 +381,9 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
 
 // The backward's launches (separate so the benchmark can time them one by one).
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const float *G, int c, cudaStream_t stream) {
-    const bool staged = sdm_token_staged(a.d);
-    size_t smem = sdm_token_smem(a.d) + (staged ? sdm_gather_stage_smem() : 0);
-    void (*kern)(SdmOpArgs, const float *, int) = staged ? sdm_token_kernel<true> : sdm_token_kernel<false>;
-    cudaCheck(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kern<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    size_t smem = sdm_token_smem(a.d);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
@@ -584,20 +392,8 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c, sdm_op_solve_staged(a));
     cudaCheckLast();
 }
-// g_sdm_bscatter_staged picks sdm_bscatter_staged_kernel where its staging fits SDM_BSCATTER_STAGE_MAX, else (wide
-// rows: d > 1024 over an fp32 bank, d > 1360 over a bf16 one) falls back to sdm_bscatter_kernel. Rows not aligned
-// for 16-byte copies need no fallback: the staged kernel copies them 4 bytes at a time (sdm_stage_row).
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    const size_t staged_smem = sdm_bscatter_staged_smem(a, bank_fp32);
-    if (g_sdm_bscatter_staged && staged_smem <= SDM_BSCATTER_STAGE_MAX) {
-        cudaCheck(cudaFuncSetAttribute(sdm_bscatter_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)staged_smem));
-        sdm_bscatter_staged_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, staged_smem, stream>>>(
-            a, bank, bank_fp32, G, dout, c);
-        cudaCheckLast();
-        return;
-    }
     sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
                                                                                                   dout, c);
     cudaCheckLast();

@@ -33,26 +33,19 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
 // Block (t, s, z) of the grid (C, S, 2), SDM_ROW_THREADS threads, `part` SDM_ROW_WARPS * d floats of shared memory:
 // z = 0 gathers token t's write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams
 // still fill the GPU.
-// STAGED: the rows through cp.async rings (sdm_gather_whole_rows_staged), which follow the partial rows in `part`.
-template <typename Tb, bool STAGED = false>
+template <typename Tb>
 __device__ __forceinline__ void sdm_fgather_block(const SdmOpArgs &a, const float *v, const Tb *bank, int c, dim3 blk,
                                                   float *part) {
     const int t = blk.x, s = blk.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
-    uint4 *ring = (uint4 *)(part + SDM_ROW_WARPS * d) + warp * SDM_GATHER_WARP_STAGE; // STAGED only
     if (blk.z == 1) {
-        if (STAGED)
-            sdm_gather_whole_rows_staged<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false, ring);
-        else sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
+        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
         sdm_sum_partials(part, d);
         for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
         return;
     }
-    if (STAGED)
-        sdm_gather_whole_rows_staged<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d,
-                                         a.training != 0, ring);
-    else sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
+    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
     sdm_sum_partials(part, d);
     float bt = a.beta[tok];
     for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
@@ -62,21 +55,12 @@ __device__ __forceinline__ void sdm_fgather_block(const SdmOpArgs &a, const floa
     }
 }
 
-template <typename Tb, bool STAGED = false>
+template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS)
     sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
-    extern __shared__ __align__(16) float sdm_fgather_part[]; // [warps][d], STAGED: then the warps' rings
+    extern __shared__ float sdm_fgather_part[]; // [warps][d]
     pdl_enter();
-    sdm_fgather_block<Tb, STAGED>(a, v, bank, c, blockIdx, sdm_fgather_part);
-}
-
-// Whether the forward gather runs staged (g_sdm_gather_staged and the staging fits SDM_GATHER_STAGE_MAX, else the
-// plain gather: the fallback), and its dynamic shared memory.
-static inline bool sdm_fgather_staged(const SdmOpArgs &a) {
-    return g_sdm_gather_staged && sdm_op_row_smem(a) + sdm_gather_stage_smem() <= SDM_GATHER_STAGE_MAX;
-}
-static inline size_t sdm_fgather_smem(const SdmOpArgs &a) {
-    return sdm_op_row_smem(a) + (sdm_fgather_staged(a) ? sdm_gather_stage_smem() : 0);
+    sdm_fgather_block<Tb>(a, v, bank, c, blockIdx, sdm_fgather_part);
 }
 
 // Block (column block, s) of the grid (d/DB, S), SDM_ROW_THREADS threads, `tiles` of sdm_op_tile_smem bytes of shared
@@ -188,12 +172,10 @@ static inline int sdm_grid_blocks(dim3 g) { return (int)(g.x * g.y * g.z); }
 template <typename Tb>
 static void sdm_op_forward_chunk(const SdmOpArgs &a, const SdmFwdGrids &g, const float *v, void *bank, float *out,
                                  int c, cudaStream_t stream) {
-    size_t rs = sdm_fgather_smem(a), ts = sdm_op_tile_smem(a);
-    void (*gather)(SdmOpArgs, const float *, const Tb *, int) =
-        sdm_fgather_staged(a) ? sdm_fgather_kernel<Tb, true> : sdm_fgather_kernel<Tb, false>;
-    cudaCheck(cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
+    cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    launch_pdl(gather, g.gather, SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
+    launch_pdl(sdm_fgather_kernel<Tb>, g.gather, SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
     launch_pdl(sdm_fsolve_kernel, g.solve, SDM_ROW_THREADS, ts, stream, a, out, c, sdm_op_solve_staged(a));
     launch_pdl(sdm_fscatter_kernel<Tb>, g.scatter, SDM_ROW_THREADS, 0, stream, a, (Tb *)bank, c);
 }

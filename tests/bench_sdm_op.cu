@@ -2,9 +2,7 @@
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
-// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128; `staged`:
-// the backward scatter plain and cp.async-staged side by side, sdm/sdm_op_bwd.cuh, then the whole-row gathers
-// (forward gather and backward token kernel) plain and cp.async-staged, sdm/sdm_op_common.cuh). Prefills
+// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128). Prefills
 // are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative launch for
 // the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
@@ -135,25 +133,18 @@ template <typename F> static float time_ms(int reps, F fn) {
     return median(t);
 }
 
-// The forward gather of chunk c over a bf16 bank, alone, staged or plain as g_sdm_gather_staged and the shape pick.
-static void launch_fgather_bf16(const SdmOpArgs &a, const float *v, const void *bank, int c) {
-    const size_t rs = sdm_fgather_smem(a);
-    void (*k)(SdmOpArgs, const float *, const __nv_bfloat16 *, int) =
-        sdm_fgather_staged(a) ? sdm_fgather_kernel<__nv_bfloat16, true> : sdm_fgather_kernel<__nv_bfloat16, false>;
-    cudaCheck(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
-    k<<<sdm_fwd_grids(a).gather, SDM_ROW_THREADS, rs>>>(a, v, (const __nv_bfloat16 *)bank, c);
-}
-
 // Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
 // by a full forward + backward; the values they compute are not used).
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
                         void *saved, void *scratch, int reps) {
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    size_t ts = sdm_op_tile_smem(a);
+    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     SdmFwdGrids fgr = sdm_fwd_grids(a);
     float fg = time_ms(reps, [&] {
-        for (int c = 0; c < a.nc; c++) launch_fgather_bf16(a, in->v, bank, c);
+        for (int c = 0; c < a.nc; c++)
+            sdm_fgather_kernel<__nv_bfloat16>
+                <<<fgr.gather, SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
@@ -178,9 +169,10 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
            sdm_bwy_layout(a.C, a.W, a.R).bytes >> 10, a.bwy_work ? "global" : "shared");
 }
 
-// The training shape of one bench case (bf16 bank), its line printed; hot: slots from a hot set of that many slots (0:
-// uniform over N).
-static SdmOpShape bench_shape(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int hot) {
+// Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
+// hot set of that many slots (0: uniform over N).
+static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
+                        int hot = 0) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
@@ -190,57 +182,23 @@ static SdmOpShape bench_shape(int B, int T, int H, int N, int d, int W, int R, i
     if (hot) snprintf(slots, sizeof(slots), "slots from a hot set of %d", hot);
     printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, DB=%d, %s)\n", B, T, H, N, d, W,
            R, C, snap_names[snap], sdm_op_col_block(&s), slots);
-    return s;
-}
-
-// The device buffers of one training shape: random inputs, bf16 bank and dout (one seed), the gradients, saved and
-// scratch; their sizes printed.
-struct OpBuffers {
-    SdmOpInputs in;
-    void *bank, *saved, *scratch;
-    float *out, *dout;
-    SdmOpGrads g;
-};
-
-static OpBuffers op_buffers(const SdmOpShape *s, int hot) {
-    OpBuffers b;
-    const int W = s->W, R = s->R, d = s->d;
     Rng rng = rng_make(1234);
-    b.in = make_inputs(&rng, s, hot);
-    size_t tok = (size_t)s->B * s->T * s->H, bank_n = (size_t)s->B * s->H * s->N * d;
-    b.bank = dev_bank(&rng, bank_n);
-    b.dout = dev_random(&rng, tok * d, -1.f, 1.f);
-    cudaCheck(cudaMalloc(&b.out, tok * d * 4));
-    cudaCheck(cudaMalloc(&b.g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&b.g.dgamma, tok * W * 4));
-    cudaCheck(cudaMalloc(&b.g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&b.g.dbeta, tok * 4));
-    cudaCheck(cudaMalloc(&b.g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&b.g.dbank_init, bank_n * 4));
-    size_t saved_b = sdm_op_saved_bytes(s), scratch_b = sdm_op_scratch_bytes(s);
-    cudaCheck(cudaMalloc(&b.saved, saved_b));
-    cudaCheck(cudaMalloc(&b.scratch, scratch_b));
+    SdmOpInputs in = make_inputs(&rng, &s, hot);
+    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
+    void *bank = dev_bank(&rng, bank_n);
+    float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
+    cudaCheck(cudaMalloc(&out, tok * d * 4));
+    SdmOpGrads g;
+    cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
+    cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
+    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, bank_n * 4));
+    size_t saved_b = sdm_op_saved_bytes(&s), scratch_b = sdm_op_scratch_bytes(&s);
+    void *saved, *scratch;
+    cudaCheck(cudaMalloc(&saved, saved_b));
+    cudaCheck(cudaMalloc(&scratch, scratch_b));
     printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
            gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4),
            gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
-    return b;
-}
-
-static void free_op_buffers(OpBuffers *b) {
-    cudaFree(b->bank); cudaFree(b->out); cudaFree(b->dout); cudaFree(b->saved); cudaFree(b->scratch);
-    cudaFree(b->g.dkappa); cudaFree(b->g.dgamma); cudaFree(b->g.drho); cudaFree(b->g.dbeta); cudaFree(b->g.dv);
-    cudaFree(b->g.dbank_init);
-    free_inputs(&b->in);
-}
-
-// Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
-// hot set of that many slots (0: uniform over N).
-static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
-                        int hot = 0) {
-    SdmOpShape s = bench_shape(B, T, H, N, d, W, R, C, snap, hot);
-    OpBuffers bufs = op_buffers(&s, hot);
-    SdmOpInputs in = bufs.in;
-    void *bank = bufs.bank, *saved = bufs.saved, *scratch = bufs.scratch;
-    float *out = bufs.out, *dout = bufs.dout;
-    SdmOpGrads g = bufs.g;
-    size_t tok = (size_t)B * T * H;
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
     std::vector<float> tf, tb;
@@ -278,92 +236,9 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     snprintf(what, sizeof(what), "prefill, persistent (%d blocks)", sdm_fwd_persistent_blocks<__nv_bfloat16>(&spp, pa));
     report(what, tp, floor_p);
     bench_parts(&s, &in, bank, dout, &g, saved, scratch, reps);
-    free_op_buffers(&bufs);
-}
-
-// Milliseconds of fn() on the default stream (CUDA events).
-template <typename F> static float time_once(F fn) {
-    cudaEvent_t e0, e1;
-    cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1));
-    cudaCheck(cudaEventRecord(e0));
-    fn();
-    cudaCheck(cudaEventRecord(e1));
-    cudaCheck(cudaEventSynchronize(e1));
-    float ms;
-    cudaCheck(cudaEventElapsedTime(&ms, e0, e1));
-    cudaCheck(cudaEventDestroy(e0)); cudaCheck(cudaEventDestroy(e1));
-    return ms;
-}
-
-// The A/B of the backward scatter (`staged` as the second argument): sdm_bscatter_kernel (g_sdm_bscatter_staged = 0)
-// against sdm_bscatter_staged_kernel (= 1) at one shape, medians of reps runs each, the two taken in turn: the whole
-// backward (a forward before each) and the bscatter launches alone over all chunks (on the state the last backward
-// left; their values are not used).
-static void bench_staged(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
-                         int hot = 0) {
-    SdmOpShape s = bench_shape(B, T, H, N, d, W, R, C, snap, hot);
-    OpBuffers b = op_buffers(&s, hot);
-    SdmOpArgs a = sdm_op_args(&s, b.saved, b.scratch);
-    std::vector<float> tb[2], tc[2];
-    for (int r = 0; r <= reps; r++) // first round is the warm-up
-        for (int st = 0; st < 2; st++) {
-            g_sdm_bscatter_staged = st;
-            sdm_op_forward(&s, &b.in, b.bank, b.out, b.saved, 0);
-            float bwd =
-                time_once([&] { sdm_op_backward(&s, &b.in, b.bank, b.dout, NULL, &b.g, b.saved, b.scratch, 0); });
-            float sc = time_once([&] {
-                for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, b.bank, 0, b.g.dbank_init, b.dout, c, 0);
-            });
-            if (r) { tb[st].push_back(bwd); tc[st].push_back(sc); }
-        }
-    g_sdm_bscatter_staged = 0;
-    cudaCheckLast();
-    const size_t smem = sdm_bscatter_staged_smem(a, 0);
-    const float b0 = median(tb[0]), b1 = median(tb[1]), c0 = median(tc[0]), c1 = median(tc[1]);
-    printf("  backward: plain %.3f ms, staged %.3f ms (%+.1f%%) | bscatter alone: plain %.3f ms, staged %.3f ms "
-           "(%+.1f%%) | staging %zu KB a block%s\n", b0, b1, 100.0 * (b1 - b0) / b0, c0, c1, 100.0 * (c1 - c0) / c0,
-           smem >> 10, smem > SDM_BSCATTER_STAGE_MAX ? " (over the limit: staged = plain)" : "");
-    free_op_buffers(&b);
-}
-
-// The A/B of the whole-row gathers (`staged` as the second argument, after the scatter's): sdm_gather_whole_rows
-// (g_sdm_gather_staged = 0) against sdm_gather_whole_rows_staged (= 1) in the forward gather and the token kernel, the
-// backward scatter plain in both, at one shape, medians of reps runs each, the two taken in turn: the whole forward,
-// the whole backward, and the fgather and token launches alone over all chunks (on the state the last backward left;
-// their values are not used).
-static void bench_gather_staged(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
-                                int hot = 0) {
-    SdmOpShape s = bench_shape(B, T, H, N, d, W, R, C, snap, hot);
-    OpBuffers b = op_buffers(&s, hot);
-    SdmOpArgs a = sdm_op_args(&s, b.saved, b.scratch);
-    std::vector<float> tf[2], tb[2], tg[2], tt[2];
-    g_sdm_bscatter_staged = 0;
-    for (int r = 0; r <= reps; r++) // first round is the warm-up
-        for (int st = 0; st < 2; st++) {
-            g_sdm_gather_staged = st;
-            float fwd = time_once([&] { sdm_op_forward(&s, &b.in, b.bank, b.out, b.saved, 0); });
-            float bwd =
-                time_once([&] { sdm_op_backward(&s, &b.in, b.bank, b.dout, NULL, &b.g, b.saved, b.scratch, 0); });
-            float fg = time_once([&] { for (int c = 0; c < a.nc; c++) launch_fgather_bf16(a, b.in.v, b.bank, c); });
-            float tk = time_once([&] {
-                for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, b.g.dbank_init, c, 0);
-            });
-            if (r) { tf[st].push_back(fwd); tb[st].push_back(bwd); tg[st].push_back(fg); tt[st].push_back(tk); }
-        }
-    g_sdm_gather_staged = 1;
-    const int fits = sdm_fgather_staged(a) + 2 * sdm_token_staged(a.d);
-    g_sdm_gather_staged = 0;
-    cudaCheckLast();
-    const float f0 = median(tf[0]), f1 = median(tf[1]), b0 = median(tb[0]), b1 = median(tb[1]), g0 = median(tg[0]),
-                g1 = median(tg[1]), t0 = median(tt[0]), t1 = median(tt[1]);
-    printf("  gathers plain vs staged: forward %.3f / %.3f ms (%+.1f%%), backward %.3f / %.3f ms (%+.1f%%) | fgather "
-           "alone %.3f / %.3f ms (%+.1f%%), token alone %.3f / %.3f ms (%+.1f%%) | staged smem: fgather %zu KB%s, "
-           "token %zu KB%s a block\n",
-           f0, f1, 100.0 * (f1 - f0) / f0, b0, b1, 100.0 * (b1 - b0) / b0, g0, g1, 100.0 * (g1 - g0) / g0, t0, t1,
-           100.0 * (t1 - t0) / t0, (sdm_op_row_smem(a) + sdm_gather_stage_smem()) >> 10,
-           fits & 1 ? "" : " (over the limit: staged = plain)", (sdm_token_smem(a.d) + sdm_gather_stage_smem()) >> 10,
-           fits & 2 ? "" : " (over the limit: staged = plain)");
-    free_op_buffers(&b);
+    cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
+    cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv); cudaFree(g.dbank_init);
+    free_inputs(&in);
 }
 
 // Decode steps for a batch of B streams per head, timed as 100 steps of a captured CUDA graph.
@@ -413,20 +288,6 @@ int main(int argc, char **argv) {
     cudaDeviceProp p;
     cudaCheck(cudaGetDeviceProperties(&p, 0));
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
-    if (argc > 2 && !strcmp(argv[2], "staged")) { // the backward scatter's A/B at the flagship shape
-        bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
-        bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
-        bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
-        bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
-        bench_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
-        // the gathers' A/B at the same shapes
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 256);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 64);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_FP8, reps);
-        bench_gather_staged(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_INT4, reps);
-        return 0;
-    }
     if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
         for (int C = 32; C <= 128; C *= 2) bench_train(1, 4096, 2, 65536, 1024, 64, 64, C, SDM_SNAP_NONE, reps);
         return 0;

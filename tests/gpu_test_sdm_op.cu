@@ -1,9 +1,7 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
 // (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, the persistent forward =
 // the per-chunk launches (bitwise), decode = prefill = training forward, bitwise determinism, snapshot modes and their
-// independence of the batch, refusals, and the backward scatter and the whole-row gathers (forward gather, backward
-// token kernel) staged by cp.async = the plain ones (bitwise, in every run_gpu forward + backward, both staged against
-// both plain, and at the flagship's d in every snapshot format, each alone).
+// independence of the batch, refusals.
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
@@ -231,12 +229,12 @@ static void dev_free(Dev *D) {
     cudaFree(D->g.dbank_init); cudaFree(D->saved); cudaFree(D->scratch);
 }
 
-// Everything one GPU run produces, on the host (bank_restored: the bank after the backward, GPU training runs only).
-typedef struct { double *out, *bank_final, *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank_init, *bank_restored; } Result;
+// Everything one GPU run produces, on the host.
+typedef struct { double *out, *bank_final, *dkappa, *dgamma, *dbeta, *dv, *drho, *dbank_init; } Result;
 
 static void free_result(Result *r) {
     free(r->out); free(r->bank_final); free(r->dkappa); free(r->dgamma); free(r->dbeta); free(r->dv); free(r->drho);
-    free(r->dbank_init); free(r->bank_restored);
+    free(r->dbank_init);
 }
 
 static void poison(void *p, size_t bytes) { cudaCheck(cudaMemset(p, 0xFF, bytes)); } // NaN in fp32 and bf16
@@ -302,114 +300,20 @@ static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_
         r.dkappa = to_host(D.g.dkappa, tok * c->W); r.dgamma = to_host(D.g.dgamma, tok * c->W);
         r.drho = to_host(D.g.drho, tok * c->R); r.dbeta = to_host(D.g.dbeta, tok); r.dv = to_host(D.g.dv, tok * c->d);
         r.dbank_init = to_host(D.g.dbank_init, bank_elems(c));
-        r.bank_restored = bank_to_host(c, s->bank_fp32, D.bank);
     }
     dev_free(&D);
     return r;
 }
 
-// Readings and final bank bitwise equal.
-static int forward_equal(const Case *c, const Result *x, const Result *y) {
-    size_t tok = (size_t)c->B * c->T * c->H;
-    return !memcmp(x->out, y->out, tok * c->d * 8) && !memcmp(x->bank_final, y->bank_final, bank_elems(c) * 8);
-}
-
-static long g_staged_runs, g_staged_fallbacks; // backward runs compared both ways; of them, shapes that fell back
-static long g_gather_runs, g_gather_fallbacks; // runs with the gathers compared both ways; of them, with a fallback
-
-// Whether sdm_op_launch_bscatter runs the staged kernel at shape s when asked to (else it falls back).
-static int staged_fits(const SdmOpShape *s) {
-    SdmOpArgs a;
-    memset(&a, 0, sizeof(a));
-    a.d = s->d;
-    a.snap.row_bytes = sdm_op_snap_row_bytes(s);
-    a.snap.n_scales = (int)sdm_op_snap_scales(s);
-    return sdm_bscatter_staged_smem(a, s->bank_fp32) <= SDM_BSCATTER_STAGE_MAX;
-}
-
-// Which of the two staged gathers run at shape s when asked to: 1 the forward gather, 2 the token kernel (else they
-// fall back to the plain gather).
-static int gather_fits(const SdmOpShape *s) {
-    SdmOpArgs a;
-    memset(&a, 0, sizeof(a));
-    a.d = s->d;
-    const int keep = g_sdm_gather_staged;
-    g_sdm_gather_staged = 1;
-    int r = (sdm_fgather_staged(a) ? 1 : 0) | (sdm_token_staged(s->d) ? 2 : 0);
-    g_sdm_gather_staged = keep;
-    return r;
-}
-static const char *gather_fits_name(int f) {
-    static const char *const n[] = {"both fall back", "fgather staged, token falls back",
-                                    "fgather falls back, token staged", "both staged"};
-    return n[f];
-}
-
-// Every backward output of x and y, and the bank each restored, bitwise equal; a failure names what differs.
-static int backward_bits_equal(const char *name, const Case *c, const Result *x, const Result *y) {
-    size_t tok = (size_t)c->B * c->T * c->H;
-    struct { const char *what; const double *a, *b; size_t n; } f[] = {
-        {"dkappa", x->dkappa, y->dkappa, tok * c->W}, {"dgamma", x->dgamma, y->dgamma, tok * c->W},
-        {"dbeta", x->dbeta, y->dbeta, tok}, {"dv", x->dv, y->dv, tok * c->d}, {"drho", x->drho, y->drho, tok * c->R},
-        {"dbank_init", x->dbank_init, y->dbank_init, bank_elems(c)},
-        {"restored bank", x->bank_restored, y->bank_restored, bank_elems(c)}};
-    int same = 1;
-    for (int i = 0; i < 7; i++) {
-        int eq = !memcmp(f[i].a, f[i].b, f[i].n * sizeof(double));
-        CHECK(eq, "%s: %s differs between the staged and the plain path", name, f[i].what);
-        same &= eq;
-    }
-    return same;
-}
-
-// Training forward + backward of shape s twice, plain (g_sdm_bscatter_staged = g_sdm_gather_staged = 0) and with the
-// backward scatter staged (scatter = 1) and/or the whole-row gathers staged (gather = 1; the launchers fall back where
-// the staging does not fit): the readings, the final bank, every backward output and the restored bank must be the
-// same bits. Returns the plain run.
-static Result run_gpu_two_ways(const Case *c, const SdmOpShape *s, double *rounded_bank, int scatter, int gather,
-                               int *same = NULL) {
-    const int keep_s = g_sdm_bscatter_staged, keep_g = g_sdm_gather_staged;
-    g_sdm_bscatter_staged = g_sdm_gather_staged = 0;
-    Result plain = run_gpu_shape(c, s, rounded_bank);
-    g_sdm_bscatter_staged = scatter;
-    g_sdm_gather_staged = gather;
-    Result staged = run_gpu_shape(c, s, rounded_bank);
-    g_sdm_bscatter_staged = keep_s;
-    g_sdm_gather_staged = keep_g;
-    static const char *const snaps[] = {"none", "bf16", "fp8", "int4"};
-    char name[160];
-    snprintf(name, sizeof(name), "%s bank, %s snapshots, B%d T%d H%d N%d d%d W%d R%d C%d (staged:%s%s)",
-             s->bank_fp32 ? "fp32" : "bf16", snaps[s->snapshot], c->B, c->T, c->H, c->N, c->d, c->W, c->R, s->C,
-             scatter ? " scatter" : "", gather ? " gathers" : "");
-    int eq = backward_bits_equal(name, c, &plain, &staged), fwd = forward_equal(c, &plain, &staged);
-    CHECK(fwd, "%s: the forward (readings or final bank) differs between the staged and the plain path", name);
-    if (same) *same = eq && fwd;
-    if (scatter) {
-        g_staged_runs++;
-        g_staged_fallbacks += !staged_fits(s);
-    }
-    if (gather) {
-        g_gather_runs++;
-        g_gather_fallbacks += gather_fits(s) != 3;
-    }
-    free_result(&staged);
-    return plain;
-}
-static Result run_gpu_both_scatters(const Case *c, const SdmOpShape *s, double *rounded_bank, int *same = NULL) {
-    return run_gpu_two_ways(c, s, rounded_bank, 1, 0, same);
-}
-
-// Forward (training) then backward on the GPU, the forward's path chosen by the op, plain and with the backward
-// scatter and the gathers staged (run_gpu_two_ways: every output bitwise equal; one pair of runs for both A/Bs).
+// Forward (training) then backward on the GPU, the forward's path chosen by the op.
 static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
     SdmOpShape s = shape_of(c, C, fp32, snap, 1);
-    return run_gpu_two_ways(c, &s, rounded_bank, 1, 1);
+    return run_gpu_shape(c, &s, rounded_bank);
 }
 
 static Result run_ref(const Case *c, const double *bank_init) {
     size_t tok = (size_t)c->B * c->T * c->H;
     Result r;
-    memset(&r, 0, sizeof(r));
     r.out = (double *)sdm_malloc(tok * c->d * sizeof(double));
     r.bank_final = (double *)sdm_malloc(bank_elems(c) * sizeof(double));
     memcpy(r.bank_final, bank_init, bank_elems(c) * sizeof(double));
@@ -444,6 +348,12 @@ static double compare(const char *name, const Case *c, const Result *x, const Re
     }
     printf("  %-58s max rel err %.2e (tol %.0e)\n", name, worst, tol);
     return worst;
+}
+
+// Readings and final bank bitwise equal.
+static int forward_equal(const Case *c, const Result *x, const Result *y) {
+    size_t tok = (size_t)c->B * c->T * c->H;
+    return !memcmp(x->out, y->out, tok * c->d * 8) && !memcmp(x->bank_final, y->bank_final, bank_elems(c) * 8);
 }
 
 static int bitwise_equal(const Case *c, const Result *x, const Result *y) {
@@ -1040,113 +950,6 @@ static void print_wy_digests(void) {
     }
 }
 
-// The staged backward scatter (sdm_bscatter_staged_kernel) against the plain one, bit for bit, where the oracle
-// tests do not reach: the flagship's d = 1024 and W = R = 64 in every snapshot format over both banks (N = 256: reads
-// of rows the chunk writes are common; T % C != 0: padding entries), with chains of C entries (same slots), rows that
-// 16-byte copies cannot take (fp8/int4 at d = 8, 24, 136: rows and scales copied 4 bytes at a time), the widest rows
-// that fit (d = 1360 over a bf16 bank: 63.75 KB a block) and rows that fall back (d = 1032 over an fp32 bank, 2048).
-static void test_bscatter_staged(void) {
-    static const struct { int B, T, H, N, d, W, R, C, fp32; SdmSnapshot snap; int same; } k[] = {
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_NONE, 0}, // the flagship's d, W, R, C; fp32 bank: 64 KB a block
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_BF16, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_INT4, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 0}, // bf16 bank: 48 KB a block
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_FP8, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_INT4, 0},
-        {1, 130, 1, 2048, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 1}, // every token the same 64 + 64 slots
-        {1, 130, 1, 2048, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 1},
-        {2, 100, 2, 64, 8, 8, 8, 16, 0, SDM_SNAP_FP8, 0},   // 8-byte rows, 4-byte scales
-        {2, 100, 2, 64, 8, 8, 8, 16, 1, SDM_SNAP_INT4, 0},  // 4-byte rows
-        {1, 90, 2, 128, 24, 16, 16, 32, 0, SDM_SNAP_INT4, 0}, // 12-byte rows
-        {1, 90, 2, 128, 24, 16, 16, 32, 1, SDM_SNAP_FP8, 0},  // 24-byte rows
-        {1, 80, 2, 128, 136, 16, 16, 32, 0, SDM_SNAP_FP8, 0}, // 136-byte rows, 5 scales
-        {1, 80, 2, 128, 136, 16, 16, 32, 1, SDM_SNAP_INT4, 0},
-        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // the widest staged rows over a bf16 bank
-        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_INT4, 0},
-        {1, 70, 1, 64, 1032, 16, 16, 64, 1, SDM_SNAP_NONE, 0}, // falls back: 64.5 KB a block
-        {1, 70, 1, 64, 2048, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // falls back: 96 KB a block
-    };
-    static const char *const snaps[] = {"none", "bf16", "fp8", "int4"};
-    for (int i = 0; i < (int)(sizeof(k) / sizeof(k[0])); i++) {
-        Case c = make_case(7000 + i, k[i].B, k[i].T, k[i].H, k[i].N, k[i].d, k[i].W, k[i].R, GAMMA_UNIFORM, i % 2);
-        if (k[i].same) repeat_first_slots(&c);
-        SdmOpShape s = shape_of(&c, k[i].C, k[i].fp32, k[i].snap, 1);
-        double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-        int same = 0;
-        Result r = run_gpu_both_scatters(&c, &s, rb, &same);
-        printf("  backward scatter staged vs plain, %s bank, %-4s snapshots, d=%-4d W%d R%d C%d%s (%s): %s\n",
-               k[i].fp32 ? "fp32" : "bf16", snaps[k[i].snap], k[i].d, k[i].W, k[i].R, k[i].C,
-               k[i].same ? " same-slots" : "", staged_fits(&s) ? "staged" : "falls back",
-               same ? "same bits" : "DIFFERENT");
-        free_result(&r); free(rb); free_case(&c);
-    }
-}
-
-// A prefill (no backward) through the per-chunk launches, plain and with the gathers staged: the readings and the
-// final bank must be the same bits (the persistent prefill keeps the plain gather, so only the launches can differ).
-static int prefill_gathers_same(const Case *c, SdmOpShape s, double *rounded_bank) {
-    s.training = 0;
-    s.fwd_path = SDM_FWD_LAUNCHES;
-    const int keep = g_sdm_gather_staged;
-    g_sdm_gather_staged = 0;
-    Result plain = run_gpu_shape(c, &s, rounded_bank);
-    g_sdm_gather_staged = 1;
-    Result staged = run_gpu_shape(c, &s, rounded_bank);
-    g_sdm_gather_staged = keep;
-    int same = forward_equal(c, &plain, &staged);
-    free_result(&plain); free_result(&staged);
-    return same;
-}
-
-// The staged whole-row gathers (sdm_gather_whole_rows_staged in the forward gather and the token kernel) against the
-// plain ones, bit for bit, the backward scatter plain in both runs: the flagship's d = 1024 and W = R = 64 in every
-// snapshot format over both banks (N = 256; T % C != 0: padding entries), chains of C entries (same slots), small
-// rows (d = 8, 24, 40: one partial column group, lanes idle), fewer entries than warps (W = 3, R = 5: warps without
-// entries), uneven entries per warp (W = 12, R = 10), more than 32 entries a warp (W, R > 256: slots past a warp's
-// 32nd entry loaded, not shuffled), rows of several passes (d = 1360 over an fp32 bank: 3 passes of G), and the
-// fallbacks (d = 1536: the token kernel falls back; d = 2048: both).
-static void test_gather_staged(void) {
-    static const struct { int B, T, H, N, d, W, R, C, fp32; SdmSnapshot snap; int same; } k[] = {
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_NONE, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_BF16, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 1, SDM_SNAP_INT4, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_FP8, 0},
-        {1, 150, 2, 256, 1024, 64, 64, 64, 0, SDM_SNAP_INT4, 0},
-        {1, 130, 1, 2048, 1024, 64, 64, 64, 0, SDM_SNAP_NONE, 1}, // every token the same 64 + 64 slots
-        {1, 130, 1, 2048, 1024, 64, 64, 64, 1, SDM_SNAP_FP8, 1},
-        {2, 100, 2, 64, 8, 8, 8, 16, 0, SDM_SNAP_FP8, 0},
-        {2, 100, 2, 64, 8, 8, 8, 16, 1, SDM_SNAP_INT4, 0},
-        {1, 90, 2, 128, 24, 16, 16, 32, 0, SDM_SNAP_INT4, 0},
-        {1, 90, 2, 128, 40, 3, 5, 32, 1, SDM_SNAP_FP8, 0},
-        {2, 80, 2, 96, 32, 12, 10, 32, 0, SDM_SNAP_NONE, 1},
-        {1, 40, 1, 1024, 64, 300, 270, 16, 1, SDM_SNAP_FP8, 0}, // over 32 entries a warp: slots past the 32nd loaded
-        {1, 40, 2, 512, 136, 264, 300, 16, 0, SDM_SNAP_INT4, 0},
-        {1, 70, 1, 64, 1360, 16, 16, 64, 1, SDM_SNAP_NONE, 0},
-        {1, 70, 1, 64, 1360, 16, 16, 64, 0, SDM_SNAP_INT4, 0},
-        {1, 70, 1, 64, 1536, 16, 16, 64, 0, SDM_SNAP_NONE, 0}, // the token kernel falls back
-        {1, 70, 1, 64, 2048, 16, 16, 64, 1, SDM_SNAP_FP8, 0},  // both fall back
-    };
-    static const char *const snaps[] = {"none", "bf16", "fp8", "int4"};
-    for (int i = 0; i < (int)(sizeof(k) / sizeof(k[0])); i++) {
-        Case c = make_case(7500 + i, k[i].B, k[i].T, k[i].H, k[i].N, k[i].d, k[i].W, k[i].R, GAMMA_UNIFORM, i % 2);
-        if (k[i].same) repeat_first_slots(&c);
-        SdmOpShape s = shape_of(&c, k[i].C, k[i].fp32, k[i].snap, 1);
-        double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-        int same = 0;
-        Result r = run_gpu_two_ways(&c, &s, rb, 0, 1, &same);
-        int pre = prefill_gathers_same(&c, s, rb);
-        CHECK(pre, "gathers staged vs plain, case %d: a prefill through the launches differs", i);
-        printf("  gathers staged vs plain, %s bank, %-4s snapshots, d=%-4d W%d R%d C%d%s (%s): training %s, "
-               "prefill %s\n", k[i].fp32 ? "fp32" : "bf16", snaps[k[i].snap], k[i].d, k[i].W, k[i].R, k[i].C,
-               k[i].same ? " same-slots" : "", gather_fits_name(gather_fits(&s)), same ? "same bits" : "DIFFERENT",
-               pre ? "same bits" : "DIFFERENT");
-        free_result(&r); free(rb); free_case(&c);
-    }
-}
-
 static void test_refusals(void) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
@@ -1188,11 +991,5 @@ int main(int argc, char **argv) {
         test_decode(fp32, 4, 12, 256, 1024, 64, 48);
     }
     test_fresh_process(argv[0]);
-    test_bscatter_staged();
-    printf("  backward scatter staged vs plain: %ld backward runs compared bit for bit, %ld of them fell back\n",
-           g_staged_runs, g_staged_fallbacks);
-    test_gather_staged();
-    printf("  gathers staged vs plain: %ld forward + backward runs compared bit for bit, %ld of them with a fallback\n",
-           g_gather_runs, g_gather_fallbacks);
     return test_summary();
 }
