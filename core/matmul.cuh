@@ -127,9 +127,16 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 // constant during a step (weights are), X is read after the wait.
 
 #define MATMUL_GEMV_MAX_M 8
+#ifndef MATMUL_GEMV_ROWS
 #define MATMUL_GEMV_ROWS 4
+#endif
+#ifndef MATMUL_GEMV_THREADS
 #define MATMUL_GEMV_THREADS 256
-#define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB
+#endif
+#ifndef MATMUL_GEMV_STAGES
+#define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB (2: the one-row products alone 0-12%
+                             // faster on an H100, the flagship's batch-1 decode step 1.8% slower)
+#endif
 
 // v[0..VEC) = the 16 bytes u as floats (VEC = 8 bf16 or 4 fp32).
 __device__ __forceinline__ void matmul_gemv_unpack(uint4 u, const __nv_bfloat16 *, float *v) {
