@@ -2,13 +2,21 @@
 # One call on a GPU machine: build everything for the local GPU, run the GPU tests and the benchmarks, keep the logs
 # under $OUT (or ./gpu_logs), and print a short table last.
 #   scripts/gpu_check.sh [tests|bench|all|model|decode] [extra make args]
+#   scripts/gpu_check.sh decode-ab INFER_A INFER_B [runs]     decode of two infer_sdm builds, interleaved, one checkpoint
+#   scripts/gpu_check.sh step-ab TRAIN_A TRAIN_B              the flagship step profile of two train_sdm builds
 # With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
+# tests: gpu_test_model alone (it measures device memory), then the other GPU tests side by side (about 45 s on an
+# H200 from a pack, against minutes one after the other), summed as `make test-gpu` sums them.
 # model: instead of tests and benches, the whole-model figures of BENCHMARKS.md: the flagship's step profile (8 steps,
 # about 1.5 minutes and a 24 GB checkpoint under $MODEL_RUN, default /tmp/sdm_flagship_check), generation from that
 # checkpoint (infer_sdm --bench: prefill, decode at batch 1, 8, 32) and debug_hybrid's training speed.
 # decode: the generation figures alone: decode's products and the dependent-kernel floor (bench_layers), the flagship
 # SDM layer's decode step (bench_sdm_layer 3), and infer_sdm --bench on a one-step flagship checkpoint (about 3
 # minutes with the build).
+# decode-ab, step-ab: A/Bs of builds made elsewhere (e.g. nvcc ... -DMATMUL_GEMV_STAGES=2 infer_sdm.cu -o build/x),
+# carried with the tree: a kernel timed alone and the whole step have disagreed, so a change to decode or training is
+# decided on the step. On a GPU of less than 100 GB the flagship runs with int4 snapshots and the FFN product
+# recomputed (64.4 GiB; the config as shipped takes 88.8 GiB).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -34,20 +42,57 @@ if [ -f build/gpu_pack.tar.xz ]; then
         echo "build/gpu_pack.tar.xz was built from other sources: ignored, building here"
     fi
 fi
+case $what in decode-ab | step-ab) a=$1 b=$2 runs=${3:-2}; set -- ;; esac
 make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
 
+# The flagship's keys for this GPU: the config as shipped where it fits, else int4 snapshots and recomputed FFNs.
+keys="logging.freq=1 checkpoint.eval_every=0 probe_freq=0"
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+if [ "${mib:-0}" -lt 100000 ]; then
+    keys="$keys sdm.snapshot_quant=int4 distributed.recompute_ffn=true"
+    echo "the flagship with int4 snapshots and recomputed FFNs: ${mib:-?} MiB of GPU memory"
+fi
+# A one-step flagship checkpoint in $1 for the decode figures (its weights' values do not matter to the speed).
+flagship_checkpoint() {
+    rm -rf "$1" # a run folder with a checkpoint would be resumed
+    ./train_sdm -c configs/sdm_flagship.cfg steps=1 checkpoint.dump_every=1 $keys run_dir="$1" >"$out/flagship.log" 2>&1
+}
+
+if [ "$what" = decode-ab ]; then
+    run=${MODEL_RUN:-/tmp/sdm_flagship_check}
+    flagship_checkpoint "$run" || { echo "the flagship checkpoint failed: $out/flagship.log"; exit 1; }
+    for i in $(seq "$runs"); do
+        for v in "$a" "$b"; do
+            echo "== $v, run $i"
+            "$v" "$run" --bench --max-new 200 2>&1 | tee "$out/decode_$(basename "$v")_$i.log" | grep -E 'decode|sdm:'
+        done
+    done
+    exit
+fi
+
+if [ "$what" = step-ab ]; then
+    for v in "$a" "$b"; do
+        rm -rf /tmp/sdm_step_ab
+        echo "== $v"
+        "$v" -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=0 $keys \
+            run_dir=/tmp/sdm_step_ab >"$out/step_$(basename "$v").log" 2>&1 || echo "exit $?"
+        grep -E '^step +[5-8]/' "$out/step_$(basename "$v").log"
+        sed -n '/^  part/,/total/p' "$out/step_$(basename "$v").log"
+    done
+    exit
+fi
+
 if [ "$what" = model ]; then
     run=${MODEL_RUN:-/tmp/sdm_flagship_check}
-    keys="logging.freq=1 checkpoint.eval_every=0 probe_freq=0"
     rm -rf "$run" "$run.debug" # a run folder with a checkpoint would be resumed
     ./train_sdm -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=8 $keys run_dir="$run" \
         >"$out/flagship.log" 2>&1
     model_rc=$?
     ./infer_sdm "$run" --bench --max-new 200 >"$out/infer_bench.log" 2>&1 || model_rc=1
-    ./train_sdm -c configs/debug_hybrid.cfg steps=12 checkpoint.dump_every=0 $keys run_dir="$run.debug" \
-        >"$out/debug_hybrid.log" 2>&1 || model_rc=1
+    ./train_sdm -c configs/debug_hybrid.cfg steps=12 checkpoint.dump_every=0 logging.freq=1 checkpoint.eval_every=0 \
+        probe_freq=0 run_dir="$run.debug" >"$out/debug_hybrid.log" 2>&1 || model_rc=1
     echo
     echo "==================== summary ===================="
     echo "build: exit $build_rc; model runs: exit $model_rc"
@@ -61,12 +106,10 @@ fi
 
 if [ "$what" = decode ]; then
     run=${MODEL_RUN:-/tmp/sdm_flagship_check}
-    rm -rf "$run"
     dec_rc=0
     build/bench_layers >"$out/bench_layers.log" 2>&1 || dec_rc=1
     build/bench_sdm_layer 3 >"$out/bench_sdm_layer.log" 2>&1 || dec_rc=1
-    ./train_sdm -c configs/sdm_flagship.cfg steps=1 checkpoint.dump_every=1 logging.freq=1 checkpoint.eval_every=0 \
-        probe_freq=0 run_dir="$run" >"$out/flagship.log" 2>&1 || dec_rc=1
+    flagship_checkpoint "$run" || dec_rc=1
     ./infer_sdm "$run" --bench --max-new 200 >"$out/infer_bench.log" 2>&1 || dec_rc=1
     echo
     echo "==================== summary ===================="
@@ -80,7 +123,18 @@ fi
 
 test_rc=0
 if [ "$what" != bench ]; then
-    make --no-print-directory "$@" test-gpu 2>&1 | tee "$out/test_gpu.log"
+    make --no-print-directory "$@" train_sdm infer_sdm prepare_data >/dev/null # gpu_test_infer, _train run them
+    rm -f "$out"/t_*.log
+    tests/run_all.sh build/gpu_test_model >"$out/t_model.log" 2>&1
+    for t in $(ls build/gpu_test_* | grep -v -e '\.d$' -e gpu_test_model); do
+        tests/run_all.sh "$t" >"$out/t_${t#build/gpu_test_}.log" 2>&1 &
+    done
+    wait
+    for l in "$out"/t_*.log; do printf '%-20s %s\n' "$(basename "$l" .log | cut -c3-)" "$(tail -n 1 "$l")"; done |
+        tee "$out/test_gpu.log"
+    awk '$3 != "passed," {f++; next} {p += $2; f += $4} END {printf "%d passed, %d failed\n", p, f; exit f > 0 || NR == 0}' \
+        "$out/test_gpu.log" |
+        tee -a "$out/test_gpu.log"
     test_rc=${PIPESTATUS[0]}
 fi
 bench_rc=0
@@ -96,9 +150,7 @@ fi
 echo
 echo "==================== summary ===================="
 echo "build: exit $build_rc"
-if [ "$what" != bench ]; then
-    grep -E '^== |passed, [0-9]+ failed$' "$out/test_gpu.log" | paste - - 2>/dev/null | sed 's/^== //'
-fi
+[ "$what" != bench ] && cat "$out/test_gpu.log"
 if [ "$what" != tests ]; then
     for l in "$out"/bench_*.log; do
         [ -f "$l" ] && { echo "-- $(basename "$l" .log)"; grep -E '^\|' "$l" | tail -n 20; }
