@@ -48,7 +48,7 @@ build_rc=$?
 tail -n 20 "$out/build.log"
 
 # The flagship's keys for this GPU: the config as shipped where it fits, else int4 snapshots and recomputed FFNs.
-keys="logging.freq=1 checkpoint.eval_every=0 probe_freq=0"
+base_keys="logging.freq=1 checkpoint.eval_every=0 probe_freq=0" keys=$base_keys
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
 if [ "${mib:-0}" -lt 100000 ]; then
     keys="$keys sdm.snapshot_quant=int4 distributed.recompute_ffn=true"
@@ -91,8 +91,8 @@ if [ "$what" = model ]; then
         >"$out/flagship.log" 2>&1
     model_rc=$?
     ./infer_sdm "$run" --bench --max-new 200 >"$out/infer_bench.log" 2>&1 || model_rc=1
-    ./train_sdm -c configs/debug_hybrid.cfg steps=12 checkpoint.dump_every=0 logging.freq=1 checkpoint.eval_every=0 \
-        probe_freq=0 run_dir="$run.debug" >"$out/debug_hybrid.log" 2>&1 || model_rc=1
+    ./train_sdm -c configs/debug_hybrid.cfg steps=12 checkpoint.dump_every=0 $base_keys run_dir="$run.debug" \
+        >"$out/debug_hybrid.log" 2>&1 || model_rc=1
     echo
     echo "==================== summary ===================="
     echo "build: exit $build_rc; model runs: exit $model_rc"

@@ -1365,9 +1365,9 @@ int main(int argc, char **argv) {
     test_matmul_out_ops(&rng, A, 0, 65, 45, 136);
     test_matmul_out_ops(&rng, A, 0, 3, 45, 44);
     // the input norm against the norm kernel and the plain product, bit for bit, with and without the residual add,
-    // through the GEMV (1, 8 rows), the MMA kernel and cuBLASLt (32 rows; fp32: cuBLASLt), on D = 2048, 96 and the
-    // norm kernel's wide layouts (bf16 4104 and fp32 4096: two vectors a thread; bf16 8200: its scalar path); the
-    // flagship's widths at one row
+    // at 1, 8, 32 rows (bf16: the GEMV, then the MMA kernel or cuBLASLt; fp32: the GEMV, then cuBLASLt), on D =
+    // 2048, 96 and the norm kernel's wide layouts (bf16 4104 and fp32 4096: two vectors a thread; bf16 8200: its
+    // scalar path); the flagship's widths at one row
     for (int kind = NORM_PARTS; kind <= NORM_SWIGLU; kind++)
         for (int fp32 = 0; fp32 <= 1; fp32++)
             for (int add = 0; add <= 1; add++) {
