@@ -59,7 +59,7 @@ typedef struct {
     double write_act_scale, read_act_scale, sdm_norm_eps;
     NumList A_init_range;
     int key_weighted_decay, backprop_on_memory, normalize_readings, output_gate, cuda_graph;
-    char snapshot_quant[CFG_STR], bank_dtype[CFG_STR];
+    char snapshot_quant[CFG_STR], bank_dtype[CFG_STR], grad_bank_dtype[CFG_STR];
     // data (docs/MODEL.md#top-level)
     int batch_size, seq_len, n_views;
     char tokenizer[CFG_STR], train_data[CFG_STR], val_data[CFG_STR];
@@ -185,6 +185,8 @@ static const CfgField CFG_FIELDS[] = {
      "storage of backward snapshots of touched bank rows"},
     {"sdm.bank_dtype", CFG_CHOICE, CFG_OFF(bank_dtype), "bf16", CFG_ANY, "bf16|fp32",
      "dtype of the bank copy (always fp32 when model_dtype is fp32)"},
+    {"sdm.grad_bank_dtype", CFG_CHOICE, CFG_OFF(grad_bank_dtype), "fp32", CFG_ANY, "fp32|bf16",
+     "dtype of the bank gradient between backward chunks (bf16 halves its bytes; fp32 when model_dtype is fp32)"},
     {"sdm.cuda_graph", CFG_BOOL, CFG_OFF(cuda_graph), "true", CFG_ANY, NULL,
      "replay the SDM op from CUDA graphs (speed knob; done by distributed.compile, which captures the whole step)"},
 
@@ -667,7 +669,7 @@ static inline void cfg_unimplemented(const Config *c, char *out, size_t size) {
 // only set the initial weights or how the same function is computed (speed, memory, precision knobs).
 static const char *const CFG_NOT_ARCHITECTURE[] = {"model.init_base_std", "model.init_std_factor", "sdm.A_init_range",
                                                    "sdm.chunk_size", "sdm.snapshot_quant", "sdm.bank_dtype",
-                                                   "sdm.cuda_graph"};
+                                                   "sdm.grad_bank_dtype", "sdm.cuda_graph"};
 
 static inline int cfg_is_architecture(const char *key) {
     if (strncmp(key, "model.", 6) != 0 && strncmp(key, "sdm.", 4) != 0) return 0;

@@ -15,7 +15,7 @@ typedef enum {
     MEM_GRADS,       // fp32 parameter gradients
     MEM_ACTIVATIONS, // activations saved for the backward (and the forward's own buffers)
     MEM_SDM_SAVED,   // SDM banks and the op's saved state (snapshots, WY quantities)
-    MEM_BANK_GRADS,  // per-sequence fp32 bank gradients [B, H, N, d]
+    MEM_BANK_GRADS,  // per-sequence bank gradients [B, H, N, d], fp32 or bf16 (sdm.grad_bank_dtype)
     MEM_SCRATCH,     // backward temporaries, shared by the layers
     MEM_STAGING,     // the bounded buffer of copies to and from the host in pieces (loading weights, checkpoints)
     MEM_CUBLAS,      // the cuBLASLt workspace

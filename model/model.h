@@ -114,6 +114,7 @@ static inline SdmDims model_sdm_dims(const Config *c) {
     s.norm_eps = (float)c->sdm_norm_eps;
     s.snapshot = model_snapshot(c->snapshot_quant);
     s.bank_fp32 = !strcmp(c->bank_dtype, "fp32") || !strcmp(c->model_dtype, "fp32"); // all-fp32 mode: bank too
+    s.grad_bank_bf16 = !strcmp(c->grad_bank_dtype, "bf16") && strcmp(c->model_dtype, "fp32"); // and its gradient
     return s;
 }
 

@@ -6,13 +6,17 @@
 //            pointer merges of sorted slot lists, L = I + diag(beta) A and its inverse, loop-invariant products;
 //   Phase 2, sequential over the chunk index (all B*H streams advance together): gather, small GEMMs, scatter with
 //            multi-entry slots combined in a fixed order (entries sorted by (slot, time), summed serially);
-//   backward Phase A, chunks in reverse: bank-gradient recursion and restoration of the bank from snapshot rows;
+//   backward Phase A, chunks in reverse: bank-gradient recursion and restoration of the bank from snapshot rows
+//            (optionally with the bank gradient rounded to bf16 between chunks, as sdm.grad_bank_dtype = bf16 does);
 //   backward Phase B, per chunk (batched on the GPU): Gram-matrix backward and per-slot scans into dgamma.
 // Layout as sdm_ref.h: wslot, kappa, gamma [B,T,H,W]; beta [B,T,H]; v, out [B,T,H,d]; rslot, rho [B,T,H,R];
 // bank [B,H,N,d]. Each (b,h) stream is padded to a multiple of C with inert tokens (kappa = rho = beta = gamma = 0,
 // slots 0..W-1 and 0..R-1), never letting a chunk span two streams (docs/SDM.md#padding).
 #ifndef SDM_SDM_CHUNKED_REF_H
 #define SDM_SDM_CHUNKED_REF_H
+
+#include <stdint.h>
+#include <string.h>
 
 #include "sdm/sdm_ref.h"
 
@@ -456,8 +460,26 @@ static inline void sdm_chunk_entry_grads(const SdmChunk *ch, const SdmChunkGrad 
     free(dlam); free(dmu); free(dlamr_at); free(dlamr);
 }
 
-// The memory op, backward, in the chunked form. Arguments as sdm_op_backward_ref plus the chunk length C >= 1.
-static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d, int W, int R, int C,
+// x rounded to bf16 as the GPU stores a bank-gradient row: to float, then to the nearest even of 8 significant bits
+static inline double sdm_ref_bf16(double x) {
+    float f = (float)x;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u); // inf and NaN stay
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+// rows slots[0..n) of G [N][d] rounded to bf16 (a row listed twice, or already bf16, is unchanged by a second rounding)
+static inline void sdm_ref_bf16_rows(double *G, const int *slots, int n, int d) {
+    for (int e = 0; e < n; e++)
+        for (int k = 0; k < d; k++) G[(size_t)slots[e] * d + k] = sdm_ref_bf16(G[(size_t)slots[e] * d + k]);
+}
+
+// The memory op, backward, in the chunked form. Arguments as sdm_op_backward_ref plus the chunk length C >= 1 and
+// grad_bf16: 1 keeps the bank gradient G in bf16 between chunks as the GPU's grad_bank_bf16 does (the initial G
+// rounded, then after each chunk the rows it touched; every sum inside a chunk stays in double).
+static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d, int W, int R, int C, int grad_bf16,
                                                const int *wslot, const double *kappa, const double *gamma,
                                                const double *beta, const double *v, const int *rslot,
                                                const double *rho, const double *bank_init, const double *dout,
@@ -467,6 +489,8 @@ static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d
     size_t nbank = (size_t)S * N * d;
     if (dbank_final) memcpy(dbank_init, dbank_final, sizeof(double) * nbank);
     else memset(dbank_init, 0, sizeof(double) * nbank);
+    if (grad_bf16)
+        for (size_t i = 0; i < nbank; i++) dbank_init[i] = sdm_ref_bf16(dbank_init[i]);
     if (T < 1 || S < 1) return;
     int nc;
     SdmChunk *chunks = sdm_chunks_prepare(B, T, H, N, d, W, R, C, wslot, kappa, gamma, beta, v, rslot, rho, &nc);
@@ -484,7 +508,12 @@ static inline void sdm_op_backward_chunked_ref(int B, int T, int H, int N, int d
                 memcpy(cg->dO + (size_t)t * d, dout + sdm_tok_off(T, H, bh / H, c * C + t, bh % H, d),
                        sizeof(double) * d);
             size_t row0 = (size_t)bh * N * d;
-            sdm_chunk_backward_step(chunks + c * S + bh, bank + row0, dbank_init + row0, cg);
+            const SdmChunk *ch = chunks + c * S + bh;
+            sdm_chunk_backward_step(ch, bank + row0, dbank_init + row0, cg);
+            if (grad_bf16) { // padding's slots too: rounding a row that is already bf16 changes nothing
+                sdm_ref_bf16_rows(dbank_init + row0, ch->ks, C * W, d);
+                sdm_ref_bf16_rows(dbank_init + row0, ch->qs, C * R, d);
+            }
         }
     // Phase B: per-entry gradients of every chunk, scattered to the token-major outputs (real tokens only)
     SdmChunkInputGrads lg;

@@ -30,6 +30,7 @@ typedef struct {
     float norm_eps;                   // eps of the readings LayerNorm
     SdmSnapshot snapshot;             // backward snapshot storage
     int bank_fp32;                    // bank copy in fp32 instead of bf16
+    int grad_bank_bf16;               // backward: bank gradient in bf16 between chunks (sdm.grad_bank_dtype)
 } SdmDims;
 
 #endif

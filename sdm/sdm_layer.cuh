@@ -75,7 +75,7 @@ typedef struct {
     void *scratch;       // sdm_op_scratch_bytes
     float *dr;           // [BT, D] dY Wo, then (in place) the gradient of the op readings
     float *dkappa, *dgamma, *dbeta, *dv, *drho; // op gradients
-    float *dbank;        // [B, H, N, d] per-sequence bank gradients
+    void *dbank;         // [B, H, N, d] per-sequence bank gradients, sdm_bank_grad_dtype (fp32 or bf16)
     float *gate_grad;    // [BT, 3H]: da, dc, dg * g in fp32
     float *ln_partials;  // [2, sdm_readout_warps, d]
 } SdmLayerTemps;
@@ -120,6 +120,7 @@ static inline SdmOpShape sdm_layer_op_shape(const SdmDims *s, int B, int T, int 
     memset(&op, 0, sizeof(op)); // fields not set here (the forward path) keep their defaults
     op.B = B; op.T = T; op.H = s->heads; op.N = s->slots; op.d = s->head_dim; op.W = s->writes; op.R = s->reads;
     op.C = s->chunk; op.bank_fp32 = s->bank_fp32; op.snapshot = s->snapshot; op.training = training;
+    op.grad_bank_bf16 = s->grad_bank_bf16;
     return op;
 }
 
@@ -186,7 +187,8 @@ static inline SdmLayerTemps sdm_layer_temps_create(const SdmDims *s, int B, int 
     t.dbeta = (float *)device_alloc(MEM_SCRATCH, P * 4);
     t.dv = (float *)device_alloc(MEM_SCRATCH, BT * D * 4);
     t.drho = (float *)device_alloc(MEM_SCRATCH, P * R * 4);
-    t.dbank = (float *)device_alloc(MEM_BANK_GRADS, (size_t)B * s->heads * s->slots * s->head_dim * 4);
+    t.dbank = device_alloc(MEM_BANK_GRADS,
+                           (size_t)B * s->heads * s->slots * s->head_dim * dtype_size(sdm_bank_grad_dtype(s)));
     t.gate_grad = (float *)device_alloc(MEM_SCRATCH, BT * 3 * s->heads * 4);
     if (s->normalize_readings)
         t.ln_partials = (float *)device_alloc(MEM_SCRATCH, 2 * (size_t)sdm_readout_warps((int)P) * s->head_dim * 4);
@@ -243,8 +245,9 @@ static inline const char *sdm_layer_stage_work(const SdmLayer *L, int ev, double
     case SDM_EV_F_TOPK:
     case SDM_EV_B_TOPK: *flops = *bytes = PROF_NA; return SDM_PART_ADDRESS;
     case SDM_EV_F_BANK: *bytes = L->B * bank + (s->learned_bank ? m0 * cs : 0); return SDM_PART_BANK;
-    case SDM_EV_B_SUMS: // dM0 += the batch's fp32 bank gradients; the gate gradients' column sums
-        *bytes = (s->learned_bank ? (L->B + 2) * m0 * 4 : 0) + BT * 3 * s->heads * 4;
+    case SDM_EV_B_SUMS: // dM0 += the batch's bank gradients; the gate gradients' column sums
+        *bytes = (s->learned_bank ? L->B * m0 * dtype_size(sdm_bank_grad_dtype(s)) + 2 * m0 * 4 : 0) +
+                 BT * 3 * s->heads * 4;
         return SDM_PART_BANK;
     case SDM_EV_F_WY:
     case SDM_EV_B_WY: *flops = *bytes = PROF_NA; return SDM_PART_OP_WY;
@@ -392,8 +395,7 @@ static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, cons
     // learned bank and gate parameters
     if (s->learned_bank) {
         if ((uintptr_t)g->bank0 % 16) sdm_die("SDM layer: the M0 gradient must be 16-byte aligned");
-        sdm_bank_grad_sum_kernel<<<2112, 256, 0, st>>>(g->bank0, L->tmp.dbank, (size_t)H * s->slots * d, L->B);
-        cudaCheckLast();
+        sdm_bank_grad_sum(g->bank0, L->tmp.dbank, s->grad_bank_bf16, (size_t)H * s->slots * d, L->B, st);
     }
     matmul_colsum(g->dt_bias, L->tmp.gate_grad, DT_FP32, 3 * H, BT, H, 1, st);
     matmul_colsum(g->A_log, L->tmp.gate_grad + 2 * H, DT_FP32, 3 * H, BT, H, 1, st);

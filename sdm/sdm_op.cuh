@@ -13,8 +13,8 @@
 //                    entry combines the slot's entries in a fixed order and writes the whole row once).
 //   backward         reverse over chunks: token_kernel (per (stream, token), whole rows of the bank gradient G:
 //                    write-path gradient of delta, omega), bsolve (per (stream, DB columns): dDelta, dX, dR0),
-//                    bscatter (one warp per entry: the dense fp32 bank gradient G at the touched rows, bank rows
-//                    restored from the snapshots, the dots psi, phi, eta against the chunk-start rows), then
+//                    bscatter (one warp per entry: the dense bank gradient G, fp32 or bf16, at the touched rows,
+//                    bank rows restored from the snapshots, the dots psi, phi, eta against the chunk-start rows), then
 //                    bwy_kernel (per (stream, chunk): the C x C products, the Gram backward and the per-slot dgamma
 //                    sums, one thread per entry walking its slot's links in shared memory).
 //   decode_kernel    one token per stream, the recurrence in place (docs/SDM.md#the-recurrence).

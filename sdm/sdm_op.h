@@ -12,7 +12,7 @@
 //   rho   [B,T,H,R] fp32    read weights
 //   out   [B,T,H,d] fp32    readings
 //   bank  [B,H,N,d] bf16 (default) or fp32; stream (b,h) owns rows [(b*H+h)*N, (b*H+h+1)*N)
-// Gradients have the shapes of their inputs (fp32); dbank_init is [B,H,N,d] fp32.
+// Gradients have the shapes of their inputs (fp32); dbank_init is [B,H,N,d] fp32, or bf16 with grad_bank_bf16.
 //
 // Entry points (sdm/sdm_op.cuh), all asynchronous on `stream`, no allocation, no host synchronisation, CUDA-graph
 // capturable; every one first calls sdm_op_check and dies with its message on an unsupported shape:
@@ -31,14 +31,17 @@
 //       forward, out = initial bank restored from the snapshots (exact for `none`, rounded rows for bf16/fp8/int4
 //       snapshots); the backward can therefore run once per forward. dout [B,T,H,d]; dbank_final [B,H,N,d] fp32 or
 //       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten); g->dbank_init doubles as the dense
-//       fp32 bank-gradient accumulator. scratch: sdm_op_scratch_bytes, may be shared by all layers.
+//       bank-gradient accumulator G: fp32 with s->grad_bank_bf16 = 0, bf16 with 1 (fp32 sums inside a chunk, each
+//       touched row rounded to bf16 once per chunk; dbank_final is then rounded in and may not share its buffer).
+//       scratch: sdm_op_scratch_bytes, may be shared by all layers.
 //   void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream);
 //       one token for each of the B*H streams (s->T must be 1; inputs in the same layout with T = 1): the
 //       recurrence (docs/SDM.md#the-recurrence) applied to the bank in place, readings written to out [B,1,H,d]. Needs
 //       no workspace.
 //
 // Precision: every decay, Gram matrix, solve, GEMM and accumulation is IEEE fp32 (no TF32 anywhere); a bank row is
-// rounded to the bank dtype once per chunk. bank_fp32 = 1 with snapshot none is the all-fp32 mode. The op is
+// rounded to the bank dtype once per chunk (with grad_bank_bf16, a touched row of the bank gradient to bf16 once per
+// chunk). bank_fp32 = 1 with snapshot none and grad_bank_bf16 = 0 is the all-fp32 mode. The op is
 // bitwise deterministic (no floating-point atomics; duplicates of a slot are combined by one thread in time order).
 #ifndef SDM_SDM_OP_H
 #define SDM_SDM_OP_H
@@ -73,6 +76,7 @@ typedef struct {
     int C;                // chunk length 1..256 (the op uses min(C, T))
     int bank_fp32;        // 0: bf16 bank, 1: fp32 bank
     SdmSnapshot snapshot; // storage of the backward snapshots (training only)
+    int grad_bank_bf16;   // backward: the bank gradient G (dbank_init) in bf16 (1) or fp32 (0) between chunks
     int training;         // 1: forward saves for the backward; 0: prefill
     SdmFwdPath fwd_path;  // 0 (auto) unless a test or benchmark forces a path
     int fwd_max_blocks;   // > 0: at most this many blocks in the persistent forward (tests); 0: all that fit
@@ -87,7 +91,7 @@ typedef struct {
 
 typedef struct {
     float *dkappa, *dgamma, *dbeta, *dv, *drho; // shapes of kappa, gamma, beta, v, rho
-    float *dbank_init;                          // [B,H,N,d] fp32
+    void *dbank_init;                           // [B,H,N,d] fp32, or bf16 with grad_bank_bf16
 } SdmOpGrads;
 
 static inline int sdm_op_chunk(const SdmOpShape *s) { return s->C < s->T ? s->C : s->T; }
@@ -140,12 +144,13 @@ static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
 
 // Bytes a training forward or backward must move at least (its byte floor, as BENCHMARKS.md counts it),
 // per token and head: forward, read the W written and R read rows, write the W rows and W snapshot rows; backward,
-// read and write the fp32 bank gradient at the W + R rows, read the W snapshots, restore the W rows, read the R rows.
+// read and write the bank gradient (fp32, or bf16 with grad_bank_bf16) at the W + R rows, read the W snapshots,
+// restore the W rows, read the R rows.
 static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
     double th = (double)s->B * s->T * s->H, row = (double)s->d * (s->bank_fp32 ? 4 : 2);
     double snap = (double)sdm_op_snap_row_bytes(s) + 4.0 * sdm_op_snap_scales(s), W = s->W, R = s->R;
     if (!backward) return th * ((2 * W + R) * row + W * snap);
-    return th * ((2 * W + 2 * R) * s->d * 4 + W * snap + (W + R) * row);
+    return th * ((2 * W + 2 * R) * s->d * (s->grad_bank_bf16 ? 2 : 4) + W * snap + (W + R) * row);
 }
 
 // Phase 1 (sdm/sdm_op_wy.cuh, docs/SDM.md#phases-on-the-gpu): the threads of its block, and its working set for one

@@ -3,15 +3,16 @@
 // the bank gradient G before the chunk's update), bsolve (dDelta, dX, dR0, dv) and bscatter (G at the touched rows,
 // the bank rows restored from the snapshots, and the dots against the chunk-start rows: psi, phi, eta), then one
 // bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). G, dense
-// [B,H,N,d] fp32, is accumulated in dbank_init.
-// In: what sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] or NULL; out: dkappa,
-// dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] fp32, and the initial bank
-// restored.
+// [B,H,N,d], is accumulated in dbank_init: fp32, or bf16 with grad_bank_bf16 (Tg below; a row is loaded into fp32,
+// every sum of a chunk is fp32, and the row is rounded to bf16 once when the chunk stores it).
+// In: what sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] fp32 or NULL; out:
+// dkappa, dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] (fp32 or bf16), and
+// the initial bank restored.
 //
 // Bytes per chunk and stream (docs/SDM.md#bytes-of-the-backward): every G row at a write entry is read twice (token,
 // then bscatter's update, which needs dR0 from the solve in between) and written once, every G row at a read-only
 // slot read and written once, every snapshot row read once, every restored row written once, every read-only row
-// read once.
+// read once. A bf16 G halves the G bytes.
 #ifndef SDM_SDM_OP_BWD_CUH
 #define SDM_SDM_OP_BWD_CUH
 
@@ -20,18 +21,19 @@
 // ------------------------------------------------------------------------------------------------------------------
 // Backward, in the reverse chunk loop.
 
-// Per (stream, token) of chunk c, from G before the chunk's update: the write-path gradient of delta,
-// wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per write
-// entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
-__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const float *G, int c) {
+// Per (stream, token) of chunk c, from G (Tg: float or bf16) before the chunk's update: the write-path gradient of
+// delta, wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per
+// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
+template <typename Tg>
+__global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
     extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
     __syncthreads();
-    sdm_gather_whole_rows<float>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d,
-                                 false, drow, a.omega);
+    sdm_gather_whole_rows<Tg>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d, false,
+                              drow, a.omega);
     sdm_sum_partials(part, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
@@ -103,14 +105,16 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 //   read entry r (slot j):   phi = <dO_t, M0[j]> (M0 = the snapshot of a write entry of j in the chunk, rounded to the
 //                            bank dtype as the restore stores it, else the bank row, which this launch does not touch);
 //     last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
+// G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
 // Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
 // none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
 // threads.
 // Four blocks an SM (at most 64 registers, no spills): the warps' dependent loads are the limit, so more warps beat
 // more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
 // compiler it took 78-92 registers and three blocks).
-__global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32,
-                                                                       float *G, const float *dout, int c) {
+template <typename Tg>
+__global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G,
+                                                                       const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
         const float el = a.w_elam_tot[ew + i];
         const int lr = a.w_lastread[ew + i];
         void *brow = (char *)bank + (row0 + slot) * row_bytes;
-        float *grow = G + (row0 + slot) * d;
+        Tg *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
             float m[SDM_SQ][8], g[SDM_SQ][8];
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpA
         const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
         const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
-        float *grow = G + (row0 + slot) * d;
+        Tg *grow = G + (row0 + slot) * d;
         float phi = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
             float m[SDM_SQ][8], g[SDM_SQ][8];
@@ -380,10 +384,11 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
 }
 
 // The backward's launches (separate so the benchmark can time them one by one).
-static inline void sdm_op_launch_token(const SdmOpArgs &a, const float *G, int c, cudaStream_t stream) {
+template <typename Tg>
+static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
-    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_token_kernel<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
@@ -392,10 +397,11 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c, sdm_op_solve_staged(a));
     cudaCheckLast();
 }
-static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, float *G, const float *dout,
+template <typename Tg>
+static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    sdm_bscatter_kernel<<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G,
-                                                                                                  dout, c);
+    sdm_bscatter_kernel<Tg><<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32,
+                                                                                                      G, dout, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
@@ -411,6 +417,38 @@ static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, cons
     cudaCheckLast();
 }
 
+// dst [n] bf16 = src [n] fp32 rounded to nearest even (n a multiple of 8, both 16-byte aligned)
+__global__ void sdm_op_round_bf16_kernel(__nv_bfloat16 *dst, const float *src, size_t n8) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float x[8];
+        sdm_load8(src + 8 * i, x);
+        sdm_store8(dst + 8 * i, x);
+    }
+}
+
+// The reverse chunk loop over the bank gradient G [S][N][d] in Tg (dbank_init itself): G starts as dbank_final
+// (fp32; rounded when Tg is bf16) or zero.
+template <typename Tg>
+static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank, const float *dout,
+                                   const float *dbank_final, float *dv, Tg *G, cudaStream_t stream) {
+    size_t n = (size_t)a.S * a.N * a.d;
+    if (!dbank_final) cudaCheck(cudaMemsetAsync(G, 0, n * sizeof(Tg), stream));
+    else if (sizeof(Tg) == 4) {
+        if ((const void *)dbank_final != (const void *)G)
+            cudaCheck(cudaMemcpyAsync(G, dbank_final, n * 4, cudaMemcpyDeviceToDevice, stream));
+    } else {
+        if ((const void *)dbank_final == (const void *)G)
+            sdm_die("sdm_op_backward: a bf16 bank gradient cannot share dbank_final's fp32 buffer");
+        sdm_op_round_bf16_kernel<<<2112, 256, 0, stream>>>((__nv_bfloat16 *)G, dbank_final, n / 8);
+        cudaCheckLast();
+    }
+    for (int c = a.nc - 1; c >= 0; c--) {
+        sdm_op_launch_token(a, (const Tg *)G, c, stream);
+        sdm_op_launch_bsolve(a, dout, dv, c, stream);
+        sdm_op_launch_bscatter(a, bank, bank_fp32, G, dout, c, stream);
+    }
+}
+
 // sdm_op_backward in its two parts, so that a step profile can time them apart: the reverse chunk loop over the bank
 // gradient, then the per-chunk WY backward (no bank access).
 static void sdm_op_backward_rounds(const SdmOpShape *s, void *bank, const float *dout, const float *dbank_final,
@@ -418,16 +456,9 @@ static void sdm_op_backward_rounds(const SdmOpShape *s, void *bank, const float 
     sdm_op_require(s);
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    size_t n = (size_t)a.S * a.N * a.d; // G starts as dbank_final (or zero) and ends as dbank_init
-    if (dbank_final) {
-        if (dbank_final != g->dbank_init)
-            cudaCheck(cudaMemcpyAsync(g->dbank_init, dbank_final, n * 4, cudaMemcpyDeviceToDevice, stream));
-    } else cudaCheck(cudaMemsetAsync(g->dbank_init, 0, n * 4, stream));
-    for (int c = a.nc - 1; c >= 0; c--) {
-        sdm_op_launch_token(a, g->dbank_init, c, stream);
-        sdm_op_launch_bsolve(a, dout, g->dv, c, stream);
-        sdm_op_launch_bscatter(a, bank, s->bank_fp32, g->dbank_init, dout, c, stream);
-    }
+    if (s->grad_bank_bf16)
+        sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, (__nv_bfloat16 *)g->dbank_init, stream);
+    else sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, (float *)g->dbank_init, stream);
 }
 
 static void sdm_op_backward_wy(const SdmOpShape *s, const float *dout, const SdmOpGrads *g, void *saved,

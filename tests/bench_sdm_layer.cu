@@ -95,7 +95,7 @@ static void bench_pieces(SdmLayer *L, const SdmLayerParams *p, const SdmLayerGra
                                     L->col_zq, 0, NULL, 0));
     TIME_PIECE("pack dv", 0, (sdm_pack_dv_kernel<<<BT, 256>>>(L->tmp.dv, L->z, false, L->ldz, L->col_v, D)));
     TIME_PIECE("dM0 batch sum", 0,
-               (sdm_bank_grad_sum_kernel<<<2112, 256>>>(g->bank0, L->tmp.dbank, (size_t)H * s->slots * d, L->B)));
+               sdm_bank_grad_sum(g->bank0, L->tmp.dbank, s->grad_bank_bf16, (size_t)H * s->slots * d, L->B, 0));
     TIME_PIECE("bwd GEMM in dW", fin,
                matmul_backward_weight(g->w_in, DT_FP32, L->z, L->ldz, x, L->ctype, BT, L->n_in, D, 1, 0));
     TIME_PIECE("bwd bias matmul_colsum dZ (all columns)", 0,

@@ -2,15 +2,16 @@
 // prefill and decode at the issue-4 shapes, bf16 bank, uniform random slots; the flagship shape also with fp8 and
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
-// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128). Prefills
-// are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative launch for
-// the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
+// these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128; `grad`: the
+// flagship shape, uniform and hot-256 slots, with the bank gradient G in fp32 then in bf16, sdm.grad_bank_dtype).
+// Prefills are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative
+// launch for the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
 // HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
 //   prefill:            read W + R rows, write W rows                                          -> (2W + R) d 2 bytes
-//   backward: fp32 G rows read + written at W + R rows, W snapshot rows read, W rows restored, R bank rows read
-//                                                                      -> (2W + 2R) d 4 + (W + R) d 2 + W s bytes
+//   backward: G rows (g = 4 bytes, 2 with a bf16 G) read + written at W + R rows, W snapshot rows read, W rows
+//             restored, R bank rows read                               -> (2W + 2R) d g + (W + R) d 2 + W s bytes
 //   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;
@@ -133,6 +134,13 @@ template <typename F> static float time_ms(int reps, F fn) {
     return median(t);
 }
 
+// token and bscatter over all chunks with the bank gradient G in Tg (fp32 or bf16)
+template <typename Tg>
+static void bench_grad_parts(const SdmOpArgs &a, void *bank, Tg *G, const float *dout, int reps, float *tk, float *bc) {
+    *tk = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, (const Tg *)G, c, 0); });
+    *bc = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, G, dout, c, 0); });
+}
+
 // Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
 // by a full forward + backward; the values they compute are not used).
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
@@ -154,13 +162,10 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
         for (int c = 0; c < a.nc; c++)
             sdm_fscatter_kernel<__nv_bfloat16><<<fgr.scatter, SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
-    float tk = time_ms(reps, [&] {
-        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, g->dbank_init, c, 0);
-    });
+    float tk, bc;
+    if (s->grad_bank_bf16) bench_grad_parts(a, bank, (__nv_bfloat16 *)g->dbank_init, dout, reps, &tk, &bc);
+    else bench_grad_parts(a, bank, (float *)g->dbank_init, dout, reps, &tk, &bc);
     float bs = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bsolve(a, dout, g->dv, c, 0); });
-    float bc = time_ms(reps, [&] {
-        for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, g->dbank_init, dout, c, 0);
-    });
     float bw = time_ms(reps, [&] { sdm_op_launch_bwy(a, dout, g, 0); });
     cudaCheckLast();
     printf("  parts (ms): phase1 %.3f (%zu KB a chunk in %s memory) | fgather %.3f fsolve %.3f fscatter %.3f | token "
@@ -170,34 +175,34 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
 }
 
 // Training forward + backward, prefill, and the forward with the host-loop schedule at one shape; hot: slots from a
-// hot set of that many slots (0: uniform over N).
+// hot set of that many slots (0: uniform over N); grad_bf16: the bank gradient in bf16 (sdm.grad_bank_dtype).
 static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, SdmSnapshot snap, int reps,
-                        int hot = 0) {
+                        int hot = 0, int grad_bf16 = 0) {
     SdmOpShape s;
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = C; s.bank_fp32 = 0;
-    s.snapshot = snap; s.training = 1;
+    s.snapshot = snap; s.training = 1; s.grad_bank_bf16 = grad_bf16;
     static const char *const snap_names[] = {"none", "bf16", "fp8", "int4"};
     char slots[48] = "uniform slots";
     if (hot) snprintf(slots, sizeof(slots), "slots from a hot set of %d", hot);
-    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, DB=%d, %s)\n", B, T, H, N, d, W,
-           R, C, snap_names[snap], sdm_op_col_block(&s), slots);
+    printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, %s bank gradient, DB=%d, %s)\n",
+           B, T, H, N, d, W, R, C, snap_names[snap], grad_bf16 ? "bf16" : "fp32", sdm_op_col_block(&s), slots);
     Rng rng = rng_make(1234);
     SdmOpInputs in = make_inputs(&rng, &s, hot);
-    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
+    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d, gbank_b = bank_n * (grad_bf16 ? 2 : 4);
     void *bank = dev_bank(&rng, bank_n);
     float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
     cudaCheck(cudaMalloc(&out, tok * d * 4));
     SdmOpGrads g;
     cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
     cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
-    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, bank_n * 4));
+    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, gbank_b));
     size_t saved_b = sdm_op_saved_bytes(&s), scratch_b = sdm_op_scratch_bytes(&s);
     void *saved, *scratch;
     cudaCheck(cudaMalloc(&saved, saved_b));
     cudaCheck(cudaMalloc(&scratch, scratch_b));
     printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
-           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(bank_n * 4),
+           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(gbank_b),
            gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
@@ -290,6 +295,12 @@ int main(int argc, char **argv) {
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
     if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
         for (int C = 32; C <= 128; C *= 2) bench_train(1, 4096, 2, 65536, 1024, 64, 64, C, SDM_SNAP_NONE, reps);
+        return 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "grad")) { // the flagship backward with G in fp32, then in bf16
+        for (int hot = 0; hot <= 256; hot += 256)
+            for (int gb = 0; gb <= 1; gb++)
+                bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, hot, gb);
         return 0;
     }
     bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps);

@@ -969,6 +969,7 @@ typedef struct {
     int fp32, D, H, F, n[3], W, R, C, B, T;
     int learned_bank, output_gate, normalize_readings, kwd;
     float write_scale, read_scale;
+    int grad_bank_bf16; // sdm.grad_bank_dtype = bf16
 } LayerCase;
 
 static SdmDims layer_dims(const LayerCase *c) {
@@ -979,7 +980,7 @@ static SdmDims layer_dims(const LayerCase *c) {
     s.write_scale = c->write_scale; s.read_scale = c->read_scale;
     s.key_weighted_decay = c->kwd; s.learned_bank = c->learned_bank;
     s.normalize_readings = c->normalize_readings; s.output_gate = c->output_gate;
-    s.norm_eps = 1e-5f; s.snapshot = SDM_SNAP_NONE; s.bank_fp32 = c->fp32;
+    s.norm_eps = 1e-5f; s.snapshot = SDM_SNAP_NONE; s.bank_fp32 = c->fp32; s.grad_bank_bf16 = c->grad_bank_bf16;
     return s;
 }
 
@@ -1465,6 +1466,15 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_layer(&rng, &cases[i]);
     test_layer_determinism(&rng, &cases[5]);
     test_layer_determinism(&rng, &cases[7]);
+    // the bank gradient in bf16 between the op's chunks (sdm.grad_bank_dtype = bf16, bf16 layers only, as the config
+    // allows): every gradient, dM0 from the batch sum of bf16 per-sequence gradients, within TOL_BF16 (the op's bf16-G
+    // error, ~2e-3 by tests/test_sdm_chunked.c, adds to the bf16 layer's)
+    const LayerCase gb[] = {
+        {"C bf16-G", 0, 64, 4, 2, {8, 16, 0}, 8, 8, 32, 3, 50, 1, 1, 1, 1, 1.3f, 1.0f, 1},
+        {"D hot bf16-G", 0, 64, 2, 2, {4, 8, 0}, 12, 12, 64, 2, 100, 1, 0, 0, 1, 1.0f, 1.0f, 1},
+    };
+    for (size_t i = 0; i < sizeof(gb) / sizeof(gb[0]); i++) test_layer(&rng, &gb[i]);
+    test_layer_determinism(&rng, &gb[0]);
     matmul_destroy();
     return test_summary();
 }

@@ -5,6 +5,10 @@
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
+// The bank gradient in bf16 between chunks (grad_bank_bf16) over an fp32 bank: 5e-3, GRAD_BF16_TOL of
+// tests/test_sdm_chunked.c, whose chunked oracle rounds G the same way (one rounding of 8 significant bits per touched
+// row and chunk, ~1.7e-3 RMS, adding up over the few decayed chunks that carry it; observed there 0.7e-3 to 2.5e-3 at
+// these shapes and decays, up to 7 chunks). Over a bf16 bank the two roundings' errors add: 1e-2 still.
 #include <algorithm>
 #include <vector>
 
@@ -20,6 +24,7 @@
 #define TOL_CHUNK_FP32 1e-5 // GPU at chunk size C vs GPU at C = 64, fp32 mode
 #define TOL_FP8 0.1         // kappa/gamma/rho gradients with fp8 snapshots vs none (fp32 bank)
 #define TOL_INT4 0.4        // same with int4 snapshots
+#define TOL_GRAD_BF16 5e-3  // fp32 bank, bank gradient in bf16 between chunks
 
 typedef enum { GAMMA_UNIFORM, GAMMA_ZERO, GAMMA_VERY_NEGATIVE } GammaMode;
 
@@ -299,15 +304,17 @@ static Result run_gpu_shape(const Case *c, const SdmOpShape *s, double *rounded_
         cudaCheck(cudaDeviceSynchronize());
         r.dkappa = to_host(D.g.dkappa, tok * c->W); r.dgamma = to_host(D.g.dgamma, tok * c->W);
         r.drho = to_host(D.g.drho, tok * c->R); r.dbeta = to_host(D.g.dbeta, tok); r.dv = to_host(D.g.dv, tok * c->d);
-        r.dbank_init = to_host(D.g.dbank_init, bank_elems(c));
+        r.dbank_init = bank_to_host(c, !s->grad_bank_bf16, D.g.dbank_init); // G's dtype
     }
     dev_free(&D);
     return r;
 }
 
-// Forward (training) then backward on the GPU, the forward's path chosen by the op.
-static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank) {
+// Forward (training) then backward on the GPU, the forward's path chosen by the op; grad_bf16: the bank gradient in
+// bf16 between chunks.
+static Result run_gpu(const Case *c, int C, int fp32, SdmSnapshot snap, double *rounded_bank, int grad_bf16 = 0) {
     SdmOpShape s = shape_of(c, C, fp32, snap, 1);
+    s.grad_bank_bf16 = grad_bf16;
     return run_gpu_shape(c, &s, rounded_bank);
 }
 
@@ -645,6 +652,45 @@ static void test_against_oracle(void) {
         }
 }
 
+// The bank gradient kept in bf16 between chunks (sdm.grad_bank_dtype = bf16) against the oracle, every output and
+// gradient (half the cases start from a final-bank gradient, which the op rounds in): over an fp32 bank within
+// TOL_GRAD_BF16, over a bf16 bank within TOL_BF16, at the shapes of test_against_oracle with many chunks per row (up
+// to 7), no decay and repeated slots; and the rounding visible (not a silent fp32 run).
+static void test_grad_bf16(void) {
+    const Spec specs[] = {
+        {2, 100, 2, 64, 16, 8, 8, 16, GAMMA_UNIFORM, 1, 0},       // small bank, 7 chunks, T % C != 0
+        {1, 200, 1, 4096, 32, 16, 16, 64, GAMMA_UNIFORM, 0, 0},   // large bank
+        {3, 300, 4, 256, 8, 32, 24, 256, GAMMA_UNIFORM, 1, 0},    // H = 4, C = 256, ragged last chunk
+        {1, 130, 1, 512, 8, 128, 128, 64, GAMMA_UNIFORM, 1, 0},   // W = R = 128
+        {2, 100, 2, 32, 16, 8, 8, 64, GAMMA_ZERO, 1, 0},          // no decay
+        {2, 130, 2, 256, 16, 32, 24, 64, GAMMA_UNIFORM, 1, 2},    // every token the same 32 + 24 slots
+        {1, 200, 2, 4096, 16, 64, 64, 64, GAMMA_UNIFORM, 1, 3},   // the flagship's W, R, C, a hot set of 256
+    }; // (not full wipes: their dgamma is a cancelling sum, 1.3e-2 off in tests/test_sdm_chunked.c)
+    int n = (int)(sizeof(specs) / sizeof(specs[0]));
+    for (int fp32 = 1; fp32 >= 0; fp32--)
+        for (int i = 0; i < n; i++) {
+            const Spec *p = &specs[i];
+            Case c = make_case(5000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
+            if (p->hot == 2) repeat_first_slots(&c);
+            if (p->hot == 3) draw_hot_slots(&c, 6000 + i, 4 * p->W);
+            double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
+            Result g = run_gpu(&c, p->C, fp32, SDM_SNAP_NONE, rb, 1);
+            Result ref = run_ref(&c, rb);
+            char name[128];
+            snprintf(name, sizeof(name), "%s bf16-G B%d T%d H%d N%d d%d W%d R%d C%d g%d%s", fp32 ? "fp32" : "bf16",
+                     p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->C, (int)p->gm,
+                     p->hot == 2 ? " same-slots" : p->hot == 3 ? " hot-set" : "");
+            compare(name, &c, &g, &ref, fp32 ? TOL_GRAD_BF16 : TOL_BF16);
+            if (fp32) {
+                Result f = run_gpu(&c, p->C, 1, SDM_SNAP_NONE, rb); // the same run with an fp32 G
+                double e = rel_error(g.dbank_init, f.dbank_init, bank_elems(&c));
+                CHECK(e > 1e-6, "%s: dbank_init equals the fp32 run's (rel %.1e): G was not rounded", name, e);
+                free_result(&f);
+            }
+            free_result(&g); free_result(&ref); free(rb); free_case(&c);
+        }
+}
+
 // Same inputs at C = 16..256 (fp32): all equal to C = 64 and to the oracle; two runs bitwise equal (fp32 and bf16).
 // repeat: every token repeats its first slot sets (the Gram backward's sums over long slot chains).
 static void test_chunk_invariance_and_determinism(int repeat) {
@@ -667,6 +713,11 @@ static void test_chunk_invariance_and_determinism(int repeat) {
     Result x = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb), y = run_gpu(&c, 64, 0, SDM_SNAP_NONE, rb); // bf16 bank
     CHECK(bitwise_equal(&c, &x, &y), "bf16: two runs differ");
     free_result(&x); free_result(&y);
+    for (int fp32 = 0; fp32 <= 1; fp32++) { // bf16 bank gradient
+        Result u = run_gpu(&c, 64, fp32, SDM_SNAP_NONE, rb, 1), w = run_gpu(&c, 64, fp32, SDM_SNAP_NONE, rb, 1);
+        CHECK(bitwise_equal(&c, &u, &w), "%s bank, bf16 bank gradient: two runs differ", fp32 ? "fp32" : "bf16");
+        free_result(&u); free_result(&w);
+    }
     printf("  chunk invariance / determinism checked\n");
     free_result(&base); free_result(&ref); free_result(&again); free(rb); free_case(&c);
 }
@@ -973,6 +1024,7 @@ int main(int argc, char **argv) {
     test_refusals();
     test_phase1();
     test_against_oracle();
+    test_grad_bf16();
     test_chunk_invariance_and_determinism(0);
     test_chunk_invariance_and_determinism(1);
     test_persistent_forward();

@@ -41,6 +41,12 @@ expect "$out" "SDM banks + saved state" $(( 6 * (4 * 2 * 65536 * 1024 * 2 + save
 expect "$out" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 4 )) "flagship (once, not per layer)"
 expect "$out" "cuBLAS workspace" $((32 << 20)) flagship
 
+# sdm.grad_bank_dtype = bf16: the per-sequence bank gradients [4, 2, 65536, 1024] in bf16, nothing else changes
+gb=$(./train_sdm -c configs/sdm_flagship.cfg --memory sdm.grad_bank_dtype=bf16)
+expect "$gb" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 2 )) "flagship, bf16 bank gradient"
+total=$(printf '%s\n' "$out" | grep -F "  total " | awk '{print $(NF-1)}')
+expect "$gb" "total" $((total - 4 * 2 * 65536 * 1024 * 2)) "flagship, bf16 bank gradient"
+
 # bf16 AdamW moments (optim.moment_dtype): m and v at 2 bytes each, nothing else changes
 bf=$(./train_sdm -c configs/sdm_flagship.cfg --memory optim.moment_dtype=bf16)
 expect "$bf" "AdamW m, v" $((4 * S)) "flagship, bf16 moments"
