@@ -42,6 +42,19 @@ static void op_grads_free(OpGrads *g) {
     free(g->dkappa); free(g->dgamma); free(g->dbeta); free(g->dv); free(g->drho); free(g->dbank);
 }
 
+// The gradients of case c from the oracle (ref) and from the chunked form at chunk length C (got; grad_bf16: the
+// bank gradient rounded to bf16 between chunks).
+static void op_grads_both(OpCase *c, int C, int grad_bf16, OpGrads *ref, OpGrads *got) {
+    int B = c->B, T = c->T, H = c->H, N = c->N, d = c->d, W = c->W, R = c->R;
+    *ref = op_grads_alloc(c);
+    *got = op_grads_alloc(c);
+    sdm_op_backward_ref(B, T, H, N, d, W, R, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot, c->rho, c->bank0,
+                        c->dout, c->dbank, ref->dkappa, ref->dgamma, ref->dbeta, ref->dv, ref->drho, ref->dbank);
+    sdm_op_backward_chunked_ref(B, T, H, N, d, W, R, C, grad_bf16, c->wslot, c->kappa, c->gamma, c->beta, c->v,
+                                c->rslot, c->rho, c->bank0, c->dout, c->dbank, got->dkappa, got->dgamma, got->dbeta,
+                                got->dv, got->drho, got->dbank);
+}
+
 // The oracle's and the chunked form's outputs and gradients for one case and chunk length, compared.
 static void compare_chunked(const char *name, OpCase *c, int C) {
     int B = c->B, T = c->T, H = c->H, N = c->N, d = c->d, W = c->W, R = c->R;
@@ -51,12 +64,8 @@ static void compare_chunked(const char *name, OpCase *c, int C) {
     memcpy(bank, c->bank0, sizeof(double) * op_nbank(c));
     sdm_op_forward_chunked_ref(B, T, H, N, d, W, R, C, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot, c->rho,
                                bank, out);
-    OpGrads ref = op_grads_alloc(c), got = op_grads_alloc(c);
-    sdm_op_backward_ref(B, T, H, N, d, W, R, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot, c->rho, c->bank0,
-                        c->dout, c->dbank, ref.dkappa, ref.dgamma, ref.dbeta, ref.dv, ref.drho, ref.dbank);
-    sdm_op_backward_chunked_ref(B, T, H, N, d, W, R, C, 0, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot,
-                                c->rho, c->bank0, c->dout, c->dbank, got.dkappa, got.dgamma, got.dbeta, got.dv,
-                                got.drho, got.dbank);
+    OpGrads ref, got;
+    op_grads_both(c, C, 0, &ref, &got);
     int shared, own;
     count_collisions(B, T, H, W, R, C, c->wslot, c->rslot, &shared, &own);
     printf("%s C=%d: %d slot shares inside chunks, %d reads of own writes, readings err %.1e\n", name, C, shared, own,
@@ -84,13 +93,9 @@ static void compare_chunked(const char *name, OpCase *c, int C) {
 // The chunked form with the bf16 bank gradient against the oracle: every gradient within tol, and the rounding
 // visible in the bank gradient (the option is not a no-op).
 static void compare_grad_bf16(const char *name, OpCase *c, int C, double tol) {
-    int B = c->B, T = c->T, H = c->H, N = c->N, d = c->d, W = c->W, R = c->R;
-    OpGrads ref = op_grads_alloc(c), got = op_grads_alloc(c);
-    sdm_op_backward_ref(B, T, H, N, d, W, R, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot, c->rho, c->bank0,
-                        c->dout, c->dbank, ref.dkappa, ref.dgamma, ref.dbeta, ref.dv, ref.drho, ref.dbank);
-    sdm_op_backward_chunked_ref(B, T, H, N, d, W, R, C, 1, c->wslot, c->kappa, c->gamma, c->beta, c->v, c->rslot,
-                                c->rho, c->bank0, c->dout, c->dbank, got.dkappa, got.dgamma, got.dbeta, got.dv,
-                                got.drho, got.dbank);
+    int W = c->W, R = c->R, d = c->d;
+    OpGrads ref, got;
+    op_grads_both(c, C, 1, &ref, &got);
     struct { const char *what; const double *a, *b; size_t n; } f[] = {
         {"dkappa", got.dkappa, ref.dkappa, op_n(c, W)}, {"dgamma", got.dgamma, ref.dgamma, op_n(c, W)},
         {"dbeta", got.dbeta, ref.dbeta, op_n(c, 1)},    {"dv", got.dv, ref.dv, op_n(c, d)},
