@@ -117,10 +117,11 @@ __device__ __forceinline__ void sdm_fscatter_block(const SdmOpArgs &a, Tb *bank,
     const int s = blk.y, e = blk.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (e >= a.C * a.W) return;
     const size_t ew = ((size_t)s * a.Tp + (size_t)c * a.C) * a.W;
-    int slot = a.w_slot[ew + e];
-    if (slot < 0 || a.w_next[ew + e] >= 0) return;
+    // the entry's three words together: one memory latency before the tests, not one after each
+    const int slot = a.w_slot[ew + e], next = a.w_next[ew + e];
+    const float el = a.w_elam_tot[ew + e];
+    if (slot < 0 || next >= 0) return;
     Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
-    float el = a.w_elam_tot[ew + e];
     for (int col0 = lane * V; col0 < a.d; col0 += 32 * V * G) {
         float x[G][V];
 #pragma unroll
