@@ -38,14 +38,15 @@ ew=$((8 * 4096 * 64))
 saved=$(( 18 * ew * 4 + 8 * 4096 * 4 + 3 * 8 * 64 * 64 * 64 * 4 + 3 * 8 * 64 * 1024 * 4 + 2 * 8 * 4096 * 1024 * 4
           + ew * 1024 * 2 ))
 expect "$out" "SDM banks + saved state" $(( 6 * (4 * 2 * 65536 * 1024 * 2 + saved) )) flagship
-expect "$out" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 4 )) "flagship (once, not per layer)"
+expect "$out" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 2 )) "flagship (once, not per layer; bf16)"
 expect "$out" "cuBLAS workspace" $((32 << 20)) flagship
 
-# sdm.grad_bank_dtype = bf16: the per-sequence bank gradients [4, 2, 65536, 1024] in bf16, nothing else changes
-gb=$(./train_sdm -c configs/sdm_flagship.cfg --memory sdm.grad_bank_dtype=bf16)
-expect "$gb" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 2 )) "flagship, bf16 bank gradient"
+# sdm.grad_bank_dtype = fp32 (the config takes bf16): the per-sequence bank gradients [4, 2, 65536, 1024] in fp32,
+# nothing else changes
+gb=$(./train_sdm -c configs/sdm_flagship.cfg --memory sdm.grad_bank_dtype=fp32)
+expect "$gb" "per-sequence bank gradients" $(( 4 * 2 * 65536 * 1024 * 4 )) "flagship, fp32 bank gradient"
 total=$(printf '%s\n' "$out" | grep -F "  total " | awk '{print $(NF-1)}')
-expect "$gb" "total" $((total - 4 * 2 * 65536 * 1024 * 2)) "flagship, bf16 bank gradient"
+expect "$gb" "total" $((total + 4 * 2 * 65536 * 1024 * 2)) "flagship, fp32 bank gradient"
 
 # bf16 AdamW moments (optim.moment_dtype): m and v at 2 bytes each, nothing else changes
 bf=$(./train_sdm -c configs/sdm_flagship.cfg --memory optim.moment_dtype=bf16)
