@@ -127,34 +127,73 @@ static inline void adamw_load_coeffs(AdamWState *o, const AdamWCoeffs *host, cud
 // keeps the sign), and its relative error of at most 2^-8 moves sqrt(v) + eps by at most 2^-9 relative. A step's
 // decay of a moment by beta changes every bf16 value when 1 - beta >= 2^-8; closer to 1 the rounding undoes it for
 // some values, which then stall, so cfg_validate refuses such betas with bf16 moments (core/config.h).
+// The update of element i: p, m, v as the pointers hold them, work (may be NULL) = p after it.
 template <typename T, typename M>
-__global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, const AdamWCoeffs *coeffs,
-                             const float *grad_scale) {
-    AdamWCoeffs c = *coeffs;
-    float gs = grad_scale ? *grad_scale : 1.0f;
-    long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float pi = p[i], mi = dtype_to_float(m[i]), vi = dtype_to_float(v[i]);
-        adamw_element(&pi, &mi, &vi, g[i] * gs, c);
-        m[i] = dtype_from_float<M>(mi);
-        v[i] = dtype_from_float<M>(vi);
-        p[i] = pi;
-        if (work) work[i] = dtype_from_float<T>(pi);
+__device__ __forceinline__ void adamw_one(float *p, T *work, const float *g, M *m, M *v, long long i, AdamWCoeffs c,
+                                          float gs) {
+    float pi = p[i], mi = dtype_to_float(m[i]), vi = dtype_to_float(v[i]);
+    adamw_element(&pi, &mi, &vi, g[i] * gs, c);
+    m[i] = dtype_from_float<M>(mi);
+    v[i] = dtype_from_float<M>(vi);
+    p[i] = pi;
+    if (work) work[i] = dtype_from_float<T>(pi);
+}
+
+// Grid-stride over groups of 4 elements (q < n4: elements 4q..4q+3, each array read and written in one vector of 4),
+// then over the elements past 4 n4 one by one: the update of core/optim.h's AdamWCoeffs with g scaled by *grad_scale,
+// in fp32 on moments stored as M, each element the same expression whichever way it goes. With M = bf16 the moments
+// are rounded to nearest even when stored; the update of p uses them before that rounding. bf16 keeps 8 significant
+// bits and fp32's exponent range: v stays >= 0 (rounding keeps the sign), and its relative error of at most 2^-8
+// moves sqrt(v) + eps by at most 2^-9 relative. A step's decay of a moment by beta changes every bf16 value when
+// 1 - beta >= 2^-8; closer to 1 the rounding undoes it for some values, which then stall, so cfg_validate refuses
+// such betas with bf16 moments (core/config.h).
+template <typename T, typename M>
+__global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, long long n4,
+                             const AdamWCoeffs *coeffs, const float *grad_scale) {
+    typedef DtypePack<float, 4> F4;
+    typedef DtypePack<M, 4> M4;
+    typedef DtypePack<T, 4> T4;
+    const AdamWCoeffs c = *coeffs;
+    const float gs = grad_scale ? *grad_scale : 1.0f;
+    const long long stride = (long long)gridDim.x * blockDim.x, t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long q = t; q < n4; q += stride) {
+        F4 pv = dtype_pack_load<F4>(p + 4 * q), gv = dtype_pack_load<F4>(g + 4 * q);
+        M4 mv = dtype_pack_load<M4>(m + 4 * q), vv = dtype_pack_load<M4>(v + 4 * q);
+        T4 wv;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float pi = pv.e[e], mi = mv.get(e), vi = vv.get(e);
+            adamw_element(&pi, &mi, &vi, gv.e[e] * gs, c);
+            mv.set(e, mi);
+            vv.set(e, vi);
+            pv.e[e] = pi;
+            wv.set(e, pi);
+        }
+        dtype_pack_store(m + 4 * q, mv);
+        dtype_pack_store(v + 4 * q, vv);
+        dtype_pack_store(p + 4 * q, pv);
+        if (work) dtype_pack_store(work + 4 * q, wv);
     }
+    for (long long i = 4 * n4 + t; i < n; i += stride) adamw_one(p, work, g, m, v, i, c, gs);
 }
 
 // One AdamW update of n elements with the coefficients *c (device): p (fp32 master), m, v (moment_type) in place;
 // work[n] (working copy of work_type, may be NULL) = p after the update; g[n] fp32 gradient times *grad_scale (device
-// float, NULL for 1).
+// float, NULL for 1). Vectors of 4 where every array is aligned to them (tensors start at multiples of MODEL_ALIGN
+// elements, so all but a shard's odd start are): 16-byte fp32 loads, against 4-byte ones.
 static inline void adamw_update(float *p, void *work, Dtype work_type, const float *g, void *m, void *v,
                                 Dtype moment_type, long long n, const AdamWCoeffs *c, const float *grad_scale,
                                 cudaStream_t s) {
     if (n <= 0) return;
-    int blocks = (int)SDM_MIN(65536LL, (n + 255) / 256);
+    auto vec4 = [](const void *x, Dtype t) { return (uintptr_t)x % (4 * dtype_size(t)) == 0; };
+    const bool vec = vec4(p, DT_FP32) && vec4(g, DT_FP32) && vec4(m, moment_type) && vec4(v, moment_type) &&
+                     vec4(work, work_type); // NULL is aligned
+    const long long n4 = vec ? n / 4 : 0;
+    const int blocks = (int)SDM_MAX(1LL, SDM_MIN(65536LL, (SDM_MAX(n4, n - 4 * n4) + 255) / 256));
     DTYPE_DISPATCH(work_type, "adamw_update", typedef T Work;
                    DTYPE_DISPATCH(moment_type, "adamw_update",
                                   adamw_kernel<Work, T><<<blocks, 256, 0, s>>>(p, (Work *)work, g, (T *)m, (T *)v, n,
-                                                                               c, grad_scale)));
+                                                                               n4, c, grad_scale)));
     cudaCheckLast();
 }
 
