@@ -2,8 +2,9 @@
 # One call on a GPU machine: build everything for the local GPU, run the GPU tests and the benchmarks, keep the logs
 # under $OUT (or ./gpu_logs), and print a short table last.
 #   scripts/gpu_check.sh [tests|bench|all|model|decode] [extra make args]
-#   scripts/gpu_check.sh decode-ab INFER_A INFER_B [runs]     decode of two infer_sdm builds, interleaved, one checkpoint
-#   scripts/gpu_check.sh step-ab TRAIN_A TRAIN_B              the flagship step profile of two train_sdm builds
+#   [RUNS=2] scripts/gpu_check.sh decode-ab INFER...   decode of infer_sdm builds, interleaved RUNS times, one checkpoint
+#   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds, interleaved;
+#                                                      KEYS: extra config keys, comma-separated (a:sdm.grad_bank_dtype=fp32)
 # With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
 # tests: gpu_test_model alone (it measures device memory), then the other GPU tests side by side (about 45 s on an
 # H200 from a pack, against minutes one after the other), summed as `make test-gpu` sums them.
@@ -14,8 +15,8 @@
 # SDM layer's decode step (bench_sdm_layer 3), and infer_sdm --bench on a one-step flagship checkpoint (about 3
 # minutes with the build).
 # decode-ab, step-ab: A/Bs of builds made elsewhere (e.g. nvcc ... -DMATMUL_GEMV_STAGES=2 infer_sdm.cu -o build/x),
-# carried with the tree: a kernel timed alone and the whole step have disagreed, so a change to decode or training is
-# decided on the step. On a GPU of less than 100 GB the flagship runs with int4 snapshots and the FFN product
+# carried with the tree, or of one build with other keys: a kernel timed alone and the whole step have disagreed, so a
+# change to decode or training is decided on the step. On a GPU of less than 100 GB the flagship runs with int4 snapshots and the FFN product
 # recomputed (64.4 GiB; the config as shipped takes 88.8 GiB).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ if [ -f build/gpu_pack.tar.xz ]; then
         echo "build/gpu_pack.tar.xz was built from other sources: ignored, building here"
     fi
 fi
-case $what in decode-ab | step-ab) a=$1 b=$2 runs=${3:-2}; set -- ;; esac
+case $what in decode-ab | step-ab) builds=("$@"); set -- ;; esac
 make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
@@ -63,23 +64,33 @@ flagship_checkpoint() {
 if [ "$what" = decode-ab ]; then
     run=${MODEL_RUN:-/tmp/sdm_flagship_check}
     flagship_checkpoint "$run" || { echo "the flagship checkpoint failed: $out/flagship.log"; exit 1; }
-    for i in $(seq "$runs"); do
-        for v in "$a" "$b"; do
+    for i in $(seq "${RUNS:-2}"); do
+        j=0
+        for v in "${builds[@]}"; do
+            j=$((j + 1))
             echo "== $v, run $i"
-            "$v" "$run" --bench --max-new 200 2>&1 | tee "$out/decode_$(basename "$v")_$i.log" | grep -E 'decode|sdm:'
+            "$v" "$run" --bench --max-new 200 2>&1 | tee "$out/decode_${j}_$(basename "$v")_$i.log" |
+                grep -E 'decode|sdm:'
         done
     done
     exit
 fi
 
 if [ "$what" = step-ab ]; then
-    for v in "$a" "$b"; do
-        rm -rf /tmp/sdm_step_ab
-        echo "== $v"
-        "$v" -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=0 $keys \
-            run_dir=/tmp/sdm_step_ab >"$out/step_$(basename "$v").log" 2>&1 || echo "exit $?"
-        grep -E '^step +[5-8]/' "$out/step_$(basename "$v").log"
-        sed -n '/^  part/,/total/p' "$out/step_$(basename "$v").log"
+    for i in $(seq "${RUNS:-1}"); do
+        j=0
+        for v in "${builds[@]}"; do
+            j=$((j + 1))
+            bin=${v%%:*} extra=
+            [ "$bin" != "$v" ] && extra=${v#*:}
+            log="$out/step_${j}_$(basename "$bin")_$i.log"
+            rm -rf /tmp/sdm_step_ab
+            echo "== $v, run $i"
+            "$bin" -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=0 $keys ${extra//,/ } \
+                run_dir=/tmp/sdm_step_ab >"$log" 2>&1 || echo "exit $?"
+            grep -E '^step +[5-8]/' "$log"
+            sed -n '/^  part/,/total/p' "$log"
+        done
     done
     exit
 fi
