@@ -133,6 +133,10 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #ifndef MATMUL_GEMV_THREADS
 #define MATMUL_GEMV_THREADS 256
 #endif
+#ifndef MATMUL_GEMV_BLOCKS_PER_SM
+#define MATMUL_GEMV_BLOCKS_PER_SM 0 // most blocks an SM (0: as many as fit; 2 or 3, so that the next product's blocks
+                                    // fit beside them, made the batch-1 decode step 14% / 8% slower on an H100)
+#endif
 #ifndef MATMUL_GEMV_STAGES
 #define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB (2: the one-row products alone 0-12%
                              // faster on an H100, the flagship's batch-1 decode step 1.8% slower)
@@ -361,7 +365,9 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
 #undef MATMUL_GEMV_CASE
     const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
-    unsigned fit = (unsigned)(per_sm * core_sm_count());
+    int used = per_sm; // blocks an SM the grid takes
+    if (MATMUL_GEMV_BLOCKS_PER_SM > 0 && MATMUL_GEMV_BLOCKS_PER_SM < used) used = MATMUL_GEMV_BLOCKS_PER_SM;
+    unsigned fit = (unsigned)(used * core_sm_count());
     if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
     const unsigned grid = groups < fit ? groups : fit;
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
