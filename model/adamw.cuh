@@ -121,12 +121,6 @@ static inline void adamw_load_coeffs(AdamWState *o, const AdamWCoeffs *host, cud
 // ------------------------------------------------------------------------------------------------------------------
 // AdamW
 
-// One element per thread (grid-stride): the update of core/optim.h's AdamWCoeffs with g scaled by *grad_scale, in
-// fp32 on moments stored as M. With M = bf16 the moments are rounded to nearest even when stored; the update of p
-// uses them before that rounding. bf16 keeps 8 significant bits and fp32's exponent range: v stays >= 0 (rounding
-// keeps the sign), and its relative error of at most 2^-8 moves sqrt(v) + eps by at most 2^-9 relative. A step's
-// decay of a moment by beta changes every bf16 value when 1 - beta >= 2^-8; closer to 1 the rounding undoes it for
-// some values, which then stall, so cfg_validate refuses such betas with bf16 moments (core/config.h).
 // The update of element i: p, m, v as the pointers hold them, work (may be NULL) = p after it.
 template <typename T, typename M>
 __device__ __forceinline__ void adamw_one(float *p, T *work, const float *g, M *m, M *v, long long i, AdamWCoeffs c,
