@@ -201,13 +201,26 @@ static GenRequest *make_requests(const Prompt *prompts, int count, int max_token
     return req;
 }
 
+// Bytes of weights a decode step reads whatever its batch: every parameter once but the learned banks M0 (a step reads
+// a few rows of the streams' banks) and an untied token embedding (a row a stream): the step's floor at the bus.
+static double decode_weight_bytes(const GpuModel *g) {
+    const ModelDesc *m = g->m;
+    double bytes = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamSpec *p = &m->params[i];
+        if (!p->is_bank && (m->tied || strcmp(p->name, "tok_emb"))) bytes += (double)p->numel * g->es;
+    }
+    return bytes;
+}
+
 #define BENCH_PROMPT 16 // tokens prefilled into each stream (the same prompt, its own seed) before decoding
 #define BENCH_REPS 3    // timed prefills after a warm-up
 
 // --bench: a prefill of one prompt of the whole context, then decode steps of 1, 8 and 32 streams (sampling on the
-// device, the graph unless use_graph is 0), on random bytes. Prints tokens/s and ms per token (per step).
+// device, the graph unless use_graph is 0), on random bytes. Prints tokens/s and ms per token (per step), and the
+// rate at which a step reads the weights against hbm_tbps (TB/s, logging.hbm_tbps).
 static void bench(GpuInferState *I, int context, int max_new, const SamplingParams *sp, uint64_t seed,
-                  int use_graph) {
+                  int use_graph, double hbm_tbps) {
     Rng r = rng_make(seed);
     int *prompt = (int *)sdm_malloc(sizeof(int) * (size_t)context);
     prompt[0] = TOK_BOS;
@@ -223,6 +236,9 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
     }
     printf("prefill: %d tokens in %.2f ms = %.0f tokens/s (best of %d)\n", context, 1e3 * best, context / best,
            BENCH_REPS);
+    const double wbytes = decode_weight_bytes(I->g);
+    printf("decode reads %.3f GB of weights a step: %.1f us at %.2f TB/s\n", wbytes / 1e9, wbytes / (hbm_tbps * 1e6),
+           hbm_tbps);
     gpu_infer_set_sampling(I, sp);
     int steps = SDM_MIN(max_new, context - BENCH_PROMPT);
     const int batches[] = {1, 8, 32};
@@ -240,8 +256,10 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
         for (int i = 1; i < steps; i++) gpu_infer_step(I, B, use_graph);
         double t = sdm_now_s() - t0;
         cudaCheck(cudaProfilerStop());
-        printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s)\n", B, steps - 1, 1e3 * t / (steps - 1),
-               B * (steps - 1) / t, use_graph ? "CUDA graph" : "eager");
+        double step_s = t / (steps - 1);
+        printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s), weights at %.2f TB/s (%.0f%%)\n", B,
+               steps - 1, 1e3 * step_s, B / step_s, use_graph ? "CUDA graph" : "eager", wbytes / step_s / 1e12,
+               100 * wbytes / step_s / (hbm_tbps * 1e12));
     }
     free(prompt);
 }
@@ -332,7 +350,7 @@ int main(int argc, char **argv) {
     // 3. generate and print, or time
     SamplingParams sp = {o.temperature, o.top_p, o.top_k};
     if (o.bench) {
-        bench(&st, context, o.max_new, &sp, (uint64_t)o.seed, !o.no_graph);
+        bench(&st, context, o.max_new, &sp, (uint64_t)o.seed, !o.no_graph, cfg.hbm_tbps);
     } else {
         GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph, stdout); // prints as it goes
         printf("%d tokens from %d prompts (%d stopped at EOS); prefill %lld tokens in %.1f ms (%.0f tokens/s); "
