@@ -201,18 +201,6 @@ static GenRequest *make_requests(const Prompt *prompts, int count, int max_token
     return req;
 }
 
-// Bytes of weights a decode step reads whatever its batch: every parameter once but the learned banks M0 (a step reads
-// a few rows of the streams' banks) and an untied token embedding (a row a stream): the step's floor at the bus.
-static double decode_weight_bytes(const GpuModel *g) {
-    const ModelDesc *m = g->m;
-    double bytes = 0;
-    for (int i = 0; i < m->n_params; i++) {
-        const ParamSpec *p = &m->params[i];
-        if (!p->is_bank && (m->tied || strcmp(p->name, "tok_emb"))) bytes += (double)p->numel * g->es;
-    }
-    return bytes;
-}
-
 #define BENCH_PROMPT 16 // tokens prefilled into each stream (the same prompt, its own seed) before decoding
 #define BENCH_REPS 3    // timed prefills after a warm-up
 
@@ -236,7 +224,9 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
     }
     printf("prefill: %d tokens in %.2f ms = %.0f tokens/s (best of %d)\n", context, 1e3 * best, context / best,
            BENCH_REPS);
-    const double wbytes = decode_weight_bytes(I->g);
+    // the weights a step reads whatever its batch, its floor at the bus: the matrices every token is multiplied by
+    // (not the banks M0, of which a step reads a few rows, nor the token embedding's lookup)
+    const double wbytes = (double)model_matmul_params(I->g->m) * I->g->es;
     printf("decode reads %.3f GB of weights a step: %.1f us at %.2f TB/s\n", wbytes / 1e9, wbytes / (hbm_tbps * 1e6),
            hbm_tbps);
     gpu_infer_set_sampling(I, sp);
