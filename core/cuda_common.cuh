@@ -197,6 +197,9 @@ template <int N> __device__ __forceinline__ void core_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// A hint that the 128-byte line holding p be fetched into L2 (no register written, no fault on a valid address).
+__device__ __forceinline__ void core_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Streaming multiprocessors of the current device (asked once: a process drives one GPU).
 static inline int core_sm_count(void) {
     static int sms = 0;

@@ -137,6 +137,10 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #define MATMUL_GEMV_BLOCKS_PER_SM 0 // most blocks an SM (0: as many as fit; 2 or 3, so that the next product's blocks
                                     // fit beside them, made the batch-1 decode step 14% / 8% slower on an H100)
 #endif
+#ifndef MATMUL_GEMV_L2_TILES
+#define MATMUL_GEMV_L2_TILES 0 // a block's tiles after its first STAGES - 1 prefetched into L2 before pdl_wait, so that
+                               // the bus fetches them while the kernel before still runs (0: none; not yet measured)
+#endif
 #ifndef MATMUL_GEMV_STAGES
 #define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB (2: the one-row products alone 0-12%
                              // faster on an H100, the flagship's batch-1 decode step 1.8% slower)
@@ -237,32 +241,50 @@ __device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, i
 // The stages of a GEMV block: [MATMUL_GEMV_STAGES][R][MATMUL_GEMV_THREADS] 16-byte vectors, thread t's at [.][r][t].
 #define MATMUL_GEMV_STAGE_BYTES (MATMUL_GEMV_ROWS * MATMUL_GEMV_THREADS * 16)
 
-// Issue the copies of a block's next tile into stage `st`: group g (its index over all parts' groups) at K offset
-// k (thread t's vector: k = t VEC + i STEP), rows past N, k past K and groups past the last zero-filled; then
-// advance (g, k) to the tile after it. One commit group a call, empty past the last group, so that a wait for the
+// f(r, src, ok) for row r < R of this thread's 16-byte vectors in a block's tile at (g, k): group g (its index over
+// all parts' groups) at K offset k (thread t's vector: k = t VEC + i STEP); rows past N and k past K are not ok (src:
+// W's first element). Then (g, k) advances to the block's next tile: the next stride of K, or after the group's last
+// stride the start of the block's next group, g + G.
+template <typename T, int R, MatmulOut OP, typename F>
+__device__ __forceinline__ void matmul_gemv_tile(const MatmulParts &P, int K, int &g, int &k, F f) {
+    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
+    int b = g;
+    const int p = matmul_block_part(P, C, b);
+    const T *w = (const T *)P.w[p];
+    const int N = P.N[p], n0 = b * C;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
+        f(r, ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
+    }
+    k += STEP;
+    if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
+        k = threadIdx.x * VEC;
+        g += gridDim.x;
+    }
+}
+
+// Issue the copies of a block's next tile into stage `st` (rows and k that are not ok, and groups past the last,
+// zero-filled), advancing (g, k) past it. One commit group a call, empty past the last group, so that a wait for the
 // group issued STAGES - 1 calls ago means "this tile".
 template <typename T, int R, MatmulOut OP>
 __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulParts &P, int groups, int K, int &g,
                                                   int &k) {
-    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
-    if (g < groups) {
-        int b = g;
-        const int p = matmul_block_part(P, C, b);
-        const T *w = (const T *)P.w[p];
-        const int N = P.N[p], n0 = b * C;
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
-            core_cp_async16(stage + r * MATMUL_GEMV_THREADS + threadIdx.x,
-                            ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
-        }
-        k += STEP;
-        if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
-            k = threadIdx.x * VEC;
-            g += gridDim.x;
-        }
-    }
+    if (g < groups)
+        matmul_gemv_tile<T, R, OP>(P, K, g, k, [&](int r, const T *src, bool ok) {
+            core_cp_async16(stage + r * MATMUL_GEMV_THREADS + threadIdx.x, src, ok);
+        });
     core_cp_async_commit();
+}
+
+// The block's next `tiles` tiles from (g, k) into L2, a 128-byte line by the first of each 8 threads whose vectors
+// share it (MATMUL_GEMV_L2_TILES).
+template <typename T, int R, MatmulOut OP>
+__device__ __forceinline__ void matmul_gemv_prefetch(const MatmulParts &P, int groups, int K, int g, int k, int tiles) {
+    for (int i = 0; i < tiles && g < groups; i++)
+        matmul_gemv_tile<T, R, OP>(P, K, g, k, [&](int, const T *src, bool ok) {
+            if (ok && threadIdx.x % 8 == 0) core_prefetch_l2(src);
+        });
 }
 
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
@@ -280,6 +302,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 #pragma unroll
     for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
         matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
+    if (MATMUL_GEMV_L2_TILES > 0) matmul_gemv_prefetch<T, R, OP>(P, groups, K, ig, ik, MATMUL_GEMV_L2_TILES);
     pdl_enter();
     float acc[R][M] = {};
     int k = k0;

@@ -43,8 +43,6 @@ template <int V> __device__ __forceinline__ float sdm_decode_column_sum(SdmDecod
     return r;
 }
 
-__device__ __forceinline__ void sdm_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // Step (4)'s new value of a bank row x (V values) with decay a = exp(gamma), weight kp and delta, as stored.
 template <typename Tb>
 __device__ __forceinline__ uint4 sdm_decode_written(uint4 x, float a, float kp, const float *delta) {
@@ -110,8 +108,8 @@ __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOp
 #pragma unroll
     for (int m = 0; m < E; m++) {
         int k = w + NW * m;
-        if (active && k < sh.W) sdm_prefetch_l2(M + (size_t)ws[m] * sh.d);
-        if (active && k < sh.R) sdm_prefetch_l2(M + (size_t)rs[m] * sh.d);
+        if (active && k < sh.W) core_prefetch_l2(M + (size_t)ws[m] * sh.d);
+        if (active && k < sh.R) core_prefetch_l2(M + (size_t)rs[m] * sh.d);
     }
 #pragma unroll
     for (int m = 0; m < E; m++) {
