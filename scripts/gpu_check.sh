@@ -15,9 +15,9 @@
 # SDM layer's decode step (bench_sdm_layer 3), and infer_sdm --bench on a one-step flagship checkpoint (about 3
 # minutes with the build).
 # decode-ab, step-ab: A/Bs of builds made elsewhere (e.g. nvcc ... -DMATMUL_GEMV_STAGES=2 infer_sdm.cu -o build/x),
-# carried with the tree, or of one build with other keys: a kernel timed alone and the whole step have disagreed, so a
-# change to decode or training is decided on the step. On a GPU of less than 100 GB the flagship runs with int4 snapshots and the FFN product
-# recomputed (64.4 GiB; the config as shipped takes 88.8 GiB).
+# carried with the tree, or of one build with other keys: a kernel timed alone and the whole step have disagreed, so
+# a change to decode or training is decided on the step. On a GPU of less than 100 GB the flagship runs with int4
+# snapshots and the FFN product recomputed (63.4 GiB measured; the config as shipped takes 87.8).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
