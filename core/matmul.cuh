@@ -181,7 +181,9 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 // MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype. With an input norm (norm.h set; core/layers.cuh
 // ResidualNorm, rows of K in X's dtype) X is the norm's output, which the norm's own kernel writes into x first. (The
 // GEMV computing it in its prologue instead, one kernel less, made the flagship's decode 4.5% slower on an H100: a
-// block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.)
+// block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.) With
+// MATMUL_GEMV_NORM_FOLD a one-row GEMV folds it without that wait, rstd multiplying its sums at the end, and x is
+// left as it was: a caller reads x only through the product.
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -287,15 +289,45 @@ __device__ __forceinline__ void matmul_gemv_prefetch(const MatmulParts &P, int g
         });
 }
 
+// The GEMV's X elements i.. (k.. of a row) under a folded input norm (NORM: MatmulParts.norm, the GEMV reading h and
+// add where the norm kernel would have written X): h' = h + add rounded to T, as the norm kernel stores it (and
+// stored in h_out where `store`), xv = h' w, ss += h'². The norm's rstd, one factor of the whole row, multiplies the
+// row's sums at the end, so nothing waits for a row-wide sum before the product starts.
+template <typename T>
+__device__ __forceinline__ void matmul_gemv_norm_load(const ResidualNorm &nr, size_t i, int k, bool store, float *xv,
+                                                      float &ss) {
+    constexpr int VEC = 16 / sizeof(T);
+    float h[VEC], w[VEC];
+    matmul_gemv_load((const T *)nr.h + i, h);
+    if (nr.add) {
+        float b[VEC];
+        matmul_gemv_load((const T *)nr.add + i, b);
+        union { uint4 u; T e[VEC]; } o;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
+            h[e] = dtype_to_float(o.e[e]);
+        }
+        if (store) *(uint4 *)((T *)nr.h_out + i) = o.u;
+    }
+    matmul_gemv_load((const T *)nr.w + k, w);
+#pragma unroll
+    for (int e = 0; e < VEC; e++) {
+        ss = fmaf(h[e], h[e], ss);
+        xv[e] = h[e] * w[e];
+    }
+}
+
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
-// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)).
-template <typename T, typename TY, int M, MatmulOut OP>
+// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)). NORM: X is P.norm's output,
+// folded (matmul_gemv_norm_load; x unused), block 0 storing h_out in its first group.
+template <typename T, typename TY, int M, MatmulOut OP, bool NORM = false>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
                                                                          int groups) {
     constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS,
                   WARPS = MATMUL_GEMV_THREADS / 32, S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     constexpr int C = matmul_block_cols(OP, R);
-    __shared__ float part[WARPS][R * M];
+    __shared__ float part[WARPS][R * M], part_ss[NORM ? WARPS : 1][M];
     extern __shared__ __align__(16) uint4 stages[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
     int ig = blockIdx.x, ik = k0; // the next tile to issue
@@ -304,7 +336,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
         matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
     if (MATMUL_GEMV_L2_TILES > 0) matmul_gemv_prefetch<T, R, OP>(P, groups, K, ig, ik, MATMUL_GEMV_L2_TILES);
     pdl_enter();
-    float acc[R][M] = {};
+    float acc[R][M] = {}, ss[M] = {};
     int k = k0;
     for (int g = blockIdx.x, i = 0; g < groups; i++) {
         // refill the stage read one tile ago: only this thread reads or writes its slots, so program order keeps its
@@ -319,7 +351,8 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                                                            x, wv[r]);
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                matmul_gemv_load(x + (size_t)m * K + k, xv);
+                if (NORM) matmul_gemv_norm_load<T>(P.norm, (size_t)m * K + k, k, g == 0, xv, ss[m]);
+                else matmul_gemv_load(x + (size_t)m * K + k, xv);
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -337,6 +370,13 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                 if (lane == 0) part[warp][r * M + m] = v;
                 acc[r][m] = 0.f;
             }
+        if (NORM)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float v = core_warp_sum(ss[m]);
+                if (lane == 0) part_ss[warp][m] = v;
+                ss[m] = 0.f;
+            }
         __syncthreads();
         int b = g;
         const int p = matmul_block_part(P, C, b), n0 = b * C, r = threadIdx.x / M, m = threadIdx.x % M;
@@ -345,12 +385,31 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
             for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
             if (OP == MATMUL_OUT_SWIGLU)
                 for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
+            if (NORM) { // y = rstd (W · (h' w)): the norm's rstd from the row's sum of squares
+                float t = 0.f;
+                for (int j = 0; j < WARPS; j++) t += part_ss[j][m];
+                const float rs = rms_rstd(t, K, P.norm.eps);
+                s *= rs;
+                s3 *= rs;
+            }
             matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
         }
         __syncthreads(); // part is written again at the next group's end
         g += gridDim.x;
         k = k0;
     }
+}
+
+#ifndef MATMUL_GEMV_NORM_FOLD
+#define MATMUL_GEMV_NORM_FOLD 0 // 1: a one-row GEMV folds its input norm (not yet measured in a step)
+#endif
+static int g_matmul_gemv_norm_fold = MATMUL_GEMV_NORM_FOLD; // the tests turn it on to test the folded kernel
+
+// Whether `kernel` folds P's input norm into the product (matmul_gemv_norm_load) instead of the norm kernel running
+// first: the GEMV at one row, h_out apart from h and add (block 0 stores it while the others read h and add).
+static inline bool matmul_gemv_folds_norm(int gemv, const MatmulParts *P, int M) {
+    const ResidualNorm &n = P->norm;
+    return g_matmul_gemv_norm_fold && gemv && M == 1 && n.h && (!n.add || (n.h_out != n.h && n.h_out != n.add));
 }
 
 // Tests: at most this many GEMV blocks when non-zero, so that every shape has blocks taking several groups.
@@ -371,9 +430,9 @@ static inline int matmul_gemv_blocks_per_sm(const void *kernel, size_t smem) {
     return blocks;
 }
 
-// Every part of P (whose op is OP) for M in 1..8 rows of X (P's input norm, if any, already in x).
-// The grid: as many blocks as fit on the GPU at once, at most one a group; which block takes a group does not
-// change its sums.
+// Every part of P (whose op is OP) for M in 1..8 rows of X: x, or with P's input norm set (one row; see
+// matmul_gemv_folds_norm) that norm's output, folded. The grid: as many blocks as fit on the GPU at once, at most one
+// a group; which block takes a group does not change its sums.
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
     const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
@@ -386,6 +445,10 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
+    if (P->norm.h) {
+        if (M != 1) sdm_die("matmul GEMV: a folded input norm takes one row, not %d", M);
+        kernel = matmul_gemv_kernel<T, TY, 1, OP, true>;
+    }
     const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
     int used = per_sm; // blocks an SM the grid takes
@@ -873,7 +936,8 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
 
 // Every part of P by the given kernel (the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernels for bf16 and
 // M <= MATMUL_MMA_MAX_M, all on 16-byte rows; cuBLASLt part by part). The tests and benches pick kernels here.
-// P's input norm, if any, by the norm's own kernel into x first.
+// P's input norm, if any, by the norm's own kernel into x first, or folded into a one-row GEMV
+// (matmul_gemv_folds_norm).
 static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, Dtype y_type, const void *x,
                                     Dtype in_type, int M, int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
@@ -886,7 +950,12 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
                 dtype_name(in_type));
     if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
         sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
-    if (P->norm.h) residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
+    MatmulParts Q = *P; // with the input norm only where the GEMV folds it; else its kernel writes x first
+    if (P->norm.h && !matmul_gemv_folds_norm(kernel == MATMUL_KERNEL_GEMV, P, M)) {
+        residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
+        Q.norm = ResidualNorm{};
+    }
+    P = &Q;
     if (P->op == MATMUL_OUT_SWIGLU) matmul_small_m_op<MATMUL_OUT_SWIGLU>(P, kernel, x, in_type, M, K, s);
     else if (P->op == MATMUL_OUT_GATE) matmul_small_m_op<MATMUL_OUT_GATE>(P, kernel, x, in_type, M, K, s);
     else if (kernel == MATMUL_KERNEL_MMA) {
