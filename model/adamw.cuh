@@ -121,16 +121,30 @@ static inline void adamw_load_coeffs(AdamWState *o, const AdamWCoeffs *host, cud
 // ------------------------------------------------------------------------------------------------------------------
 // AdamW
 
-// The update of element i: p, m, v as the pointers hold them, work (may be NULL) = p after it.
-template <typename T, typename M>
-__device__ __forceinline__ void adamw_one(float *p, T *work, const float *g, M *m, M *v, long long i, AdamWCoeffs c,
-                                          float gs) {
-    float pi = p[i], mi = dtype_to_float(m[i]), vi = dtype_to_float(v[i]);
-    adamw_element(&pi, &mi, &vi, g[i] * gs, c);
-    m[i] = dtype_from_float<M>(mi);
-    v[i] = dtype_from_float<M>(vi);
-    p[i] = pi;
-    if (work) work[i] = dtype_from_float<T>(pi);
+// The update of elements i .. i + W - 1, every array read and written in one access of W elements (W = 4: vectors;
+// W = 1: one element): p, m, v as the pointers hold them, work (may be NULL) = p after it.
+template <int W, typename T, typename M>
+__device__ __forceinline__ void adamw_elements(float *p, T *work, const float *g, M *m, M *v, long long i,
+                                               AdamWCoeffs c, float gs) {
+    typedef DtypePack<float, W> FP;
+    typedef DtypePack<M, W> MP;
+    typedef DtypePack<T, W> TP;
+    FP pv = dtype_pack_load<FP>(p + i), gv = dtype_pack_load<FP>(g + i);
+    MP mv = dtype_pack_load<MP>(m + i), vv = dtype_pack_load<MP>(v + i);
+    TP wv;
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+        float pi = pv.e[e], mi = mv.get(e), vi = vv.get(e);
+        adamw_element(&pi, &mi, &vi, gv.e[e] * gs, c);
+        mv.set(e, mi);
+        vv.set(e, vi);
+        pv.e[e] = pi;
+        wv.set(e, pi);
+    }
+    dtype_pack_store(m + i, mv);
+    dtype_pack_store(v + i, vv);
+    dtype_pack_store(p + i, pv);
+    if (work) dtype_pack_store(work + i, wv);
 }
 
 // Grid-stride over groups of 4 elements (q < n4: elements 4q..4q+3, each array read and written in one vector of 4),
@@ -144,31 +158,11 @@ __device__ __forceinline__ void adamw_one(float *p, T *work, const float *g, M *
 template <typename T, typename M>
 __global__ void adamw_kernel(float *p, T *work, const float *g, M *m, M *v, long long n, long long n4,
                              const AdamWCoeffs *coeffs, const float *grad_scale) {
-    typedef DtypePack<float, 4> F4;
-    typedef DtypePack<M, 4> M4;
-    typedef DtypePack<T, 4> T4;
     const AdamWCoeffs c = *coeffs;
     const float gs = grad_scale ? *grad_scale : 1.0f;
     const long long stride = (long long)gridDim.x * blockDim.x, t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (long long q = t; q < n4; q += stride) {
-        F4 pv = dtype_pack_load<F4>(p + 4 * q), gv = dtype_pack_load<F4>(g + 4 * q);
-        M4 mv = dtype_pack_load<M4>(m + 4 * q), vv = dtype_pack_load<M4>(v + 4 * q);
-        T4 wv;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float pi = pv.e[e], mi = mv.get(e), vi = vv.get(e);
-            adamw_element(&pi, &mi, &vi, gv.e[e] * gs, c);
-            mv.set(e, mi);
-            vv.set(e, vi);
-            pv.e[e] = pi;
-            wv.set(e, pi);
-        }
-        dtype_pack_store(m + 4 * q, mv);
-        dtype_pack_store(v + 4 * q, vv);
-        dtype_pack_store(p + 4 * q, pv);
-        if (work) dtype_pack_store(work + 4 * q, wv);
-    }
-    for (long long i = 4 * n4 + t; i < n; i += stride) adamw_one(p, work, g, m, v, i, c, gs);
+    for (long long q = t; q < n4; q += stride) adamw_elements<4>(p, work, g, m, v, 4 * q, c, gs);
+    for (long long i = 4 * n4 + t; i < n; i += stride) adamw_elements<1>(p, work, g, m, v, i, c, gs);
 }
 
 // One AdamW update of n elements with the coefficients *c (device): p (fp32 master), m, v (moment_type) in place;
