@@ -893,6 +893,18 @@ static inline cudaGraphExec_t gpu_infer_graph(GpuInferState *I, int n) {
     return I->graph[n];
 }
 
+// `steps` decode steps of streams 0..n-1 (graph[n]) queued back to back, the host waiting once at the end: each
+// step samples on the device the tokens the next one reads, so only the ids of the last step reach the host
+// (infer_sdm --bench: the host's gap between steps, against gpu_infer_step). Returns them.
+static inline const int *gpu_infer_steps_queued(GpuInferState *I, int n, int steps) {
+    for (int i = 0; i < steps; i++) {
+        gpu_infer_count_step(I, n);
+        cudaCheck(cudaGraphLaunch(gpu_infer_graph(I, n), I->stream));
+    }
+    cudaCheck(cudaStreamSynchronize(I->stream));
+    return I->next_host;
+}
+
 // Decode step of streams 0..n-1 on their next tokens, sampling the token after each (I->sp): replays graph[n]
 // (use_graph) or launches the same kernels one by one. Returns the n sampled ids (host, valid until the next
 // call); the only synchronisation of the step is reading them.
