@@ -48,7 +48,7 @@ CPU_SCRIPTS := $(wildcard tests/test_*.sh)
 GPU_TESTS  := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/gpu_test_*.cu))
 BENCHES    := $(patsubst tests/%.cu,$(BUILD)/%,$(wildcard tests/bench_*.cu))
 
-.PHONY: all test test-cpu test-gpu bench compile-cuda clean fuzz fuzz-build
+.PHONY: all test test-cpu test-gpu bench compile-cuda variant clean fuzz fuzz-build
 all: $(PROGRAMS)
 
 train_sdm: train_sdm.cu | $(BUILD)
@@ -81,6 +81,17 @@ $(BUILD):
 
 # Every CUDA source must compile, also on a machine without a GPU (CI).
 compile-cuda: $(PROGRAMS) $(GPU_TESTS) $(BENCHES)
+
+# An A/B build of a program with other compile-time knobs, e.g.
+#   make variant NAME=stream FLAGS=-DMATMUL_STREAM_POLICY=2 [SRC=infer_sdm]
+# -> build/variants/stream, which scripts/gpu_pack.sh packs and scripts/gpu_check.sh decode-ab / step-ab time against
+# the default build on the same machine.
+SRC ?= infer_sdm
+variant: | $(BUILD)
+	@test -n "$(NAME)" || { echo "make variant: give NAME= (and FLAGS=)"; exit 1; }
+	mkdir -p $(BUILD)/variants
+	$(NVCC) $(NVCCFLAGS) $(FLAGS) $(SRC).cu -o $(BUILD)/variants/$(NAME) $(GPU_LIBS)
+	echo "$$(scripts/gpu_check.sh --source-digest) $(GPU_ARCH) $(FLAGS)" > $(BUILD)/variants/$(NAME).id
 
 test-cpu: $(CPU_TESTS)
 	tests/run_all.sh $(CPU_TESTS) $(CPU_SCRIPTS)
