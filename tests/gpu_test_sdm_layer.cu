@@ -236,10 +236,11 @@ static void test_matmul_small_m(Rng *rng, MatmulKernel kernel, int fp32, int out
     free(h1); free(h2);
 }
 
-// The GEMV's blocks (the streamed MMA kernel's clusters) take group after group of weight rows, as many as fit on the GPU:
-// which one takes a group must not change its sums. The same product with the grid capped at 5 blocks (clusters;
-// every one then takes many groups, its copies running ahead across their boundaries, whatever the GPU) gives the
-// bits of the uncapped run: plain with a bias, SwiGLU, the gate, 3 parts, K below one stride (tile) and of several.
+// The GEMV's blocks (the streamed MMA kernel's clusters) take group after group of weight rows, as many as fit on
+// the GPU: which one takes a group must not change its sums. The same product with the grid capped at 5 blocks
+// (clusters; every one then takes many groups, its copies running ahead across their boundaries, whatever the GPU)
+// gives the bits of the uncapped run: plain with a bias, SwiGLU, the gate, 3 parts, K below one stride (tile) and of
+// several.
 static void test_grid_cap(Rng *rng, MatmulKernel kernel, int fp32, int M, int N, int K, MatmulOut op, int parts) {
     Dtype t = fp32 ? DT_FP32 : DT_BF16;
     size_t es = dtype_size(t), ybytes = (size_t)M * N * es;
@@ -552,78 +553,85 @@ static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, i
     free(hw); free(hb); free(h); free(a); free(g); free(y_ref); free(x_ref); free(h_ref);
 }
 
-// The same product with the input norm folded into the one-row GEMV (g_matmul_gemv_norm_fold, matmul_gemv_norm_load:
-// y = rstd (W · (h' w)), h' = h + add as stored): against the double reference of RMSNorm(h') * w then the product
-// (h' from the rounded inputs, rounded as the kernel stores it), h_out bit for bit the norm kernel's, and x left as
-// it was (poisoned: the norm kernel did not run, so the fold did). Tolerance: the folded product is the plain
-// product's fp32 sums of K terms (TOL_FP32 at fp32, see test_matmul_small_m) times rstd from an fp32 sum of squares
-// (K 2^-24 at worst); a bf16 output adds its rounding, and the SwiGLU's two sums are rounded to bf16 before the
-// silu, as the model's element-wise kernel reads them: 2^-9 each, under TOL_BF16.
-static void test_gemv_norm_fold(Rng *rng, int kind, int fp32, int D, int add, int flagship) {
+// The same product with the input norm folded into its kernel (g_matmul_norm_fold: the one-row GEMV,
+// matmul_gemv_norm_load, or the streamed MMA kernel, matmul_stream_norm_tile, which g_matmul_stream_policy = 2 puts
+// behind the model's API; y = rstd (W · (h' w)), h' = h + add as stored): against the double reference of RMSNorm(h')
+// * w then the product (h' from the rounded inputs, rounded as the kernels store it), h_out bit for bit the norm
+// kernel's, and x left as it was (poisoned: the norm kernel did not run, so the kernel folded it). Tolerance: the
+// GEMV's folded product is its plain fp32 sums of K terms (TOL_FP32, see test_matmul_small_m) times rstd from an
+// fp32 sum of squares (K 2^-24 at worst); a bf16 output adds its rounding, the streamed kernel rounds X' = h' w to
+// bf16 for the tensor cores as the norm kernel rounds its output, and the SwiGLU's two sums are rounded to bf16
+// before the silu, as the model's element-wise kernel reads them: 2^-9 each, under TOL_BF16.
+static void test_norm_fold(Rng *rng, MatmulKernel kernel, int kind, int fp32, int M, int D, int add, int flagship) {
     static const int SMALL[4][3] = {{40, 13, 64}, {40, 13, 64}, {45, 0, 0}, {37, 0, 0}};
     static const int FLAGSHIP[4][3] = {{2048, 2048, 2048}, {2048, 2048, 2048}, {6148, 0, 0}, {5632, 0, 0}};
     const float eps = 1e-5f;
     Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
-    NormProduct c = {kind, 1, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
+    NormProduct c = {kind, M, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
     for (int i = 0; i < 3; i++) c.NT += c.N[i] = (flagship ? FLAGSHIP : SMALL)[kind][i];
-    const int wrows = kind == NORM_SWIGLU ? 2 * c.NT : c.NT;
-    size_t es = dtype_size(t), xbytes = (size_t)D * es, ybytes = (size_t)c.NT * dtype_size(ty);
-    double *hw = hzeros((size_t)wrows * D), *hb = hzeros(c.NT), *h = hzeros(D), *a = hzeros(D), *g = hzeros(D);
+    const int wrows = kind == NORM_SWIGLU ? 2 * c.NT : c.NT, NT = c.NT;
+    const size_t MD = (size_t)M * D, es = dtype_size(t), xbytes = MD * es, ybytes = (size_t)M * NT * dtype_size(ty);
+    double *hw = hzeros((size_t)wrows * D), *hb = hzeros(NT), *h = hzeros(MD), *a = hzeros(MD), *g = hzeros(D);
     fill_normal(rng, hw, (size_t)wrows * D, 1.0 / sqrt((double)D));
-    fill_normal(rng, hb, c.NT, 1.0);
-    fill_normal(rng, h, D, 1.0);
-    fill_normal(rng, a, D, 1.0);
+    fill_normal(rng, hb, NT, 1.0);
+    fill_normal(rng, h, MD, 1.0);
+    fill_normal(rng, a, MD, 1.0);
     fill_normal(rng, g, D, 0.2);
     for (int k = 0; k < D; k++) g[k] += 1.0;
-    round_to_dtype(hw, (size_t)wrows * D, fp32); round_to_dtype(hb, c.NT, 1);
-    round_to_dtype(h, D, fp32); round_to_dtype(a, D, fp32); round_to_dtype(g, D, fp32);
+    round_to_dtype(hw, (size_t)wrows * D, fp32); round_to_dtype(hb, NT, 1);
+    round_to_dtype(h, MD, fp32); round_to_dtype(a, MD, fp32); round_to_dtype(g, D, fp32);
     void *dw = dev_upload(hw, (size_t)wrows * D, fp32), *parts[3] = {NULL, NULL, NULL};
     for (int i = 0, n0 = 0; i < 3 && c.N[i]; n0 += c.N[i++]) {
         if (kind == NORM_PARTS) c.w[i] = parts[i] = dev_upload(hw + (size_t)n0 * D, (size_t)c.N[i] * D, fp32);
         else c.w[i] = dtype_elem_ptr(dw, (size_t)n0 * D, t);
     }
-    void *db = dev_upload(hb, c.NT, 1), *dh = dev_upload(h, D, fp32), *da = dev_upload(a, D, fp32);
+    void *db = dev_upload(hb, NT, 1), *dh = dev_upload(h, MD, fp32), *da = dev_upload(a, MD, fp32);
     void *dg = dev_upload(g, D, fp32), *xs, *hr, *xr, *hs, *ys;
     c.bias = kind == NORM_BIAS_FP32 ? db : NULL;
     cudaCheck(cudaMalloc(&xs, xbytes)); cudaCheck(cudaMalloc(&hr, xbytes)); cudaCheck(cudaMalloc(&xr, xbytes));
     cudaCheck(cudaMalloc(&hs, xbytes)); cudaCheck(cudaMalloc(&ys, ybytes));
-    cudaCheck(cudaMalloc(&c.ab, 2 * (size_t)c.NT * es));
-    if (add) residual_rmsnorm_forward(hr, xr, NULL, dh, da, dg, t, 1, D, eps, 0); // h_out's reference bits
+    cudaCheck(cudaMalloc(&c.ab, 2 * (size_t)M * NT * es));
+    if (add) residual_rmsnorm_forward(hr, xr, NULL, dh, da, dg, t, M, D, eps, 0); // h_out's reference bits
     cudaCheck(cudaMemset(xs, 0xFF, xbytes)); cudaCheck(cudaMemset(hs, 0xFF, xbytes));
     cudaCheck(cudaMemset(ys, 0xFF, ybytes));
     ResidualNorm norm = {dh, add ? da : NULL, add ? hs : NULL, dg, eps};
-    g_matmul_gemv_norm_fold = 1;
+    g_matmul_norm_fold = 1;
+    g_matmul_stream_policy = kernel == MATMUL_KERNEL_STREAM ? 2 : MATMUL_STREAM_POLICY;
     norm_product_run(&c, xs, ys, &norm);
-    g_matmul_gemv_norm_fold = MATMUL_GEMV_NORM_FOLD;
+    g_matmul_norm_fold = MATMUL_NORM_FOLD;
+    g_matmul_stream_policy = MATMUL_STREAM_POLICY;
     cudaCheck(cudaDeviceSynchronize());
-    // the reference: h' (rounded as stored), x = h' rstd w, then the product
-    double ss = 0.0, *x = hzeros(D), *y = hzeros(c.NT), *yr = hzeros(c.NT);
-    for (int k = 0; k < D; k++) x[k] = add ? h[k] + a[k] : h[k];
-    if (add) round_to_dtype(x, D, fp32);
-    for (int k = 0; k < D; k++) ss += x[k] * x[k];
-    const double rs = 1.0 / sqrt(ss / D + eps);
-    for (int k = 0; k < D; k++) x[k] *= rs * g[k];
-    for (int n = 0; n < c.NT; n++) {
-        double s = 0.0, s3 = 0.0;
-        for (int k = 0; k < D; k++) s += hw[(size_t)n * D + k] * x[k];
-        if (kind == NORM_SWIGLU) {
-            for (int k = 0; k < D; k++) s3 += hw[(size_t)(c.NT + n) * D + k] * x[k];
-            s = s / (1.0 + exp(-s)) * s3;
+    // the reference: h' (rounded as stored), x = h' rstd w, then the product, row by row
+    double *x = hzeros(D), *y = hzeros((size_t)M * NT), *yr = hzeros((size_t)M * NT);
+    for (int m = 0; m < M; m++) {
+        double ss = 0.0;
+        for (int k = 0; k < D; k++) x[k] = add ? h[m * D + k] + a[m * D + k] : h[m * D + k];
+        if (add) round_to_dtype(x, D, fp32);
+        for (int k = 0; k < D; k++) ss += x[k] * x[k];
+        const double rs = 1.0 / sqrt(ss / D + eps);
+        for (int k = 0; k < D; k++) x[k] *= rs * g[k];
+        for (int n = 0; n < NT; n++) {
+            double s = 0.0, s3 = 0.0;
+            for (int k = 0; k < D; k++) s += hw[(size_t)n * D + k] * x[k];
+            if (kind == NORM_SWIGLU) {
+                for (int k = 0; k < D; k++) s3 += hw[(size_t)(NT + n) * D + k] * x[k];
+                s = s / (1.0 + exp(-s)) * s3;
+            }
+            yr[(size_t)m * NT + n] = s + (kind == NORM_BIAS_FP32 ? hb[n] : 0.0);
         }
-        yr[n] = s + (kind == NORM_BIAS_FP32 ? hb[n] : 0.0);
     }
-    dev_download(y, ys, c.NT, ty == DT_FP32);
+    dev_download(y, ys, (size_t)M * NT, ty == DT_FP32);
     unsigned char *h_ref = device_bytes(hr, xbytes);
     int h_same = !add || device_bytes_are(hs, h_ref, xbytes), x_kept = device_bytes_are(xs, NULL, xbytes);
-    double err = rel_error(y, yr, c.NT), tol = ty == DT_FP32 ? TOL_FP32 : TOL_BF16;
-    char what[128];
-    snprintf(what, sizeof what, "input norm folded in the GEMV: %s %s D=%d%s%s", NORM_KINDS[kind], dtype_name(t), D,
-             add ? " +add" : "", flagship ? " (flagship widths)" : "");
-    printf("%s: Y err %.2e (tol %.0e), h_out %s, x %s\n", what, err, tol, add ? (h_same ? "same bits" : "DIFFERS") : "n/a",
-           x_kept ? "untouched" : "WRITTEN");
+    double err = rel_error(y, yr, (size_t)M * NT), tol = ty == DT_FP32 ? TOL_FP32 : TOL_BF16;
+    char what[160];
+    snprintf(what, sizeof what, "input norm folded in the %s: %s %s M=%d D=%d%s%s", matmul_kernel_name(kernel),
+             NORM_KINDS[kind], dtype_name(t), M, D, add ? " +add" : "", flagship ? " (flagship widths)" : "");
+    printf("%s: Y err %.2e (tol %.0e), h_out %s, x %s\n", what, err, tol,
+           add ? (h_same ? "same bits" : "DIFFERS") : "n/a", x_kept ? "untouched" : "WRITTEN");
     CHECK(err <= tol, "%s: Y rel err %.3e > %.1e", what, err, tol);
     CHECK(h_same, "%s: h_out differs from residual_rmsnorm_forward's", what);
-    CHECK(x_kept, "%s: x was written: the norm kernel ran, the GEMV did not fold it", what);
+    CHECK(x_kept, "%s: x was written: the norm kernel ran, the product did not fold it", what);
     void *bufs[] = {dw, parts[0], parts[1], parts[2], db, dh, da, dg, xs, hr, xr, hs, ys, c.ab};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     double *hbufs[] = {hw, hb, h, a, g, x, y, yr};
@@ -1473,8 +1481,14 @@ int main(int argc, char **argv) {
                 for (int D : {fp32 ? 4096 : 4104, fp32 ? 4104 : 8200})
                     test_matmul_input_norm(&rng, kind, fp32, 1, D, add, 0);
                 test_matmul_input_norm(&rng, kind, fp32, 1, 2048, add, 1);
-                for (int D : {2048, 96, 4104}) test_gemv_norm_fold(&rng, kind, fp32, D, add, 0);
-                test_gemv_norm_fold(&rng, kind, fp32, 2048, add, 1);
+                // folded: the GEMV at one row (bf16, fp32), the streamed MMA kernel at 2, 8, 32 and 64 bf16 rows;
+                // K of one ragged 128-wide tile or stride, of 16 tiles, of 32 and a ragged one
+                for (int D : {2048, 96, 4104}) test_norm_fold(&rng, MATMUL_KERNEL_GEMV, kind, fp32, 1, D, add, 0);
+                test_norm_fold(&rng, MATMUL_KERNEL_GEMV, kind, fp32, 1, 2048, add, 1);
+                if (fp32) continue;
+                for (int M : {2, 8, 32, 64})
+                    for (int D : {2048, 96, 4104}) test_norm_fold(&rng, MATMUL_KERNEL_STREAM, kind, 0, M, D, add, 0);
+                test_norm_fold(&rng, MATMUL_KERNEL_STREAM, kind, 0, 32, 2048, add, 1);
             }
     for (int M : {2, 32, 64}) test_matmul_side_graph(&rng, M); // the remainder's side stream in a decode graph
 
