@@ -250,13 +250,12 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
         printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s), weights at %.2f TB/s (%.0f%%)\n", B,
                steps - 1, 1e3 * step_s, B / step_s, use_graph ? "CUDA graph" : "eager", wbytes / step_s / 1e12,
                100 * wbytes / step_s / (hbm_tbps * 1e12));
-        if (!use_graph) continue;
         // the same steps queued back to back (the next step's tokens never leave the device): what the host's wait
         // for each step's ids, and its launch of the next, cost a step. The positions go back to where the steps
         // above started, so that attention spans the same lengths (the caches' contents do not change the time).
         for (int b = 0; b < B; b++) gpu_infer_set_pos(I, b, BENCH_PROMPT + 1);
         t0 = sdm_now_s();
-        gpu_infer_steps_queued(I, B, steps - 1);
+        gpu_infer_steps_queued(I, B, use_graph, steps - 1);
         double queued_s = (sdm_now_s() - t0) / (steps - 1);
         printf("decode batch %2d queued back to back: %.3f ms/step, the host's wait and launch %.1f us a step\n", B,
                1e3 * queued_s, 1e6 * (step_s - queued_s));
@@ -352,7 +351,7 @@ int main(int argc, char **argv) {
     if (o.bench) {
         bench(&st, context, o.max_new, &sp, (uint64_t)o.seed, !o.no_graph, cfg.hbm_tbps);
     } else {
-        GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph, stdout); // prints as it goes
+        GenStats gs = gen_batch(&st, req, count, &sp, o.seed, !o.no_graph, 1, stdout); // prints as it goes
         printf("%d tokens from %d prompts (%d stopped at EOS); prefill %lld tokens in %.1f ms (%.0f tokens/s); "
                "decode %d steps, %lld tokens at %.1f tokens/s (%.3f ms/step)\n", gs.n_new, count, gs.n_eos,
                gs.n_prefill, 1e3 * gs.prefill_s, gs.n_prefill / gs.prefill_s, gs.n_steps, gs.n_decoded,

@@ -32,7 +32,7 @@ typedef struct {
     int n_new, n_eos;        // tokens generated and requests stopped at EOS, over all requests
     int n_steps;             // decode steps run (each over the streams active then)
     long long n_prefill;     // prompt tokens prefilled
-    long long n_decoded;     // tokens decoded: the active streams summed over the steps
+    long long n_decoded;     // tokens decoded: the active streams summed over the steps (with a step ahead's)
     double prefill_s, decode_s; // wall time of the prefills (with their first samples) and of the decode steps
 } GenStats;
 
@@ -70,18 +70,26 @@ static inline int gen_take(GenRequest *r, int tok, FILE *echo, int index, int co
 // seeded with seed + its index, prefilled, its first token sampled), all active streams decode together, and a
 // stream that stops leaves the batch at once: the last active stream moves into its place, so the active streams
 // stay 0..n-1 and each batch size n has its own decode graph (use_graph) or eager launches. Each request's draws
-// are those of core/sampling.h with its own Rng, so they do not depend on the batch. echo: NULL, or where the
-// output streams (gen_take). Needs P + max_new - 1 <= I->max_tokens when the model has full attention.
+// are those of core/sampling.h with its own Rng, so they do not depend on the batch. With `lookahead` the next step
+// is launched before the host reads the ids of the one before (its tokens never leave the device), so the GPU does
+// not wait for the host between steps: a request that stopped has that one more step run and its token dropped, and
+// the ids of each step go to the requests its streams held when it was launched. echo: NULL, or where the output
+// streams (gen_take). Needs P + max_new - 1 <= I->max_tokens when the model has full attention (a step ahead is not
+// launched where it would pass that).
 static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, const SamplingParams *sp,
-                                 uint64_t seed, int use_graph, FILE *echo) {
+                                 uint64_t seed, int use_graph, int lookahead, FILE *echo) {
     GenStats st;
     memset(&st, 0, sizeof st);
     gpu_infer_set_sampling(I, sp);
-    int *slot_req = (int *)sdm_malloc(sizeof(int) * (size_t)I->streams); // the request on each active stream
-    int n = 0, next = 0;
-    while (n > 0 || next < count) {
+    const size_t S = (size_t)I->streams;
+    int *slot_req = (int *)sdm_malloc(sizeof(int) * S);           // the request on each active stream
+    int *req_slot = (int *)sdm_malloc(sizeof(int) * (size_t)count); // the stream of each request, -1 once it stops
+    int *launched = (int *)sdm_malloc(sizeof(int) * 2 * S);       // [half]: slot_req when that step was launched
+    int launched_n[2] = {0, 0};
+    int n = 0, next = 0, queued = 0, oldest = 0; // queued steps (0..2), the half of the oldest
+    while (n > 0 || next < count || queued > 0) {
         double t0 = sdm_now_s();
-        while (n < I->streams && next < count) {
+        while (queued == 0 && n < I->streams && next < count) {
             GenRequest *r = &req[next];
             r->n_new = r->hit_eos = 0;
             if (echo && count == 1) gen_print_header(echo, 0, 1);
@@ -89,20 +97,39 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
             gpu_infer_seed(I, n, seed + (uint64_t)next);
             gpu_infer_prefill_device(I, n, r->prompt, r->P);
             st.n_prefill += r->P;
-            slot_req[n] = next++;
-            if (gen_take(r, gpu_infer_sample(I, n), echo, slot_req[n], count)) n++;
+            req_slot[next] = -1;
+            if (gen_take(r, gpu_infer_sample(I, n), echo, next, count)) {
+                slot_req[n] = next;
+                req_slot[next] = n++;
+            }
+            next++;
         }
         double t1 = sdm_now_s();
         st.prefill_s += t1 - t0;
-        if (n == 0) continue;
-        const int *ids = gpu_infer_step(I, n, use_graph);
-        st.n_steps++;
-        st.n_decoded += n;
-        for (int i = n - 1; i >= 0; i--) // downwards: the stream moved into slot i has taken its token already
-            if (!gen_take(&req[slot_req[i]], ids[i], echo, slot_req[i], count)) {
-                gpu_infer_move(I, n - 1, i);
-                slot_req[i] = slot_req[--n];
-            }
+        // a step when none is queued; one more ahead of it where allowed
+        while (n > 0 && (queued == 0 || (queued == 1 && lookahead && gpu_infer_step_fits(I, n)))) {
+            const int half = (oldest + queued) % 2;
+            memcpy(launched + half * S, slot_req, sizeof(int) * (size_t)n);
+            launched_n[half] = n;
+            gpu_infer_step_launch(I, n, use_graph, half);
+            st.n_steps++;
+            st.n_decoded += n;
+            queued++;
+        }
+        if (queued == 0) continue;
+        // the oldest step's ids, each to the request its stream held then (wherever it is now); a request that stops
+        // leaves: the last active stream moves into its place
+        const int *ids = gpu_infer_step_ids(I, oldest);
+        for (int j = launched_n[oldest] - 1; j >= 0; j--) {
+            const int q = launched[oldest * S + j], i = req_slot[q];
+            if (i < 0 || gen_take(&req[q], ids[j], echo, q, count)) continue; // stopped before, or goes on
+            gpu_infer_move(I, n - 1, i);
+            slot_req[i] = slot_req[--n];
+            req_slot[slot_req[i]] = i;
+            req_slot[q] = -1;
+        }
+        oldest ^= 1;
+        queued--;
         st.decode_s += sdm_now_s() - t1;
     }
     for (int i = 0; i < count; i++) {
@@ -110,6 +137,8 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
         st.n_eos += req[i].hit_eos;
     }
     free(slot_req);
+    free(req_slot);
+    free(launched);
     return st;
 }
 
@@ -117,7 +146,7 @@ static inline GenStats gen_batch(GpuInferState *I, GenRequest *req, int count, c
 static inline GenStats gen_run(GpuInferState *I, const int *prompt, int P, int max_new, const SamplingParams *sp,
                                uint64_t seed, int *out) {
     GenRequest r = {prompt, P, max_new, out, 0, 0};
-    return gen_batch(I, &r, 1, sp, seed, 1, NULL);
+    return gen_batch(I, &r, 1, sp, seed, 1, 1, NULL);
 }
 
 // Generated tokens as text: printable ASCII, newline and tab as they are; other bytes as \xHH; a backslash as \\;

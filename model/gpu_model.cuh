@@ -647,7 +647,8 @@ typedef struct {
     float *logits_host;            // [streams, Vp]
     int *prompt;                   // device [max_tokens]: the prompt of a prefill
     int *next;                     // device [streams]: each stream's next input token (the last sampled one)
-    int *next_host;                // pinned [streams]: the sampled ids read back after a step
+    int *next_host;                // pinned [2, streams]: the sampled ids read back, two steps' (gpu_infer_step_launch)
+    cudaEvent_t ids_ready[2];      // each half of next_host written
     int *pos_dev;                  // device [streams]: each stream's next position (that of its newest token)
     int *pos;                      // host [streams]: the same (pos[b] = positions processed so far)
     SamplingParams sp;             // the sampler of gpu_infer_sample and of the captured graphs
@@ -685,7 +686,8 @@ static inline void gpu_infer_create(GpuInferState *I, const GpuModel *g, int str
     I->logits_host = (float *)sdm_malloc(S * g->Vp * 4);
     I->prompt = (int *)device_alloc(MEM_ACTIVATIONS, (size_t)max_tokens * 4);
     I->next = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
-    cudaCheck(cudaMallocHost((void **)&I->next_host, S * 4));
+    cudaCheck(cudaMallocHost((void **)&I->next_host, 2 * S * 4));
+    for (int i = 0; i < 2; i++) cudaCheck(cudaEventCreateWithFlags(&I->ids_ready[i], cudaEventDisableTiming));
     I->pos_dev = (int *)device_alloc(MEM_ACTIVATIONS, S * 4);
     I->pos = (int *)sdm_calloc(S, sizeof(int));
     I->rng = (Rng *)device_alloc(MEM_ACTIVATIONS, S * sizeof(Rng));
@@ -712,6 +714,7 @@ static inline void gpu_infer_destroy(GpuInferState *I) {
                     I->rng, I->probs, I->order};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
     cudaCheck(cudaFreeHost(I->next_host));
+    for (int i = 0; i < 2; i++) cudaCheck(cudaEventDestroy(I->ids_ready[i]));
     cudaCheck(cudaStreamDestroy(I->stream));
     free(I->sdm);
     free(I->attn);
@@ -840,13 +843,11 @@ __global__ void gpu_infer_advance_kernel(int *pos, int n) {
 }
 
 // Enqueue one decode step of streams 0..n-1 on their next tokens: logits rows 0..n-1, positions + 1, and with
-// `sample` the next tokens drawn into I->next and copied to I->next_host.
+// `sample` the next tokens drawn into I->next.
 static inline void gpu_infer_enqueue_decode(GpuInferState *I, int n, int sample) {
     gpu_infer_run(I, I->next, -1, n, n, 0);
     launch_pdl(gpu_infer_advance_kernel, ceil_div(n, 256), 256, 0, I->stream, I->pos_dev, n);
-    if (!sample) return;
-    sample_tokens(I->logits, I->g->Vp, I->g->V, n, &I->sp, I->rng, I->probs, I->order, I->next, I->stream);
-    cudaCheck(cudaMemcpyAsync(I->next_host, I->next, sizeof(int) * n, cudaMemcpyDeviceToHost, I->stream));
+    if (sample) sample_tokens(I->logits, I->g->Vp, I->g->V, n, &I->sp, I->rng, I->probs, I->order, I->next, I->stream);
 }
 
 // Refuse a decode step of streams 0..n-1 that would overflow a full-attention KV cache; then advance the host's
@@ -893,27 +894,44 @@ static inline cudaGraphExec_t gpu_infer_graph(GpuInferState *I, int n) {
     return I->graph[n];
 }
 
-// `steps` decode steps of streams 0..n-1 (graph[n]) queued back to back, the host waiting once at the end: each
-// step samples on the device the tokens the next one reads, so only the ids of the last step reach the host
-// (infer_sdm --bench: the host's gap between steps, against gpu_infer_step). Returns them.
-static inline const int *gpu_infer_steps_queued(GpuInferState *I, int n, int steps) {
-    for (int i = 0; i < steps; i++) {
-        gpu_infer_count_step(I, n);
-        cudaCheck(cudaGraphLaunch(gpu_infer_graph(I, n), I->stream));
-    }
-    cudaCheck(cudaStreamSynchronize(I->stream));
-    return I->next_host;
-}
-
-// Decode step of streams 0..n-1 on their next tokens, sampling the token after each (I->sp): replays graph[n]
-// (use_graph) or launches the same kernels one by one. Returns the n sampled ids (host, valid until the next
-// call); the only synchronisation of the step is reading them.
-static inline const int *gpu_infer_step(GpuInferState *I, int n, int use_graph) {
+// Launch a decode step of streams 0..n-1 on their next tokens, sampling the token after each (I->sp): replays
+// graph[n] (use_graph) or launches the same kernels one by one, then copies the n sampled ids into half `half` of
+// I->next_host. Nothing waits: the next step may be launched before gpu_infer_step_ids reads these (the sampled
+// tokens it reads never leave the device).
+static inline void gpu_infer_step_launch(GpuInferState *I, int n, int use_graph, int half) {
     gpu_infer_count_step(I, n);
     if (use_graph) cudaCheck(cudaGraphLaunch(gpu_infer_graph(I, n), I->stream));
     else gpu_infer_enqueue_decode(I, n, 1);
-    cudaCheck(cudaStreamSynchronize(I->stream));
-    return I->next_host;
+    int *ids = I->next_host + (size_t)half * I->streams;
+    cudaCheck(cudaMemcpyAsync(ids, I->next, sizeof(int) * n, cudaMemcpyDeviceToHost, I->stream));
+    cudaCheck(cudaEventRecord(I->ids_ready[half], I->stream));
+}
+
+// The ids of the step last launched into half `half` (host, valid until a step is launched into it again): the
+// step's only synchronisation.
+static inline const int *gpu_infer_step_ids(GpuInferState *I, int half) {
+    cudaCheck(cudaEventSynchronize(I->ids_ready[half]));
+    return I->next_host + (size_t)half * I->streams;
+}
+
+// One decode step of streams 0..n-1, waited for: returns its n sampled ids (see gpu_infer_step_launch).
+static inline const int *gpu_infer_step(GpuInferState *I, int n, int use_graph) {
+    gpu_infer_step_launch(I, n, use_graph, 0);
+    return gpu_infer_step_ids(I, 0);
+}
+
+// `steps` decode steps of streams 0..n-1 queued back to back, the host waiting once at the end for the last one's
+// ids (infer_sdm --bench: the host's gap between steps, against gpu_infer_step). Returns them.
+static inline const int *gpu_infer_steps_queued(GpuInferState *I, int n, int use_graph, int steps) {
+    for (int i = 0; i < steps; i++) gpu_infer_step_launch(I, n, use_graph, i % 2);
+    return gpu_infer_step_ids(I, (steps - 1) % 2);
+}
+
+// Whether a decode step of streams 0..n-1 fits their KV caches (gpu_infer_count_step would refuse it otherwise).
+static inline int gpu_infer_step_fits(const GpuInferState *I, int n) {
+    for (int i = 0; i < n; i++)
+        if (I->full_attention && I->pos[i] >= I->max_tokens) return 0;
+    return 1;
 }
 
 #endif

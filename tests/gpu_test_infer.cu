@@ -11,8 +11,9 @@
 //       by ckpt_save prints the greedy text this test generates; it refuses a corrupt file and a bad option;
 //   (f) the device sampler (core/sampling.cuh) draws the tokens of core/sampling.h from the same logits and Rng
 //       states, for greedy, temperature, top-k and top-p (with ties), and leaves the same Rng states;
-//   (g) generation with a CUDA graph per batch size gives the tokens of eager launches, and a batch of streams
-//       (requests of different prompt and output lengths, finished ones leaving) the tokens of one at a time;
+//   (g) generation with a CUDA graph per batch size gives the tokens of eager launches, a batch of streams
+//       (requests of different prompt and output lengths, finished ones leaving) the tokens of one at a time, and
+//       a step launched ahead of reading the ids of the one before the tokens of one step at a time;
 //   (h) a prefill of P tokens leaves the SDM bank and KV caches of a prefill of 1 token + P - 1 decode steps;
 //   (i) programmatic dependent launch changes no bit: decode logits (fp32, bf16) and graph generation with it and
 //       without it.
@@ -555,15 +556,16 @@ static void check_sampler(void) {
 #define GEN_REQUESTS 4
 
 // GEN_REQUESTS requests over prompts of 3..9 tokens of `tokens` and outputs of 4..10 tokens, generated on a state
-// of `streams` streams; out [GEN_REQUESTS][T_SEQ].
+// of `streams` streams (a step launched ahead of reading the last one's ids where `lookahead`); out
+// [GEN_REQUESTS][T_SEQ].
 static void generate_requests(GpuInferState *I, const int *tokens, const SamplingParams *sp, int use_graph,
-                              int out[][T_SEQ], GenRequest *req) {
+                              int lookahead, int out[][T_SEQ], GenRequest *req) {
     const int P[GEN_REQUESTS] = {5, 3, 9, 6}, max_new[GEN_REQUESTS] = {4, 10, 7, 9};
     for (int i = 0; i < GEN_REQUESTS; i++) {
         GenRequest r = {tokens + 2 * i, P[i], max_new[i], out[i], 0, 0};
         req[i] = r;
     }
-    gen_batch(I, req, GEN_REQUESTS, sp, 11, use_graph, NULL);
+    gen_batch(I, req, GEN_REQUESTS, sp, 11, use_graph, lookahead, NULL);
 }
 
 static int same_requests(const GenRequest *a, const GenRequest *b) {
@@ -576,7 +578,9 @@ static int same_requests(const GenRequest *a, const GenRequest *b) {
 
 // Graph and eager launches run the same kernels on the same data: equal bits, so equal tokens. One at a time
 // against batched (fp32): the GEMMs of another batch size round differently (~1e-7 relative), which changes a
-// token only at a near tie of two logits or of the uniform and a cumulative boundary (~1e-6 per token here).
+// token only at a near tie of two logits or of the uniform and a cumulative boundary (~1e-6 per token here). The
+// same holds for a step launched ahead (it runs a stream that stopped one step longer, so the next steps may take
+// their streams at other slots and counts) against one step at a time.
 static void check_graphs_and_batches(const float *host) {
     Config cfg;
     GpuModel g;
@@ -588,21 +592,26 @@ static void check_graphs_and_batches(const float *host) {
     random_tokens(tokens, 2 * T_SEQ, m->vocab, 21);
     const SamplingParams sps[] = {{0.0, 0.0, 0}, {1.0, 0.0, 20}, {0.9, 0.95, 0}};
     for (size_t c = 0; c < sizeof sps / sizeof sps[0]; c++) {
-        static int out[4][GEN_REQUESTS][T_SEQ];
+        static int out[6][GEN_REQUESTS][T_SEQ];
         GenRequest graph2[GEN_REQUESTS], eager2[GEN_REQUESTS], graph1[GEN_REQUESTS], eager1[GEN_REQUESTS];
-        generate_requests(&two, tokens, &sps[c], 1, out[0], graph2);
-        generate_requests(&two, tokens, &sps[c], 0, out[1], eager2);
-        generate_requests(&one, tokens, &sps[c], 1, out[2], graph1);
-        generate_requests(&one, tokens, &sps[c], 0, out[3], eager1);
+        GenRequest step2[GEN_REQUESTS], step1[GEN_REQUESTS];
+        generate_requests(&two, tokens, &sps[c], 1, 1, out[0], graph2);
+        generate_requests(&two, tokens, &sps[c], 0, 1, out[1], eager2);
+        generate_requests(&one, tokens, &sps[c], 1, 1, out[2], graph1);
+        generate_requests(&one, tokens, &sps[c], 0, 1, out[3], eager1);
+        generate_requests(&two, tokens, &sps[c], 1, 0, out[4], step2);
+        generate_requests(&one, tokens, &sps[c], 1, 0, out[5], step1);
         int n = 0;
         for (int i = 0; i < GEN_REQUESTS; i++) n += graph2[i].n_new;
         int ge2 = same_requests(graph2, eager2), ge1 = same_requests(graph1, eager1);
-        int b = same_requests(graph2, graph1);
+        int b = same_requests(graph2, graph1), ahead = same_requests(graph2, step2) && same_requests(graph1, step1);
         printf("(g) T=%.1f top-p %.2f top-k %2d, %d requests (%d tokens): graph vs eager on 2 streams %s, on 1 stream "
-               "%s; 2 streams vs 1 %s\n", sps[c].temperature, sps[c].top_p, sps[c].top_k, GEN_REQUESTS, n,
-               ge2 ? "equal" : "DIFFER", ge1 ? "equal" : "DIFFER", b ? "equal" : "DIFFER");
+               "%s; 2 streams vs 1 %s; a step ahead vs one at a time %s\n", sps[c].temperature, sps[c].top_p,
+               sps[c].top_k, GEN_REQUESTS, n, ge2 ? "equal" : "DIFFER", ge1 ? "equal" : "DIFFER",
+               b ? "equal" : "DIFFER", ahead ? "equal" : "DIFFER");
         CHECK(ge2 && ge1, "generation with CUDA graphs differs from eager launches");
         CHECK(b, "a batch of 2 streams generates other tokens than one stream at a time");
+        CHECK(ahead, "generation with a step launched ahead differs from one step at a time");
     }
     gpu_infer_destroy(&one);
     gpu_infer_destroy(&two);
@@ -707,10 +716,10 @@ static void check_pdl(const float *host) {
         static int out[2][GEN_REQUESTS][T_SEQ];
         GenRequest gen_without[GEN_REQUESTS], gen_with[GEN_REQUESTS];
         const SamplingParams sp = {1.0, 0.0, 20};
-        generate_requests(&I, tokens, &sp, 1, out[0], gen_without);
+        generate_requests(&I, tokens, &sp, 1, 1, out[0], gen_without);
         g_pdl = 1;
         gpu_infer_drop_graphs(&I); // captured without the attribute
-        generate_requests(&I, tokens, &sp, 1, out[1], gen_with);
+        generate_requests(&I, tokens, &sp, 1, 1, out[1], gen_with);
         int same = memcmp(with, without, 4 * n) == 0, same_gen = same_requests(gen_with, gen_without);
         printf("(i) [%s] with and without programmatic dependent launch: decode logits %s, graph generation %s\n",
                fp32 ? "fp32" : "bf16", same ? "same bits" : "DIFFER", same_gen ? "equal" : "DIFFERS");
