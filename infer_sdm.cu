@@ -205,8 +205,9 @@ static GenRequest *make_requests(const Prompt *prompts, int count, int max_token
 #define BENCH_REPS 3    // timed prefills after a warm-up
 
 // --bench: a prefill of one prompt of the whole context, then decode steps of 1, 8 and 32 streams (sampling on the
-// device, the graph unless use_graph is 0), on random bytes. Prints tokens/s and ms per token (per step), and the
-// rate at which a step reads the weights against hbm_tbps (TB/s, logging.hbm_tbps).
+// device, the graph unless use_graph is 0, a step ahead as generation runs them), on random bytes. Prints tokens/s
+// and ms per token (per step), the rate at which a step reads the weights against hbm_tbps (TB/s,
+// logging.hbm_tbps), and the same steps one at a time.
 static void bench(GpuInferState *I, int context, int max_new, const SamplingParams *sp, uint64_t seed,
                   int use_graph, double hbm_tbps) {
     Rng r = rng_make(seed);
@@ -243,22 +244,21 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
         gpu_infer_step(I, B, use_graph); // warm-up: captures the graph of B streams
         cudaCheck(cudaProfilerStart());
         double t0 = sdm_now_s();
-        for (int i = 1; i < steps; i++) gpu_infer_step(I, B, use_graph);
-        double t = sdm_now_s() - t0;
+        gpu_infer_steps_ahead(I, B, use_graph, steps - 1); // as generation runs them: a step ahead
+        double step_s = (sdm_now_s() - t0) / (steps - 1);
         cudaCheck(cudaProfilerStop());
-        double step_s = t / (steps - 1);
         printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s), weights at %.2f TB/s (%.0f%%)\n", B,
                steps - 1, 1e3 * step_s, B / step_s, use_graph ? "CUDA graph" : "eager", wbytes / step_s / 1e12,
                100 * wbytes / step_s / (hbm_tbps * 1e12));
-        // the same steps queued back to back (the next step's tokens never leave the device): what the host's wait
-        // for each step's ids, and its launch of the next, cost a step. The positions go back to where the steps
-        // above started, so that attention spans the same lengths (the caches' contents do not change the time).
+        // the same steps one at a time, each waited for before the next is launched: what the step ahead hides. The
+        // positions go back to where the steps above started, so that attention spans the same lengths (the caches'
+        // contents do not change the time).
         for (int b = 0; b < B; b++) gpu_infer_set_pos(I, b, BENCH_PROMPT + 1);
         t0 = sdm_now_s();
-        gpu_infer_steps_queued(I, B, use_graph, steps - 1);
-        double queued_s = (sdm_now_s() - t0) / (steps - 1);
-        printf("decode batch %2d queued back to back: %.3f ms/step, the host's wait and launch %.1f us a step\n", B,
-               1e3 * queued_s, 1e6 * (step_s - queued_s));
+        for (int i = 1; i < steps; i++) gpu_infer_step(I, B, use_graph);
+        double alone_s = (sdm_now_s() - t0) / (steps - 1);
+        printf("decode batch %2d one step at a time: %.3f ms/step, the host's wait and launch %.1f us a step\n", B,
+               1e3 * alone_s, 1e6 * (alone_s - step_s));
     }
     free(prompt);
 }

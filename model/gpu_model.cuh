@@ -920,10 +920,14 @@ static inline const int *gpu_infer_step(GpuInferState *I, int n, int use_graph) 
     return gpu_infer_step_ids(I, 0);
 }
 
-// `steps` decode steps of streams 0..n-1 queued back to back, the host waiting once at the end for the last one's
-// ids (infer_sdm --bench: the host's gap between steps, against gpu_infer_step). Returns them.
-static inline const int *gpu_infer_steps_queued(GpuInferState *I, int n, int use_graph, int steps) {
-    for (int i = 0; i < steps; i++) gpu_infer_step_launch(I, n, use_graph, i % 2);
+// `steps` decode steps of streams 0..n-1 as generation runs them (model/generate.cuh): each launched before the
+// host reads the ids of the one before, so the GPU never waits for the host (infer_sdm --bench). Returns the last
+// step's ids.
+static inline const int *gpu_infer_steps_ahead(GpuInferState *I, int n, int use_graph, int steps) {
+    for (int i = 0; i < steps; i++) {
+        gpu_infer_step_launch(I, n, use_graph, i % 2);
+        if (i > 0) gpu_infer_step_ids(I, (i - 1) % 2);
+    }
     return gpu_infer_step_ids(I, (steps - 1) % 2);
 }
 

@@ -432,12 +432,12 @@ static void check_infer_sdm(const float *host) {
         remove(prompts_file);
     }
 
-    // --bench on the tiny model prints the prefill and every batch's decode speed, waited for and queued
+    // --bench on the tiny model prints the prefill and every batch's decode speed, a step ahead and one at a time
     snprintf(cmd, sizeof cmd, "./infer_sdm %s --bench --max-new %d --fp32 2>&1", run, INFER_MAX_NEW);
     got = run_command(cmd, &status);
     printf("(e) %s\n    exit %d, output:\n%s", cmd, status, got);
     CHECK(status == 0 && strstr(got, "prefill: ") && strstr(got, "decode batch  1") && strstr(got, "decode batch 32") &&
-              strstr(got, "decode batch 32 queued back to back"),
+              strstr(got, "decode batch 32 one step at a time"),
           "infer_sdm --bench did not print the prefill and decode speeds");
     free(got);
     gpu_infer_destroy(&I);
