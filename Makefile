@@ -91,7 +91,7 @@ variant: | $(BUILD)
 	@test -n "$(NAME)" || { echo "make variant: give NAME= (and FLAGS=)"; exit 1; }
 	mkdir -p $(BUILD)/variants
 	$(NVCC) $(NVCCFLAGS) $(FLAGS) $(SRC).cu -o $(BUILD)/variants/$(NAME) $(GPU_LIBS)
-	echo "$$(scripts/gpu_check.sh --source-digest) $(GPU_ARCH) $(FLAGS)" > $(BUILD)/variants/$(NAME).id
+	echo "$$(scripts/gpu_check.sh --source-digest) $(GPU_ARCH) $(SRC) $(FLAGS)" > $(BUILD)/variants/$(NAME).id
 
 test-cpu: $(CPU_TESTS)
 	tests/run_all.sh $(CPU_TESTS) $(CPU_SCRIPTS)

@@ -5,6 +5,7 @@
 #   [RUNS=2] scripts/gpu_check.sh decode-ab INFER...   decode of infer_sdm builds, interleaved RUNS times, one checkpoint
 #   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds, interleaved;
 #                                                      KEYS: extra config keys, comma-separated (a:sdm.grad_bank_dtype=fp32)
+#   (no builds named: the default build and every `make variant` build of that program, build/variants/)
 # With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
 # tests: gpu_test_model alone (it measures device memory), then the other GPU tests side by side (about 45 s on an
 # H200 from a pack, against minutes one after the other), summed as `make test-gpu` sums them.
@@ -44,6 +45,14 @@ if [ -f build/gpu_pack.tar.xz ]; then
     fi
 fi
 case $what in decode-ab | step-ab) builds=("$@"); set -- ;; esac
+# decode-ab / step-ab without builds named: the default build, then every `make variant` build of that program here
+if [ "$what" = decode-ab ] || [ "$what" = step-ab ] && [ ${#builds[@]} -eq 0 ]; then
+    prog=$([ "$what" = decode-ab ] && echo infer_sdm || echo train_sdm)
+    builds=("./$prog")
+    for id in build/variants/*.id; do
+        [ -f "$id" ] && [ "$(cut -d' ' -f3 "$id")" = "$prog" ] && builds+=("${id%.id}")
+    done
+fi
 make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
