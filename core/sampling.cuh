@@ -1,12 +1,13 @@
 // core/sampling.cuh: the sampler of core/sampling.h on the device, one block per row of logits, so a decode step
 // can sample without copying logits to the host (docs/MODEL.md#generation). It computes what sample_token computes,
 // in double and in the same order wherever the order changes the rounding: the softmax sum, the top-p scan over
-// the tokens sorted by (probability descending, token ascending), the renormalisation and the draw are sequential
-// loops (of one warp, in index order); exp, the ranks of the sort and the cuts are parallel (their results do not
-// depend on the order). The draw takes rng_uniform of the row's own Rng (core/rng.h) on the device, so the same state gives the
-// same uniform as on the host. The only difference left is exp: CUDA's double exp and the C library's may differ by
-// one ulp (2^-52 relative), which can change the token only when the uniform falls within ~1e-16 of a cumulative
-// boundary: tests/gpu_test_infer.cu checks the tokens are equal.
+// the tokens sorted by (probability descending, token ascending), the renormalisation and the draw take
+// core/sampling.h's sums (sample_sum, sample_round_scan) on one warp; exp, the ranks of the sort and the cuts are
+// parallel (their results do not depend on the order). The draw takes rng_uniform of the row's own Rng
+// (core/rng.h) on the device, so the same state gives the same uniform as on the host. The only difference left is
+// exp: CUDA's double exp and the C library's may differ by one ulp (2^-52 relative), which can change the token only
+// when the uniform falls within ~1e-16 of a cumulative boundary: tests/gpu_test_infer.cu checks the tokens are
+// equal.
 #ifndef SDM_CORE_SAMPLING_CUH
 #define SDM_CORE_SAMPLING_CUH
 
@@ -41,24 +42,29 @@ __device__ static int sample_block_argmax(const float *logits, int V, float *bes
     return arg < V ? arg : 0; // no logit above -inf: token 0, as sample_argmax
 }
 
-// The sequential loops run on warp 0 in rounds of 32 elements: the lanes load a round at once, then every lane takes
-// its elements in index order from shuffles, so the adds keep the CPU's order while the loads are not one dependent
-// round trip each (one thread's loop took 8.9 us a row of 258 tokens at batch 1 on the H200, 18.6 at batch 32).
-// Lane l's element of the round from i0: p[idx(i0 + l)], or 0 past n.
-template <typename Idx>
-__device__ __forceinline__ double sample_round_load(const double *p, int i0, int n, Idx idx) {
-    int i = i0 + (threadIdx.x & 31);
-    return i < n ? p[idx(i)] : 0.0;
+// The sums run on warp 0 in core/sampling.h's order (one thread's sequential loops took 8.9 us a row of 258 tokens
+// at batch 1 on the H200, 18.6 at batch 32). sample_sum's: lane l sums elements l, l + 32, ... in order, then the
+// butterfly adds s[l] + s[l ^ o] for o = 16 .. 1, which is the host's s[l] += s[l + o] on every lane (addition
+// commutes exactly). sample_round_scan's: x[l] += x[l - o] by shuffles up for o = 1 .. 16.
+__device__ __forceinline__ double sample_warp_sum(const double *p, int V) {
+    double s = 0.0;
+    for (int v = threadIdx.x & 31; v < V; v += 32) s += p[v];
+    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+__device__ __forceinline__ double sample_warp_scan(double x) {
+    const int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o *= 2) {
+        double y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    return x;
 }
 
-// p[v] /= the sequential sum of p[0..V) (the order of sample_distribution's sums).
+// p[v] /= sample_sum(p) (sample_distribution's normalisation).
 __device__ static void sample_normalise(double *p, int V, double *sum) {
     if (threadIdx.x < 32) {
-        double s = 0.0;
-        for (int v0 = 0; v0 < V; v0 += 32) {
-            double x = sample_round_load(p, v0, V, [](int i) { return i; });
-            for (int j = 0; j < 32 && v0 + j < V; j++) s += __shfl_sync(0xffffffffu, x, j);
-        }
+        double s = sample_warp_sum(p, V);
         if (threadIdx.x == 0) *sum = s;
     }
     __syncthreads();
@@ -103,15 +109,14 @@ sample_tokens_kernel(const float *logits, int ld, int V, SamplingParams sp, Rng 
         sample_sort_order(p, V, ord);
         if (sp.top_p > 0.0) {
             if (threadIdx.x < 32) {
-                double before = 0.0; // mass of the tokens ahead of ord[i]
+                const int lane = threadIdx.x;
+                double carry = 0.0; // mass of the rounds before
                 for (int i0 = 0; i0 < V; i0 += 32) {
-                    double x = sample_round_load(p, i0, V, [&](int i) { return ord[i]; });
-                    bool cut = false; // this lane's token of the round falls outside the nucleus
-                    for (int j = 0; j < 32 && i0 + j < V; j++) {
-                        cut |= (threadIdx.x & 31) == j && before > sp.top_p;
-                        before += __shfl_sync(0xffffffffu, x, j);
-                    }
-                    if (cut) p[ord[i0 + (threadIdx.x & 31)]] = 0.0;
+                    const int i = i0 + lane;
+                    double x = sample_warp_scan(i < V ? p[ord[i]] : 0.0);
+                    double ahead = __shfl_up_sync(0xffffffffu, x, 1), before = lane ? carry + ahead : carry;
+                    carry += __shfl_sync(0xffffffffu, x, 31);
+                    if (i < V && before > sp.top_p) p[ord[i]] = 0.0; // outside the nucleus
                 }
             }
         } else if (sp.top_k < V) {
@@ -123,19 +128,20 @@ sample_tokens_kernel(const float *logits, int ld, int V, SamplingParams sp, Rng 
         sample_normalise(p, V, &sum);
     }
     if (threadIdx.x >= 32) return;
-    double u = __shfl_sync(0xffffffffu, threadIdx.x == 0 ? rng_uniform(&rng[r]) : 0.0, 0), acc = 0.0;
+    // the draw: the first kept token whose cumulative mass (by rounds, sample_round_scan) exceeds u
+    const int lane = threadIdx.x;
+    double u = __shfl_sync(0xffffffffu, lane == 0 ? rng_uniform(&rng[r]) : 0.0, 0), carry = 0.0;
     int last = 0, tok = -1;
     for (int v0 = 0; v0 < V && tok < 0; v0 += 32) {
-        double x = sample_round_load(p, v0, V, [](int i) { return i; });
-        for (int j = 0; j < 32 && v0 + j < V && tok < 0; j++) {
-            double pv = __shfl_sync(0xffffffffu, x, j);
-            if (pv <= 0.0) continue;
-            acc += pv;
-            last = v0 + j;
-            if (u < acc) tok = v0 + j;
-        }
+        const int v = v0 + lane;
+        const double pv = v < V ? p[v] : 0.0, x = sample_warp_scan(pv);
+        const unsigned kept = __ballot_sync(0xffffffffu, pv > 0.0);
+        const unsigned hit = __ballot_sync(0xffffffffu, pv > 0.0 && u < carry + x);
+        if (hit) tok = v0 + __ffs(hit) - 1;
+        else if (kept) last = v0 + 31 - __clz(kept);
+        carry += __shfl_sync(0xffffffffu, x, 31);
     }
-    if (threadIdx.x == 0) next[r] = tok < 0 ? last : tok; // u within rounding of 1: the last kept token
+    if (lane == 0) next[r] = tok < 0 ? last : tok; // u within rounding of 1: the last kept token
 }
 
 // next[r] = the token sample_token would draw from row r of logits [rows, ld] with rng[r], for every row.
