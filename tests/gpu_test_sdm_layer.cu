@@ -491,50 +491,78 @@ static unsigned char *device_bytes(const void *p, size_t n) {
     return h;
 }
 
-// A product of kind `kind` (NormProduct) whose X is the input norm of M rows of D (MatmulParts.norm: RMSNorm(h + add)
-// * w, h_out = h + add; without `add` RMSNorm(h) * w) against its two kernels: residual_rmsnorm_forward (or
-// rmsnorm_forward) into x, then the same API call on that x, bit for bit in Y, h_out and x (the product's input
-// buffer holds the norm's output: the API runs the norm kernel first). Small widths, or the flagship's (`flagship`:
-// q, k, v of 2048 each, the FFN's 5632, the SDM input's 6148).
-static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, int add, int flagship) {
+// The inputs of a product of kind `kind` (NormProduct) whose X is the input norm of M rows of D: W (its parts apart
+// for NORM_PARTS), the bias, h, add and the norm's weight w (near 1), drawn from rng and rounded to their dtypes on
+// the host, and on the device; small widths, or the flagship's (`flagship`: q, k, v of 2048 each, the FFN's 5632,
+// the SDM input's 6148).
+typedef struct {
+    NormProduct c;
+    int wrows;            // rows of W (2 NT under SwiGLU)
+    double *hw, *hb, *h, *a, *g;
+    void *dw, *parts[3], *db, *dh, *da, *dg;
+} NormCase;
+
+static NormCase norm_case_make(Rng *rng, int kind, int fp32, int M, int D, int flagship) {
     static const int SMALL[4][3] = {{40, 13, 64}, {40, 13, 64}, {45, 0, 0}, {37, 0, 0}};
     static const int FLAGSHIP[4][3] = {{2048, 2048, 2048}, {2048, 2048, 2048}, {6148, 0, 0}, {5632, 0, 0}};
-    const float eps = 1e-5f;
-    Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
-    NormProduct c = {kind, M, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
-    for (int i = 0; i < 3; i++) c.NT += c.N[i] = (flagship ? FLAGSHIP : SMALL)[kind][i];
-    int wrows = kind == NORM_SWIGLU ? 2 * c.NT : c.NT;
-    size_t es = dtype_size(t), xbytes = (size_t)M * D * es, ybytes = (size_t)M * c.NT * dtype_size(ty);
-    double *hw = hzeros((size_t)wrows * D), *hb = hzeros(c.NT), *h = hzeros((size_t)M * D);
-    double *a = hzeros((size_t)M * D), *g = hzeros(D);
-    fill_normal(rng, hw, (size_t)wrows * D, 1.0 / sqrt((double)D));
-    fill_normal(rng, hb, c.NT, 1.0);
-    fill_normal(rng, h, (size_t)M * D, 1.0);
-    fill_normal(rng, a, (size_t)M * D, 1.0);
-    fill_normal(rng, g, D, 0.2);
-    for (int k = 0; k < D; k++) g[k] += 1.0;
-    void *dw = dev_upload(hw, (size_t)wrows * D, fp32), *parts[3] = {NULL, NULL, NULL};
-    for (int i = 0, n0 = 0; i < 3 && c.N[i]; n0 += c.N[i++]) {
-        if (kind == NORM_PARTS) c.w[i] = parts[i] = dev_upload(hw + (size_t)n0 * D, (size_t)c.N[i] * D, fp32);
-        else c.w[i] = dtype_elem_ptr(dw, (size_t)n0 * D, t);
+    NormCase n;
+    memset(&n, 0, sizeof n);
+    Dtype t = fp32 ? DT_FP32 : DT_BF16;
+    n.c = (NormProduct){kind, M, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
+    for (int i = 0; i < 3; i++) n.c.NT += n.c.N[i] = (flagship ? FLAGSHIP : SMALL)[kind][i];
+    n.wrows = kind == NORM_SWIGLU ? 2 * n.c.NT : n.c.NT;
+    const size_t MD = (size_t)M * D, WD = (size_t)n.wrows * D;
+    n.hw = hzeros(WD), n.hb = hzeros(n.c.NT), n.h = hzeros(MD), n.a = hzeros(MD), n.g = hzeros(D);
+    fill_normal(rng, n.hw, WD, 1.0 / sqrt((double)D));
+    fill_normal(rng, n.hb, n.c.NT, 1.0);
+    fill_normal(rng, n.h, MD, 1.0);
+    fill_normal(rng, n.a, MD, 1.0);
+    fill_normal(rng, n.g, D, 0.2);
+    for (int k = 0; k < D; k++) n.g[k] += 1.0;
+    round_to_dtype(n.hw, WD, fp32); round_to_dtype(n.hb, n.c.NT, 1);
+    round_to_dtype(n.h, MD, fp32); round_to_dtype(n.a, MD, fp32); round_to_dtype(n.g, D, fp32);
+    n.dw = dev_upload(n.hw, WD, fp32);
+    for (int i = 0, n0 = 0; i < 3 && n.c.N[i]; n0 += n.c.N[i++]) {
+        if (kind == NORM_PARTS) n.c.w[i] = n.parts[i] = dev_upload(n.hw + (size_t)n0 * D, (size_t)n.c.N[i] * D, fp32);
+        else n.c.w[i] = dtype_elem_ptr(n.dw, (size_t)n0 * D, t);
     }
-    void *db = dev_upload(hb, c.NT, 1), *dh = dev_upload(h, (size_t)M * D, fp32);
-    void *da = dev_upload(a, (size_t)M * D, fp32), *dg = dev_upload(g, D, fp32);
-    c.bias = kind == NORM_BIAS_FP32 ? db : NULL;
+    n.db = dev_upload(n.hb, n.c.NT, 1), n.dh = dev_upload(n.h, MD, fp32), n.da = dev_upload(n.a, MD, fp32);
+    n.dg = dev_upload(n.g, D, fp32);
+    n.c.bias = kind == NORM_BIAS_FP32 ? n.db : NULL;
+    cudaCheck(cudaMalloc(&n.c.ab, (size_t)M * 2 * n.c.NT * dtype_size(t)));
+    return n;
+}
+
+static void norm_case_free(NormCase *n) {
+    void *bufs[] = {n->dw, n->parts[0], n->parts[1], n->parts[2], n->db, n->dh, n->da, n->dg, n->c.ab};
+    for (void *p : bufs) cudaCheck(cudaFree(p));
+    double *hbufs[] = {n->hw, n->hb, n->h, n->a, n->g};
+    for (double *p : hbufs) free(p);
+}
+
+// A product with an input norm (norm_case_make; MatmulParts.norm: RMSNorm(h + add) * w, h_out = h + add; without
+// `add` RMSNorm(h) * w) against its two kernels: residual_rmsnorm_forward (or rmsnorm_forward) into x, then the same
+// API call on that x, bit for bit in Y, h_out and x (the product's input buffer holds the norm's output: the API
+// runs the norm kernel first).
+static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, int add, int flagship) {
+    const float eps = 1e-5f;
+    NormCase n = norm_case_make(rng, kind, fp32, M, D, flagship);
+    const NormProduct *c = &n.c;
+    Dtype t = c->t, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
+    size_t xbytes = (size_t)M * D * dtype_size(t), ybytes = (size_t)M * c->NT * dtype_size(ty);
     void *xr, *hr, *yr, *xs, *hs, *ys, *rstd;
     cudaCheck(cudaMalloc(&xr, xbytes)); cudaCheck(cudaMalloc(&hr, xbytes)); cudaCheck(cudaMalloc(&yr, ybytes));
     cudaCheck(cudaMalloc(&xs, xbytes)); cudaCheck(cudaMalloc(&hs, xbytes)); cudaCheck(cudaMalloc(&ys, ybytes));
     cudaCheck(cudaMalloc(&rstd, M * sizeof(float)));
-    cudaCheck(cudaMalloc(&c.ab, (size_t)M * 2 * c.NT * es));
     // the reference: the norm kernel, then the product on its output
-    if (add) residual_rmsnorm_forward(hr, xr, (float *)rstd, dh, da, dg, t, M, D, eps, 0);
-    else rmsnorm_forward(xr, (float *)rstd, dh, dg, t, M, D, eps, 0);
-    norm_product_run(&c, xr, yr, NULL);
+    if (add) residual_rmsnorm_forward(hr, xr, (float *)rstd, n.dh, n.da, n.dg, t, M, D, eps, 0);
+    else rmsnorm_forward(xr, (float *)rstd, n.dh, n.dg, t, M, D, eps, 0);
+    norm_product_run(c, xr, yr, NULL);
     // the product with the input norm, on poisoned x, h_out and Y (NaN in both dtypes)
     cudaCheck(cudaMemset(xs, 0xFF, xbytes)); cudaCheck(cudaMemset(hs, 0xFF, xbytes));
     cudaCheck(cudaMemset(ys, 0xFF, ybytes));
-    ResidualNorm norm = {dh, add ? da : NULL, add ? hs : NULL, dg, eps};
-    norm_product_run(&c, xs, ys, &norm);
+    ResidualNorm norm = {n.dh, add ? n.da : NULL, add ? hs : NULL, n.dg, eps};
+    norm_product_run(c, xs, ys, &norm);
     cudaCheck(cudaDeviceSynchronize());
     unsigned char *y_ref = device_bytes(yr, ybytes), *x_ref = device_bytes(xr, xbytes);
     unsigned char *h_ref = device_bytes(hr, xbytes);
@@ -548,9 +576,10 @@ static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, i
     CHECK(y_same, "%s: Y differs from the norm kernel and the plain product", what);
     CHECK(h_same, "%s: h_out differs from residual_rmsnorm_forward's", what);
     CHECK(x_same, "%s: x does not hold the norm kernel's output", what);
-    void *bufs[] = {dw, parts[0], parts[1], parts[2], db, dh, da, dg, xr, hr, yr, xs, hs, ys, rstd, c.ab};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
-    free(hw); free(hb); free(h); free(a); free(g); free(y_ref); free(x_ref); free(h_ref);
+    void *bufs[] = {xr, hr, yr, xs, hs, ys, rstd};
+    for (void *p : bufs) cudaCheck(cudaFree(p));
+    free(y_ref); free(x_ref); free(h_ref);
+    norm_case_free(&n);
 }
 
 // The same product with the input norm folded into its kernel (g_matmul_norm_fold: the one-row GEMV,
@@ -563,41 +592,22 @@ static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, i
 // bf16 for the tensor cores as the norm kernel rounds its output, and the SwiGLU's two sums are rounded to bf16
 // before the silu, as the model's element-wise kernel reads them: 2^-9 each, under TOL_BF16.
 static void test_norm_fold(Rng *rng, MatmulKernel kernel, int kind, int fp32, int M, int D, int add, int flagship) {
-    static const int SMALL[4][3] = {{40, 13, 64}, {40, 13, 64}, {45, 0, 0}, {37, 0, 0}};
-    static const int FLAGSHIP[4][3] = {{2048, 2048, 2048}, {2048, 2048, 2048}, {6148, 0, 0}, {5632, 0, 0}};
     const float eps = 1e-5f;
-    Dtype t = fp32 ? DT_FP32 : DT_BF16, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
-    NormProduct c = {kind, M, D, t, {0, 0, 0}, 0, {NULL, NULL, NULL}, NULL, NULL};
-    for (int i = 0; i < 3; i++) c.NT += c.N[i] = (flagship ? FLAGSHIP : SMALL)[kind][i];
-    const int wrows = kind == NORM_SWIGLU ? 2 * c.NT : c.NT, NT = c.NT;
-    const size_t MD = (size_t)M * D, es = dtype_size(t), xbytes = MD * es, ybytes = (size_t)M * NT * dtype_size(ty);
-    double *hw = hzeros((size_t)wrows * D), *hb = hzeros(NT), *h = hzeros(MD), *a = hzeros(MD), *g = hzeros(D);
-    fill_normal(rng, hw, (size_t)wrows * D, 1.0 / sqrt((double)D));
-    fill_normal(rng, hb, NT, 1.0);
-    fill_normal(rng, h, MD, 1.0);
-    fill_normal(rng, a, MD, 1.0);
-    fill_normal(rng, g, D, 0.2);
-    for (int k = 0; k < D; k++) g[k] += 1.0;
-    round_to_dtype(hw, (size_t)wrows * D, fp32); round_to_dtype(hb, NT, 1);
-    round_to_dtype(h, MD, fp32); round_to_dtype(a, MD, fp32); round_to_dtype(g, D, fp32);
-    void *dw = dev_upload(hw, (size_t)wrows * D, fp32), *parts[3] = {NULL, NULL, NULL};
-    for (int i = 0, n0 = 0; i < 3 && c.N[i]; n0 += c.N[i++]) {
-        if (kind == NORM_PARTS) c.w[i] = parts[i] = dev_upload(hw + (size_t)n0 * D, (size_t)c.N[i] * D, fp32);
-        else c.w[i] = dtype_elem_ptr(dw, (size_t)n0 * D, t);
-    }
-    void *db = dev_upload(hb, NT, 1), *dh = dev_upload(h, MD, fp32), *da = dev_upload(a, MD, fp32);
-    void *dg = dev_upload(g, D, fp32), *xs, *hr, *xr, *hs, *ys;
-    c.bias = kind == NORM_BIAS_FP32 ? db : NULL;
+    NormCase n = norm_case_make(rng, kind, fp32, M, D, flagship);
+    const NormProduct *c = &n.c;
+    const int NT = c->NT;
+    Dtype t = c->t, ty = kind == NORM_BIAS_FP32 ? DT_FP32 : t;
+    size_t xbytes = (size_t)M * D * dtype_size(t), ybytes = (size_t)M * NT * dtype_size(ty);
+    void *xs, *hr, *xr, *hs, *ys;
     cudaCheck(cudaMalloc(&xs, xbytes)); cudaCheck(cudaMalloc(&hr, xbytes)); cudaCheck(cudaMalloc(&xr, xbytes));
     cudaCheck(cudaMalloc(&hs, xbytes)); cudaCheck(cudaMalloc(&ys, ybytes));
-    cudaCheck(cudaMalloc(&c.ab, 2 * (size_t)M * NT * es));
-    if (add) residual_rmsnorm_forward(hr, xr, NULL, dh, da, dg, t, M, D, eps, 0); // h_out's reference bits
+    if (add) residual_rmsnorm_forward(hr, xr, NULL, n.dh, n.da, n.dg, t, M, D, eps, 0); // h_out's reference bits
     cudaCheck(cudaMemset(xs, 0xFF, xbytes)); cudaCheck(cudaMemset(hs, 0xFF, xbytes));
     cudaCheck(cudaMemset(ys, 0xFF, ybytes));
-    ResidualNorm norm = {dh, add ? da : NULL, add ? hs : NULL, dg, eps};
+    ResidualNorm norm = {n.dh, add ? n.da : NULL, add ? hs : NULL, n.dg, eps};
     g_matmul_norm_fold = 1;
     g_matmul_stream_policy = kernel == MATMUL_KERNEL_STREAM ? 2 : MATMUL_STREAM_POLICY;
-    norm_product_run(&c, xs, ys, &norm);
+    norm_product_run(c, xs, ys, &norm);
     g_matmul_norm_fold = MATMUL_NORM_FOLD;
     g_matmul_stream_policy = MATMUL_STREAM_POLICY;
     cudaCheck(cudaDeviceSynchronize());
@@ -605,19 +615,19 @@ static void test_norm_fold(Rng *rng, MatmulKernel kernel, int kind, int fp32, in
     double *x = hzeros(D), *y = hzeros((size_t)M * NT), *yr = hzeros((size_t)M * NT);
     for (int m = 0; m < M; m++) {
         double ss = 0.0;
-        for (int k = 0; k < D; k++) x[k] = add ? h[m * D + k] + a[m * D + k] : h[m * D + k];
+        for (int k = 0; k < D; k++) x[k] = add ? n.h[m * D + k] + n.a[m * D + k] : n.h[m * D + k];
         if (add) round_to_dtype(x, D, fp32);
         for (int k = 0; k < D; k++) ss += x[k] * x[k];
         const double rs = 1.0 / sqrt(ss / D + eps);
-        for (int k = 0; k < D; k++) x[k] *= rs * g[k];
-        for (int n = 0; n < NT; n++) {
+        for (int k = 0; k < D; k++) x[k] *= rs * n.g[k];
+        for (int j = 0; j < NT; j++) {
             double s = 0.0, s3 = 0.0;
-            for (int k = 0; k < D; k++) s += hw[(size_t)n * D + k] * x[k];
+            for (int k = 0; k < D; k++) s += n.hw[(size_t)j * D + k] * x[k];
             if (kind == NORM_SWIGLU) {
-                for (int k = 0; k < D; k++) s3 += hw[(size_t)(NT + n) * D + k] * x[k];
+                for (int k = 0; k < D; k++) s3 += n.hw[(size_t)(NT + j) * D + k] * x[k];
                 s = s / (1.0 + exp(-s)) * s3;
             }
-            yr[(size_t)m * NT + n] = s + (kind == NORM_BIAS_FP32 ? hb[n] : 0.0);
+            yr[(size_t)m * NT + j] = s + (kind == NORM_BIAS_FP32 ? n.hb[j] : 0.0);
         }
     }
     dev_download(y, ys, (size_t)M * NT, ty == DT_FP32);
@@ -632,11 +642,12 @@ static void test_norm_fold(Rng *rng, MatmulKernel kernel, int kind, int fp32, in
     CHECK(err <= tol, "%s: Y rel err %.3e > %.1e", what, err, tol);
     CHECK(h_same, "%s: h_out differs from residual_rmsnorm_forward's", what);
     CHECK(x_kept, "%s: x was written: the norm kernel ran, the product did not fold it", what);
-    void *bufs[] = {dw, parts[0], parts[1], parts[2], db, dh, da, dg, xs, hr, xr, hs, ys, c.ab};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
-    double *hbufs[] = {hw, hb, h, a, g, x, y, yr};
-    for (double *q : hbufs) free(q);
+    void *bufs[] = {xs, hr, xr, hs, ys};
+    for (void *p : bufs) cudaCheck(cudaFree(p));
+    double *hbufs[] = {x, y, yr};
+    for (double *p : hbufs) free(p);
     free(h_ref);
+    norm_case_free(&n);
 }
 
 // A decode step's product at 2..64 bf16 rows whose cuBLASLt part leaves a narrow remainder (the SDM input's 6148
