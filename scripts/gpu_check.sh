@@ -82,6 +82,18 @@ if [ "$what" = decode-ab ]; then
                 grep -E 'decode|sdm:'
         done
     done
+    # each build's best run, ms a step: a step ahead (as generation runs), then one step at a time
+    echo "| build | batch 1 | batch 8 | batch 32 | one at a time: 1 | 8 | 32 |"
+    j=0
+    for v in "${builds[@]}"; do
+        j=$((j + 1))
+        cat "$out"/decode_${j}_"$(basename "$v")"_*.log | awk -v name="$v" '
+            function best(arr, k, x) { if (!(k in arr) || x < arr[k]) arr[k] = x }
+            /^decode batch +[0-9]+: / { k = $3; sub(":", "", k); best(ahead, k, $6) }
+            /^decode batch +[0-9]+ one step at a time: / { best(alone, $3, $9) }
+            END { printf "| %s | %s | %s | %s | %s | %s | %s |\n", name, ahead[1], ahead[8], ahead[32], alone[1],
+                         alone[8], alone[32] }'
+    done
     exit
 fi
 
