@@ -133,10 +133,6 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #ifndef MATMUL_GEMV_THREADS
 #define MATMUL_GEMV_THREADS 256
 #endif
-#ifndef MATMUL_GEMV_BLOCKS_PER_SM
-#define MATMUL_GEMV_BLOCKS_PER_SM 0 // most blocks an SM (0: as many as fit; 2 or 3, so that the next product's blocks
-                                    // fit beside them, made the batch-1 decode step 14% / 8% slower on an H100)
-#endif
 #ifndef MATMUL_GEMV_L2_TILES
 #define MATMUL_GEMV_L2_TILES 0 // a block's tiles after its first STAGES - 1 prefetched into L2 before pdl_wait, so that
                                // the bus fetches them while the kernel before still runs (0: none; not yet measured)
@@ -289,6 +285,27 @@ __device__ __forceinline__ void matmul_gemv_prefetch(const MatmulParts &P, int g
         });
 }
 
+// A chunk of V elements of a folded input norm's row (MatmulParts.norm): h' = h + b rounded to T as the norm kernel
+// stores it (into *stored; b NULL: h' = h, *stored untouched), ss += the sum of h'², xv = h' w.
+template <typename T, int V>
+__device__ __forceinline__ void matmul_norm_chunk(float (&h)[V], const float *b, uint4 *stored, const float *w,
+                                                  float *xv, float &ss) {
+    if (b) {
+        union { uint4 u; T e[V]; } o;
+#pragma unroll
+        for (int e = 0; e < V; e++) {
+            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
+            h[e] = dtype_to_float(o.e[e]);
+        }
+        *stored = o.u;
+    }
+#pragma unroll
+    for (int e = 0; e < V; e++) {
+        ss = fmaf(h[e], h[e], ss);
+        xv[e] = h[e] * w[e];
+    }
+}
+
 // The GEMV's X elements i.. (k.. of a row) under a folded input norm (NORM: MatmulParts.norm, the GEMV reading h and
 // add where the norm kernel would have written X): h' = h + add rounded to T, as the norm kernel stores it (and
 // stored in h_out where `store`), xv = h' w, ss += h'². The norm's rstd, one factor of the whole row, multiplies the
@@ -297,25 +314,13 @@ template <typename T>
 __device__ __forceinline__ void matmul_gemv_norm_load(const ResidualNorm &nr, size_t i, int k, bool store, float *xv,
                                                       float &ss) {
     constexpr int VEC = 16 / sizeof(T);
-    float h[VEC], w[VEC];
+    float h[VEC], b[VEC], w[VEC];
+    uint4 hs;
     matmul_gemv_load((const T *)nr.h + i, h);
-    if (nr.add) {
-        float b[VEC];
-        matmul_gemv_load((const T *)nr.add + i, b);
-        union { uint4 u; T e[VEC]; } o;
-#pragma unroll
-        for (int e = 0; e < VEC; e++) {
-            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
-            h[e] = dtype_to_float(o.e[e]);
-        }
-        if (store) *(uint4 *)((T *)nr.h_out + i) = o.u;
-    }
+    if (nr.add) matmul_gemv_load((const T *)nr.add + i, b);
     matmul_gemv_load((const T *)nr.w + k, w);
-#pragma unroll
-    for (int e = 0; e < VEC; e++) {
-        ss = fmaf(h[e], h[e], ss);
-        xv[e] = h[e] * w[e];
-    }
+    matmul_norm_chunk<T, VEC>(h, nr.add ? b : NULL, &hs, w, xv, ss);
+    if (nr.add && store) *(uint4 *)((T *)nr.h_out + i) = hs;
 }
 
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
@@ -439,9 +444,9 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
     }
     const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
-    int used = per_sm; // blocks an SM the grid takes
-    if (MATMUL_GEMV_BLOCKS_PER_SM > 0 && MATMUL_GEMV_BLOCKS_PER_SM < used) used = MATMUL_GEMV_BLOCKS_PER_SM;
-    unsigned fit = (unsigned)(used * core_sm_count());
+    // all that fit: capped at 2 or 3 an SM, so that the next product's blocks fit beside them, the batch-1 decode step
+    // was 14% / 8% slower on an H100 (BENCHMARKS.md)
+    unsigned fit = (unsigned)(per_sm * core_sm_count());
     if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
     const unsigned grid = groups < fit ? groups : fit;
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
@@ -604,9 +609,10 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 // all of K, cut into tiles of MATMUL_STREAM_KT; a block copies a tile of W and the same k of X by cp.async, all but
 // one of its stages ahead and across the end of a group into the next, the grid being as many blocks as fit at
 // once, and every warp reads its fragments by ldmatrix (rows of 16-byte chunks, chunk c of row r at c ^ (r % 8): the
-// 8 rows of a matrix in 8 bank groups). Narrow products have too few groups to fill the GPU, so K is split over the blocks of a
-// cluster (1..8, matmul_stream_split): block q of a cluster sums its share of the group's tiles, the partials meet in
-// shared memory, and each block stores a share of the outputs, summing the cluster's partials in block order.
+// 8 rows of a matrix in 8 bank groups). Narrow products have too few groups to fill the GPU, so K is split over the
+// blocks of a cluster (1..8, matmul_stream_split): block q of a cluster sums its share of the group's tiles, the
+// partials meet in shared memory, and each block stores a share of the outputs, summing the cluster's partials in
+// block order.
 // (Staged this way the X a block reads per tile is half the W it reads at 32 rows; the MMA kernel above reads its
 // fragments straight from global memory, 16 rows of W a block each re-reading all of X: 30-45% of HBM at 32 rows.)
 // Launched with programmatic dependent launch, a block issues its first tiles of W before waiting for the kernel
@@ -714,27 +720,18 @@ __device__ __forceinline__ void matmul_stream_norm_tile(__nv_bfloat16 *sx, const
     for (int i = 0; i < NX; i++) {
         const int q = threadIdx.x + i * MATMUL_STREAM_THREADS, r = q >> 4, c = q & 15, k = k0 + 8 * c;
         if (r >= M || k >= K) continue; // a zero chunk: X' = 0, nothing to the sum
-        uint4 *at = (uint4 *)(sx + matmul_stream_swz(r, c));
+        uint4 *at = (uint4 *)(sx + matmul_stream_swz(r, c)), hs;
         union { uint4 u; bf e[8]; } o;
-        float h[8], w[8];
+        float h[8], b[8], w[8], xv[8];
         matmul_gemv_unpack(*at, (const bf *)NULL, h);
-        if (nr.add) {
-            float b[8];
+        if (nr.add)
             matmul_gemv_unpack(*(const uint4 *)(sx + 8 * NX * MATMUL_STREAM_KT + matmul_stream_swz(r, c)),
                                (const bf *)NULL, b);
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                o.e[e] = __float2bfloat16(h[e] + b[e]);
-                h[e] = __bfloat162float(o.e[e]);
-            }
-            if (store) *(uint4 *)((bf *)nr.h_out + (size_t)r * K + k) = o.u;
-        }
         matmul_gemv_load((const bf *)nr.w + k, w);
+        matmul_norm_chunk<bf, 8>(h, nr.add ? b : NULL, &hs, w, xv, ss[i]);
+        if (nr.add && store) *(uint4 *)((bf *)nr.h_out + (size_t)r * K + k) = hs;
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            ss[i] = fmaf(h[e], h[e], ss[i]);
-            o.e[e] = __float2bfloat16(h[e] * w[e]);
-        }
+        for (int e = 0; e < 8; e++) o.e[e] = __float2bfloat16(xv[e]);
         *at = o.u;
     }
 }
