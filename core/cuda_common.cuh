@@ -232,35 +232,21 @@ static inline int core_sm_count(void) {
 
 static int g_pdl = 1; // launch_pdl uses programmatic dependent launch (infer_sdm --no-pdl turns it off to compare)
 
-// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above), in
-// clusters of `cluster` blocks along x where cluster > 1 (sm_90: blocks of a cluster run at once and read each
-// other's shared memory).
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above).
 template <typename... Params, typename... Args>
-static inline void launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                       int cluster, Args... args) {
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (g_pdl && s != 0) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n++].val.clusterDim = {(unsigned)cluster, 1, 1};
-    }
+static inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                              Args... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
+    cfg.attrs = &attr;
+    cfg.numAttrs = g_pdl && s != 0 ? 1 : 0;
     cudaCheck(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
-}
-template <typename... Params, typename... Args>
-static inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                              Args... args) {
-    launch_pdl_clusters(kernel, grid, block, smem, s, 1, args...);
 }
 
 #endif

@@ -178,7 +178,7 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 // ResidualNorm, rows of K in X's dtype) X is the norm's output, which the norm's own kernel writes into x first. (The
 // GEMV computing it in its prologue instead, one kernel less, made the flagship's decode 4.5% slower on an H100: a
 // block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.) With
-// MATMUL_NORM_FOLD the one-row GEMV and the streamed MMA kernel fold it without that wait, rstd multiplying their
+// MATMUL_NORM_FOLD the one-row GEMV folds it without that wait, rstd multiplying its
 // sums at the end, and x is left as it was: a caller reads x only through the product.
 typedef struct {
     int n;
@@ -600,358 +600,23 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 #undef MATMUL_MMA_CASE
 }
 
-
-// ------------------------------------------------------------------------------------------------------------------
-// Small-M forward on tensor cores with W streamed (decode batches, bf16, up to 64 rows): bound by reading W once,
-// but at 8 to 64 rows the GEMV's FMAs (one per weight and row) would bind it, so mma.sync m16n8k16 (bf16 in, fp32
-// accumulate) computes Yᵀ = W·Xᵀ: A = 16 rows of W, B = Xᵀ (an n-tile: 8 rows of X, rows >= M zero, never
-// stored). W streams through shared memory as in the GEMV: a group is MATMUL_STREAM_ROWS rows of W (16 a warp) over
-// all of K, cut into tiles of MATMUL_STREAM_KT; a block copies a tile of W and the same k of X by cp.async, all but
-// one of its stages ahead and across the end of a group into the next, the grid being as many blocks as fit at
-// once, and every warp reads its fragments by ldmatrix (rows of 16-byte chunks, chunk c of row r at c ^ (r % 8): the
-// 8 rows of a matrix in 8 bank groups). Narrow products have too few groups to fill the GPU, so K is split over the
-// blocks of a cluster (1..8, matmul_stream_split): block q of a cluster sums its share of the group's tiles, the
-// partials meet in shared memory, and each block stores a share of the outputs, summing the cluster's partials in
-// block order.
-// (Staged this way the X a block reads per tile is half the W it reads at 32 rows; the MMA kernel above reads its
-// fragments straight from global memory, 16 rows of W a block each re-reading all of X: 30-45% of HBM at 32 rows.)
-// Launched with programmatic dependent launch, a block issues its first tiles of W before waiting for the kernel
-// before it (W is constant during a step), X after. With the input norm folded (NORM, matmul_folds_norm) a stage
-// holds h and the branch where X would be; each thread turns the chunks it copied into h' = h + add (stored to h_out
-// by the cluster of group 0) and X' = h' w, summing h'², before the tile's barrier, and the row's sums are multiplied
-// by rstd at the end, as in the GEMV's fold.
-//
-// Sum order: an output's sum is a chain of mma over its k in tile order within a block's share, then the shares in
-// block order; the split depends on N, K and the GPU's SM count only. A tensor core computes each element of D from
-// its row of A and column of B, so row m's bits depend neither on M nor on the other rows: a stream's logits do not
-// depend on how many rows it takes with it (tests/gpu_test_sdm_layer.cu: each row inside products of 1, 9 and 64
-// rows). matmul_small_m_kernel says which products take it.
-
-#define MATMUL_STREAM_WARPS 4
-#define MATMUL_STREAM_THREADS (32 * MATMUL_STREAM_WARPS)
-#define MATMUL_STREAM_ROWS (16 * MATMUL_STREAM_WARPS) // rows of W a group
-#define MATMUL_STREAM_KT 128                       // k a tile: rows of 256 bytes
-#ifndef MATMUL_STREAM_STAGES
-#define MATMUL_STREAM_STAGES 4
-#endif
-#define MATMUL_STREAM_MAX_SPLIT 8 // blocks a cluster: the portable limit
-
-// Stages a block, and the bf16 elements of one: a tile of W [ROWS][KT], then of X [8 NX][KT] (NORM: h there, then
-// the branch [8 NX][KT]; one stage fewer, so that two blocks still fit an SM at 32 rows).
-__host__ __device__ constexpr int matmul_stream_stages(bool norm) { return norm ? 3 : MATMUL_STREAM_STAGES; }
-__host__ __device__ constexpr int matmul_stream_stage_elems(int nx, bool norm) {
-    return (MATMUL_STREAM_ROWS + 8 * nx * (norm ? 2 : 1)) * MATMUL_STREAM_KT;
-}
-
-// Four 8x8 bf16 matrices from shared memory: lane l gives row l % 8 of matrix l / 8 and gets, of each matrix, row
-// l / 4, columns 2 (l % 4) + {0, 1} (the mma's fragment layout). Volatile: it reads what cp.async and a barrier made
-// visible, so it must not move across them.
-__device__ __forceinline__ void matmul_ldmatrix4(uint32_t *r, const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-
-// Element offset of 16-byte chunk c of row r in a swizzled tile.
-__device__ __forceinline__ int matmul_stream_swz(int r, int c) { return r * MATMUL_STREAM_KT + ((c ^ (r & 7)) << 3); }
-
-// Blocks of a cluster wait for one another, shared-memory writes before visible to all after (a __syncthreads where
-// the cluster is one block).
-__device__ __forceinline__ void matmul_cluster_sync(void) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __syncthreads();
-#endif
-}
-
-// *p in the shared memory of block `rank` of this cluster.
-__device__ __forceinline__ float matmul_cluster_load(const float *p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-#else
-    return *p;
-#endif
-}
-
-// Copies of group g's tile at k0 into a stage: W's rows (past N or K zero-filled; under SwiGLU rows >= ROWS / 2 are
-// W3's, matmul_w_row), a thread 8 of the tile's 1024 chunks.
-template <MatmulOut OP>
-__device__ __forceinline__ void matmul_stream_issue_w(__nv_bfloat16 *sw, const MatmulParts &P, int K, int g, int k0) {
-    constexpr int R = MATMUL_STREAM_ROWS, C = matmul_block_cols(OP, R);
-    int b = g;
-    const int p = matmul_block_part(P, C, b);
-    const __nv_bfloat16 *w = (const __nv_bfloat16 *)P.w[p];
-    const int N = P.N[p], n0 = b * C;
-#pragma unroll
-    for (int i = 0; i < R * 16 / MATMUL_STREAM_THREADS; i++) {
-        const int q = threadIdx.x + i * MATMUL_STREAM_THREADS, r = q >> 4, c = q & 15, k = k0 + 8 * c;
-        const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
-        core_cp_async16(sw + matmul_stream_swz(r, c), ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
-    }
-}
-// ... and X's 8 NX rows at k0 (rows past M and k past K zero-filled); NORM: h's rows there, the branch's after them.
-// Thread t's chunks are q = t + i THREADS: rows t / 16 + 8 i.
-template <int NX, bool NORM>
-__device__ __forceinline__ void matmul_stream_issue_x(__nv_bfloat16 *sx, const __nv_bfloat16 *x, const ResidualNorm &nr,
-                                                      int M, int K, int k0) {
-    const __nv_bfloat16 *src = NORM ? (const __nv_bfloat16 *)nr.h : x, *add = (const __nv_bfloat16 *)nr.add;
-#pragma unroll
-    for (int i = 0; i < NX; i++) {
-        const int q = threadIdx.x + i * MATMUL_STREAM_THREADS, r = q >> 4, c = q & 15, k = k0 + 8 * c;
-        const bool ok = r < M && k < K;
-        const size_t at = ok ? (size_t)r * K + k : 0;
-        core_cp_async16(sx + matmul_stream_swz(r, c), src + at, ok);
-        if (NORM && add) core_cp_async16(sx + 8 * NX * MATMUL_STREAM_KT + matmul_stream_swz(r, c), add + at, ok);
-    }
-}
-
-// NORM: this thread's chunks of a stage's X, as copied (h, the branch), become X' = h' w with h' = h + add rounded to
-// bf16 (stored to h_out where `store`); ss[i] += the sum of h'² over chunk i (row t / 16 + 8 i).
-template <int NX>
-__device__ __forceinline__ void matmul_stream_norm_tile(__nv_bfloat16 *sx, const ResidualNorm &nr, int M, int K, int k0,
-                                                        bool store, float (&ss)[NX]) {
-    typedef __nv_bfloat16 bf;
-#pragma unroll
-    for (int i = 0; i < NX; i++) {
-        const int q = threadIdx.x + i * MATMUL_STREAM_THREADS, r = q >> 4, c = q & 15, k = k0 + 8 * c;
-        if (r >= M || k >= K) continue; // a zero chunk: X' = 0, nothing to the sum
-        uint4 *at = (uint4 *)(sx + matmul_stream_swz(r, c)), hs;
-        union { uint4 u; bf e[8]; } o;
-        float h[8], b[8], w[8], xv[8];
-        matmul_gemv_unpack(*at, (const bf *)NULL, h);
-        if (nr.add)
-            matmul_gemv_unpack(*(const uint4 *)(sx + 8 * NX * MATMUL_STREAM_KT + matmul_stream_swz(r, c)),
-                               (const bf *)NULL, b);
-        matmul_gemv_load((const bf *)nr.w + k, w);
-        matmul_norm_chunk<bf, 8>(h, nr.add ? b : NULL, &hs, w, xv, ss[i]);
-        if (nr.add && store) *(uint4 *)((bf *)nr.h_out + (size_t)r * K + k) = hs;
-#pragma unroll
-        for (int e = 0; e < 8; e++) o.e[e] = __float2bfloat16(xv[e]);
-        *at = o.u;
-    }
-}
-
-// acc[j] += this warp's 16 rows of W · the stage's X n-tile j, over the tile's KT.
-template <int NX>
-__device__ __forceinline__ void matmul_stream_tile(float (&acc)[NX][4], const __nv_bfloat16 *sw,
-                                                const __nv_bfloat16 *sx) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int ra = 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1); // A: rows 0-7, 8-15, 0-7, 8-15 of the warp's 16
-#pragma unroll
-    for (int j = 0; j < MATMUL_STREAM_KT / 32; j++) { // 32 k: two mma of 16
-        uint32_t a[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; h++) matmul_ldmatrix4(a[h], sw + matmul_stream_swz(ra, 4 * j + 2 * h + (lane >> 4)));
-#pragma unroll
-        for (int n = 0; n < NX; n++) {
-            uint32_t b[4]; // chunks 4 j .. 4 j + 3 of X rows 8 n ..: b[0..1] the first mma's k, b[2..3] the second's
-            matmul_ldmatrix4(b, sx + matmul_stream_swz(8 * n + (lane & 7), 4 * j + (lane >> 3)));
-            matmul_mma_16816(acc[n], a[0][0], a[0][1], a[0][2], a[0][3], b[0], b[1]);
-            matmul_mma_16816(acc[n], a[1][0], a[1][1], a[1][2], a[1][3], b[2], b[3]);
-        }
-    }
-}
-
-// Cluster c of the grid's clusters (of `split` blocks) takes groups c, c + clusters, ... of `groups`; group g takes
-// output columns [g' C, g' C + C) of the part it falls in (g' = its index within that part; C =
-// matmul_block_cols(OP, ROWS)) for all M <= 8 NX rows of X, block q of the cluster tiles [q T / split, (q + 1) T /
-// split) of its T = ceil(K / KT).
-template <typename TY, int NX, MatmulOut OP, bool NORM = false>
-__global__ void __launch_bounds__(MATMUL_STREAM_THREADS)
-    matmul_stream_kernel(MatmulParts P, const __nv_bfloat16 *x, int M, int K, int groups, int split) {
-    constexpr int R = MATMUL_STREAM_ROWS, S = matmul_stream_stages(NORM), C = matmul_block_cols(OP, R),
-                  SE = matmul_stream_stage_elems(NX, NORM);
-    __shared__ float part[R][8 * NX];              // the block's partial sums: [row of W in the group][row of X]
-    __shared__ float part_ss[NORM ? 8 * NX : 1]; // NORM: its sums of h'² a row of X
-    extern __shared__ __align__(16) uint4 stream_smem[];
-    __nv_bfloat16 *const stages = reinterpret_cast<__nv_bfloat16 *>(stream_smem); // [S][SE]
-    const int rank = blockIdx.x % split, clusters = gridDim.x / split;
-    const int T = (K + MATMUL_STREAM_KT - 1) / MATMUL_STREAM_KT, t0 = rank * T / split, t1 = (rank + 1) * T / split;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
-    int ig = blockIdx.x / split, it = t0; // the next tile to issue
-    auto advance = [&](int &g, int &t) {
-        if (++t == t1) t = t0, g += clusters;
-    };
-    { // W of the first S - 1 tiles before pdl_wait (weights are constant in a step), X after
-        int g = ig, t = it;
-        for (int i = 0; i < S - 1; i++, advance(g, t))
-            if (g < groups) matmul_stream_issue_w<OP>(stages + i * SE, P, K, g, t * MATMUL_STREAM_KT);
-    }
-    pdl_enter();
-    for (int i = 0; i < S - 1; i++, advance(ig, it)) {
-        if (ig < groups)
-            matmul_stream_issue_x<NX, NORM>(stages + i * SE + R * MATMUL_STREAM_KT, x, P.norm, M, K,
-                                            it * MATMUL_STREAM_KT);
-        core_cp_async_commit(); // one group a tile (the first also holds every tile's W above)
-    }
-    float acc[NX][4] = {}, ss[NX] = {};
-    for (int g = blockIdx.x / split, i = 0; g < groups; g += clusters) {
-        for (int t = t0; t < t1; t++, i++) {
-            core_cp_async_wait<S - 2>(); // this thread's copies of tile i have landed,
-            if (NORM)
-                matmul_stream_norm_tile<NX>(stages + i % S * SE + R * MATMUL_STREAM_KT, P.norm, M, K,
-                                            t * MATMUL_STREAM_KT, g == 0, ss);
-            __syncthreads(); // everyone's, and every warp is done with tile i - 1, whose stage is refilled
-            __nv_bfloat16 *next = stages + (i + S - 1) % S * SE;
-            if (ig < groups) {
-                matmul_stream_issue_w<OP>(next, P, K, ig, it * MATMUL_STREAM_KT);
-                matmul_stream_issue_x<NX, NORM>(next + R * MATMUL_STREAM_KT, x, P.norm, M, K, it * MATMUL_STREAM_KT);
-            }
-            core_cp_async_commit();
-            advance(ig, it);
-            const __nv_bfloat16 *sw = stages + i % S * SE;
-            matmul_stream_tile<NX>(acc, sw, sw + R * MATMUL_STREAM_KT);
-        }
-        // the group's partials (c0 c1: row gq of the warp's W, X rows 2 tq + {0, 1}; c2 c3: row gq + 8), then the
-        // outputs, a share a block, each summing the cluster's partials in block order
-#pragma unroll
-        for (int n = 0; n < NX; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                part[16 * warp + gq + 8 * (e / 2)][8 * n + 2 * tq + e % 2] = acc[n][e];
-                acc[n][e] = 0.f;
-            }
-        if (NORM) // a row's chunks are 16 consecutive threads': their sums by a butterfly over the 16
-#pragma unroll
-            for (int n = 0; n < NX; n++) {
-                float v = ss[n];
-                for (int o = 8; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (threadIdx.x % 16 == 0) part_ss[threadIdx.x / 16 + 8 * n] = v;
-                ss[n] = 0.f;
-            }
-        if (split > 1) matmul_cluster_sync();
-        else __syncthreads();
-        int b = g;
-        const int p = matmul_block_part(P, C, b), n0 = b * C;
-        for (int o = rank * MATMUL_STREAM_THREADS + threadIdx.x; o < M * C; o += split * MATMUL_STREAM_THREADS) {
-            const int m = o / C, r = o % C;
-            if (n0 + r >= P.N[p]) continue;
-            float s = part[r][m], s3 = OP == MATMUL_OUT_SWIGLU ? part[r + C][m] : 0.f, sq = NORM ? part_ss[m] : 0.f;
-            if (split > 1) { // block 0's partial, then the others'
-                s = s3 = sq = 0.f;
-                for (int q = 0; q < split; q++) s += matmul_cluster_load(&part[r][m], q);
-                if (OP == MATMUL_OUT_SWIGLU)
-                    for (int q = 0; q < split; q++) s3 += matmul_cluster_load(&part[r + C][m], q);
-                if (NORM)
-                    for (int q = 0; q < split; q++) sq += matmul_cluster_load(&part_ss[m], q);
-            }
-            if (NORM) { // y = rstd (W · (h' w))
-                const float rs = rms_rstd(sq, K, P.norm.eps);
-                s *= rs;
-                s3 *= rs;
-            }
-            matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
-        }
-        if (split > 1) matmul_cluster_sync(); // the partials are written again at the next group's end
-        else __syncthreads();
-    }
-}
-
-// Tests: at most this many clusters when non-zero, so that every shape has clusters taking several groups.
-static unsigned g_matmul_stream_cluster_cap = 0;
-
-// Blocks a cluster for a product of `groups` groups of K: the fewest of 1, 2, 4, 8 that give the GPU 8 (group,
-// block) pairs an SM, each block keeping at least 2 tiles of K (a group's partials cost two cluster barriers). It
-// depends on the product and the SM count only, so that a row's sums do not depend on M. 1 where the GPU has no
-// clusters.
-static inline int matmul_stream_split(unsigned groups, int K) {
-    static int clusters = -1;
-    if (clusters < 0) {
-        int dev;
-        cudaCheck(cudaGetDevice(&dev));
-        cudaCheck(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev));
-    }
-    const int T = ceil_div(K, MATMUL_STREAM_KT);
-    int split = 1;
-    while (clusters && split < MATMUL_STREAM_MAX_SPLIT && groups * split < 8u * core_sm_count() && T / (2 * split) >= 2)
-        split *= 2;
-    return split;
-}
-
-// Clusters of `split` blocks of `kernel` (`smem` bytes of dynamic shared memory) that fit on the GPU at once, its
-// dynamic shared memory limit raised first; asked of the driver once per kernel, size and split.
-static inline int matmul_stream_clusters_fit(const void *kernel, size_t smem, int split) {
-    static struct { const void *kernel; size_t smem; int split, fit; } memo[64];
-    static int used = 0;
-    for (int i = 0; i < used; i++)
-        if (memo[i].kernel == kernel && memo[i].smem == smem && memo[i].split == split) return memo[i].fit;
-    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int fit = 0;
-    if (split > 1) {
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim = {(unsigned)split, 1, 1};
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(split);
-        cfg.blockDim = dim3(MATMUL_STREAM_THREADS);
-        cfg.dynamicSmemBytes = smem;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        cudaCheck(cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg));
-    } else {
-        cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, MATMUL_STREAM_THREADS, smem));
-        fit *= core_sm_count();
-    }
-    if (used < 64) memo[used++] = {kernel, smem, split, fit};
-    return fit;
-}
-
-// Every part of P (whose op is OP) for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY
-// output: x, or with P's input norm set (matmul_folds_norm) that norm's output, folded.
-template <typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
-static inline void matmul_stream_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
-    const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_STREAM_ROWS));
-    const int nx = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8, split = matmul_stream_split(groups, K);
-    const bool norm = P->norm.h != NULL;
-    const size_t smem =
-        (size_t)matmul_stream_stages(norm) * matmul_stream_stage_elems(nx, norm) * sizeof(__nv_bfloat16);
-    void (*kernel)(MatmulParts, const __nv_bfloat16 *, int, int, int, int) = NULL;
-#define MATMUL_STREAM_CASE(n) \
-    case n: kernel = norm ? matmul_stream_kernel<TY, n, OP, true> : matmul_stream_kernel<TY, n, OP>; break;
-    switch (nx) {
-        MATMUL_STREAM_CASE(1) MATMUL_STREAM_CASE(2) MATMUL_STREAM_CASE(4) MATMUL_STREAM_CASE(8)
-    }
-#undef MATMUL_STREAM_CASE
-    if (M < 1 || M > MATMUL_MMA_MAX_M)
-        sdm_die("matmul: the streamed MMA kernel takes 1..%d rows, not %d", MATMUL_MMA_MAX_M, M);
-    unsigned fit = (unsigned)matmul_stream_clusters_fit((const void *)kernel, smem, split);
-    if (fit < 1)
-        sdm_die("matmul MMA stream: no cluster of %d blocks of %zu bytes of shared memory fits (M=%d K=%d)", split,
-                smem, M, K);
-    if (g_matmul_stream_cluster_cap && g_matmul_stream_cluster_cap < fit) fit = g_matmul_stream_cluster_cap;
-    const unsigned clusters = groups < fit ? groups : fit;
-    launch_pdl_clusters(kernel, clusters * split, MATMUL_STREAM_THREADS, smem, s, split, *P, x, M, K, (int)groups,
-                        split);
-    cudaCheckLast();
-}
-
-typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_STREAM } MatmulKernel;
+typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA } MatmulKernel;
 
 static inline const char *matmul_kernel_name(MatmulKernel k) {
-    return k == MATMUL_KERNEL_STREAM ? "MMA stream"
-           : k == MATMUL_KERNEL_MMA  ? "MMA"
-           : k == MATMUL_KERNEL_GEMV ? "GEMV"
-                                     : "cuBLASLt";
+    return k == MATMUL_KERNEL_MMA ? "MMA" : k == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt";
 }
 
 #ifndef MATMUL_NORM_FOLD
-#define MATMUL_NORM_FOLD 0 // 1: the one-row GEMV and the streamed MMA kernel fold their input norm (not yet timed)
+#define MATMUL_NORM_FOLD 0 // 1: the one-row GEMV folds its input norm (not yet timed)
 #endif
 static int g_matmul_norm_fold = MATMUL_NORM_FOLD; // the tests turn it on to test the folded kernels
 
 // Whether `kernel` folds P's input norm (M rows) into the product instead of the norm kernel writing X first: the
-// GEMV at one row (matmul_gemv_norm_load) and the streamed MMA kernel (matmul_stream_norm_tile), bf16 for the latter,
-// h_out apart from h and add (some blocks store it while others still read h and add).
-static inline bool matmul_folds_norm(MatmulKernel kernel, const MatmulParts *P, int M, Dtype in_type) {
+// GEMV at one row (matmul_gemv_norm_load), h_out apart from h and add (some blocks store it while others still read
+// h and add).
+static inline bool matmul_folds_norm(MatmulKernel kernel, const MatmulParts *P, int M) {
     const ResidualNorm &n = P->norm;
-    const bool takes =
-        (kernel == MATMUL_KERNEL_GEMV && M == 1) || (kernel == MATMUL_KERNEL_STREAM && in_type == DT_BF16);
-    return g_matmul_norm_fold && takes && n.h && (!n.add || (n.h_out != n.h && n.h_out != n.add));
+    return g_matmul_norm_fold && kernel == MATMUL_KERNEL_GEMV && M == 1 && n.h && (!n.add || (n.h_out != n.h && n.h_out != n.add));
 }
 
 // Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
@@ -962,21 +627,14 @@ static inline bool matmul_folds_norm(MatmulKernel kernel, const MatmulParts *P, 
 // cuBLASLt's fixed cost dominates (the bytes LM head, 258 x 2048, at 32 rows: 4.9 against 9.4 us); other single bf16
 // products of 2 or more rows cuBLASLt (the FFN's 2048 -> 11264 at 32 rows: 13.4 against 26.0 us by the MMA kernel,
 // whose blocks fill HBM's queue less well). The small-M kernels need rows of whole 16-byte vectors.
-// MATMUL_STREAM_POLICY (compile time, not yet measured in a step): 1, the streamed MMA kernel where the MMA kernel
-// would run; 2, every bf16 product of 2..MATMUL_MMA_MAX_M rows by the streamed kernel; 0, neither.
 #define MATMUL_MMA_NARROW 512
-#ifndef MATMUL_STREAM_POLICY
-#define MATMUL_STREAM_POLICY 0
-#endif
-static int g_matmul_stream_policy = MATMUL_STREAM_POLICY; // the tests set 2 to run the model's API on the kernel
 static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr) {
     if (M < 1 || (size_t)K * dtype_size(in_type) % 16 || addr % 16) return MATMUL_KERNEL_LT;
     if (in_type == DT_FP32) return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
     if (M == 1) return MATMUL_KERNEL_GEMV;
     if (M > MATMUL_MMA_MAX_M) return MATMUL_KERNEL_LT;
-    if (g_matmul_stream_policy == 2) return MATMUL_KERNEL_STREAM;
     if (parts == 1 && N > MATMUL_MMA_NARROW) return MATMUL_KERNEL_LT;
-    return g_matmul_stream_policy == 1 ? MATMUL_KERNEL_STREAM : MATMUL_KERNEL_MMA;
+    return MATMUL_KERNEL_MMA;
 }
 
 // The weight rows of P: every part's N, twice under SwiGLU (W = [W1; W3]).
@@ -992,7 +650,6 @@ static inline void matmul_small_m_op(const MatmulParts *P, MatmulKernel kernel, 
                                      int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
     if (kernel == MATMUL_KERNEL_MMA) matmul_mma_run<bf, OP>(P, (const bf *)x, M, K, s);
-    else if (kernel == MATMUL_KERNEL_STREAM) matmul_stream_run<bf, OP>(P, (const bf *)x, M, K, s);
     else if (dtype == DT_FP32) matmul_gemv_run<float, float, OP>(P, (const float *)x, M, K, s);
     else matmul_gemv_run<bf, bf, OP>(P, (const bf *)x, M, K, s);
 }
@@ -1024,7 +681,7 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
     if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
         sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
     MatmulParts Q = *P; // with the input norm only where the GEMV folds it; else its kernel writes x first
-    if (P->norm.h && !matmul_folds_norm(kernel, P, M, in_type)) {
+    if (P->norm.h && !matmul_folds_norm(kernel, P, M)) {
         residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
         Q.norm = ResidualNorm{};
     }
@@ -1034,9 +691,6 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
     else if (kernel == MATMUL_KERNEL_MMA) {
         if (y_type == DT_FP32) matmul_mma_run<float>(P, (const bf *)x, M, K, s);
         else matmul_mma_run<bf>(P, (const bf *)x, M, K, s);
-    } else if (kernel == MATMUL_KERNEL_STREAM) {
-        if (y_type == DT_FP32) matmul_stream_run<float>(P, (const bf *)x, M, K, s);
-        else matmul_stream_run<bf>(P, (const bf *)x, M, K, s);
     } else if (kernel == MATMUL_KERNEL_GEMV) {
         if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
         else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
