@@ -178,8 +178,8 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 // ResidualNorm, rows of K in X's dtype) X is the norm's output, which the norm's own kernel writes into x first. (The
 // GEMV computing it in its prologue instead, one kernel less, made the flagship's decode 4.5% slower on an H100: a
 // block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.) With
-// MATMUL_NORM_FOLD the one-row GEMV folds it without that wait, rstd multiplying its
-// sums at the end, and x is left as it was: a caller reads x only through the product.
+// MATMUL_NORM_FOLD the one-row GEMV folds it without that wait, rstd multiplying its sums at the end, and x is left
+// as it was: a caller reads x only through the product.
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -285,27 +285,6 @@ __device__ __forceinline__ void matmul_gemv_prefetch(const MatmulParts &P, int g
         });
 }
 
-// A chunk of V elements of a folded input norm's row (MatmulParts.norm): h' = h + b rounded to T as the norm kernel
-// stores it (into *stored; b NULL: h' = h, *stored untouched), ss += the sum of h'², xv = h' w.
-template <typename T, int V>
-__device__ __forceinline__ void matmul_norm_chunk(float (&h)[V], const float *b, uint4 *stored, const float *w,
-                                                  float *xv, float &ss) {
-    if (b) {
-        union { uint4 u; T e[V]; } o;
-#pragma unroll
-        for (int e = 0; e < V; e++) {
-            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
-            h[e] = dtype_to_float(o.e[e]);
-        }
-        *stored = o.u;
-    }
-#pragma unroll
-    for (int e = 0; e < V; e++) {
-        ss = fmaf(h[e], h[e], ss);
-        xv[e] = h[e] * w[e];
-    }
-}
-
 // The GEMV's X elements i.. (k.. of a row) under a folded input norm (NORM: MatmulParts.norm, the GEMV reading h and
 // add where the norm kernel would have written X): h' = h + add rounded to T, as the norm kernel stores it (and
 // stored in h_out where `store`), xv = h' w, ss += h'². The norm's rstd, one factor of the whole row, multiplies the
@@ -314,13 +293,25 @@ template <typename T>
 __device__ __forceinline__ void matmul_gemv_norm_load(const ResidualNorm &nr, size_t i, int k, bool store, float *xv,
                                                       float &ss) {
     constexpr int VEC = 16 / sizeof(T);
-    float h[VEC], b[VEC], w[VEC];
-    uint4 hs;
+    float h[VEC], w[VEC];
     matmul_gemv_load((const T *)nr.h + i, h);
-    if (nr.add) matmul_gemv_load((const T *)nr.add + i, b);
+    if (nr.add) {
+        float b[VEC];
+        matmul_gemv_load((const T *)nr.add + i, b);
+        union { uint4 u; T e[VEC]; } o;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
+            h[e] = dtype_to_float(o.e[e]);
+        }
+        if (store) *(uint4 *)((T *)nr.h_out + i) = o.u;
+    }
     matmul_gemv_load((const T *)nr.w + k, w);
-    matmul_norm_chunk<T, VEC>(h, nr.add ? b : NULL, &hs, w, xv, ss);
-    if (nr.add && store) *(uint4 *)((T *)nr.h_out + i) = hs;
+#pragma unroll
+    for (int e = 0; e < VEC; e++) {
+        ss = fmaf(h[e], h[e], ss);
+        xv[e] = h[e] * w[e];
+    }
 }
 
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
@@ -444,8 +435,8 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
     }
     const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
-    // all that fit: capped at 2 or 3 an SM, so that the next product's blocks fit beside them, the batch-1 decode step
-    // was 14% / 8% slower on an H100 (BENCHMARKS.md)
+    // all blocks that fit (capping them at 2 or 3 an SM, so that the next product's blocks fit beside them, made the
+    // batch-1 decode step 14% / 8% slower on an H100: BENCHMARKS.md)
     unsigned fit = (unsigned)(per_sm * core_sm_count());
     if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
     const unsigned grid = groups < fit ? groups : fit;
@@ -616,7 +607,8 @@ static int g_matmul_norm_fold = MATMUL_NORM_FOLD; // the tests turn it on to tes
 // h and add).
 static inline bool matmul_folds_norm(MatmulKernel kernel, const MatmulParts *P, int M) {
     const ResidualNorm &n = P->norm;
-    return g_matmul_norm_fold && kernel == MATMUL_KERNEL_GEMV && M == 1 && n.h && (!n.add || (n.h_out != n.h && n.h_out != n.add));
+    return g_matmul_norm_fold && kernel == MATMUL_KERNEL_GEMV && M == 1 && n.h &&
+           (!n.add || (n.h_out != n.h && n.h_out != n.add));
 }
 
 // Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
