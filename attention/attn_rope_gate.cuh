@@ -37,40 +37,48 @@ __device__ __forceinline__ void attn_rope_turn(float x0, float x1, float sn, flo
 
 #define ATTN_ROPE_HEADS 8
 
-// One thread per (row b*T+t, group of ATTN_ROPE_HEADS heads of q then k, pair m): the angle's sincos once for its
-// group, whose loads are all issued before its stores; a warp's threads touch consecutive pairs of one head.
-// Position = pos0[b] + t (pos0 NULL: t).
+// One thread per (row b*T+t, group of ATTN_ROPE_HEADS heads of q then k, 16 bytes of a head: V pairs from m0): the V
+// angles' sincos once for its group, all its 16-byte loads issued before its stores; a warp's threads cover
+// consecutive 16-byte pieces of head rows. Position = pos0[b] + t (pos0 NULL: t).
 template <typename T>
 __global__ void attn_rope_kernel(T *q, T *k, int T_, int nh, int nkv, int half, const float *inv_freq,
                                  const int *pos0, float direction, size_t n) {
+    typedef DtypeVec<T> Vec;
+    constexpr int V = Vec::N / 2;
     pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    int groups = (nh + nkv + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS, m = (int)(i % half);
-    int h0 = (int)(i / half % groups) * ATTN_ROPE_HEADS;
-    size_t row = i / half / groups;
+    int pieces = half / V, groups = (nh + nkv + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS, m0 = (int)(i % pieces) * V;
+    int h0 = (int)(i / pieces % groups) * ATTN_ROPE_HEADS;
+    size_t row = i / pieces / groups;
     int t = (int)(row % T_), b = (int)(row / T_);
-    float ang = (float)((pos0 ? pos0[b] : 0) + t) * inv_freq[m];
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    sn *= direction;
+    float pos = (float)((pos0 ? pos0[b] : 0) + t), sn[V], cs[V];
+#pragma unroll
+    for (int p = 0; p < V; p++) {
+        sincosf(pos * inv_freq[m0 + p], &sn[p], &cs[p]);
+        sn[p] *= direction;
+    }
     T *x[ATTN_ROPE_HEADS];
-    float x0[ATTN_ROPE_HEADS], x1[ATTN_ROPE_HEADS];
+    Vec v[ATTN_ROPE_HEADS];
 #pragma unroll
     for (int j = 0; j < ATTN_ROPE_HEADS; j++) {
         int h = h0 + j;
         x[j] = h >= nh + nkv ? NULL
-               : h < nh     ? q + (row * nh + h) * 2 * half + 2 * m
-                            : k + (row * nkv + (h - nh)) * 2 * half + 2 * m;
-        if (x[j]) { x0[j] = dtype_to_float(x[j][0]); x1[j] = dtype_to_float(x[j][1]); }
+               : h < nh     ? q + (row * nh + h) * 2 * half + 2 * m0
+                            : k + (row * nkv + (h - nh)) * 2 * half + 2 * m0;
+        if (x[j]) v[j] = dtype_pack_load<Vec>(x[j]);
     }
 #pragma unroll
     for (int j = 0; j < ATTN_ROPE_HEADS; j++)
         if (x[j]) {
-            float y0, y1;
-            attn_rope_turn(x0[j], x1[j], sn, cs, y0, y1);
-            x[j][0] = dtype_from_float<T>(y0);
-            x[j][1] = dtype_from_float<T>(y1);
+#pragma unroll
+            for (int p = 0; p < V; p++) {
+                float y0, y1;
+                attn_rope_turn(v[j].get(2 * p), v[j].get(2 * p + 1), sn[p], cs[p], y0, y1);
+                v[j].set(2 * p, y0);
+                v[j].set(2 * p + 1, y1);
+            }
+            dtype_pack_store(x[j], v[j]);
         }
 }
 
@@ -79,9 +87,10 @@ static inline void attn_rope(const AttnRope *r, const AttnDims *a, int B, int T,
                              const int *pos0, int direction, cudaStream_t st) {
     if (r->head_dim != a->head_dim)
         sdm_die("attention: RoPE table for head_dim %d used with %d", r->head_dim, a->head_dim);
-    int half = a->head_dim / 2;
+    if (a->head_dim % 8) sdm_die("attention: RoPE on the GPU takes head_dim a multiple of 8, not %d", a->head_dim);
+    int half = a->head_dim / 2, pieces = (int)(half * dtype_size(dt) / 8); // 16 bytes of a head row a thread
     size_t groups = (size_t)(a->n_heads + a->n_kv_heads + ATTN_ROPE_HEADS - 1) / ATTN_ROPE_HEADS;
-    size_t n = (size_t)B * T * groups * half;
+    size_t n = (size_t)B * T * groups * pieces;
     if (n == 0) return;
     unsigned grid = (unsigned)((n + 255) / 256);
     if (dt == DT_BF16)
