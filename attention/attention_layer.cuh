@@ -313,9 +313,8 @@ static inline void attn_infer_decode(AttnInferState *I, const AttnLayerParams *p
     char *q = (char *)I->qkv, *k = q + nq * es, *v = k + nk * es, *z = a->gated ? v + nk * es : NULL;
     void *mixed = a->gated ? I->og : I->o;
     attn_layer_qkv(a, I->ctype, p, x, B, q, k, v, z, I->qkv_ld, I->qkv_ld, s, norm);
-    CorePrefetch wo = {p->wo, CORE_DECODE_PREFETCH ? (size_t)a->dim * nq * es : 0}; // W_o [D, n_h d_h]
     attn_decode(a, B, I->ctype, &I->rope, q, k, v, z, I->qkv_ld, I->qkv_ld, I->k_cache, I->v_cache, I->C, pos, mixed,
-                s, wo);
+                s);
     attn_layer_wo(a, I->ctype, p, mixed, B, y, s);
 }
 

@@ -121,8 +121,7 @@ __device__ __forceinline__ void attn_decode_append(const T *qrow, const T *krow,
 template <typename T, int D, int W>
 __global__ void __launch_bounds__(32 * W, 32 / W)
 attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, int ldq, int ldkv, T *kc, T *vc, T *out,
-                   const int *pos, const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2,
-                   CorePrefetch pf) {
+                   const int *pos, const float *inv_freq, int nh, int nkv, int C, int window, float scale_log2) {
     typedef AttnDecodeMap<T, D> Map;
     constexpr int PC = ATTN_DECODE_PIECES;
     static_assert(32 * W >= D && PC % W == 0, "attn_decode: a thread per element of a row, whole pieces a warp");
@@ -130,7 +129,6 @@ attn_decode_kernel(const T *q, const T *k, const T *v, const T *z, int ldq, int 
     __shared__ float part_m[PC + 1], part_l[PC];  // its maximum score (base 2; [PC]: the newest key's) and sum
     __shared__ __align__(16) T q_rot[D], k_new[D], v_new[D];
     pdl_enter();
-    core_prefetch_range(pf); // the next product's weights, while this kernel moves few bytes
     const int bh = blockIdx.x, j = bh % nh, b = bh / nh, g = j / (nh / nkv), p = pos[b];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float zc = z && threadIdx.x < D ? dtype_to_float(z[(size_t)b * ldq + j * D + threadIdx.x]) : 0.0f;
@@ -195,12 +193,12 @@ static inline int attn_decode_warps(int blocks) { return blocks <= 2 * core_sm_c
 template <typename T, int D>
 static inline void attn_decode_launch(const AttnDims *a, int B, const AttnRope *r, const void *q, const void *k,
                                       const void *v, const void *z, int ldq, int ldkv, void *kc, void *vc, int C,
-                                      const int *pos, void *out, cudaStream_t st, CorePrefetch pf) {
+                                      const int *pos, void *out, cudaStream_t st) {
     int blocks = B * a->n_heads;
     auto kernel = attn_decode_warps(blocks) == 16 ? attn_decode_kernel<T, D, 16> : attn_decode_kernel<T, D, 8>;
     launch_pdl(kernel, (unsigned)blocks, 32 * attn_decode_warps(blocks), 0, st, (const T *)q, (const T *)k,
                (const T *)v, (const T *)z, ldq, ldkv, (T *)kc, (T *)vc, (T *)out, pos, (const float *)r->inv_freq,
-               a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D), pf);
+               a->n_heads, a->n_kv_heads, C, a->window, ATTN_LOG2E / sqrtf((float)D));
     cudaCheckLast();
 }
 
@@ -208,10 +206,10 @@ static inline void attn_decode_launch(const AttnDims *a, int B, const AttnRope *
 // before RoPE) at positions pos[b] (device): k, v appended to the caches [B,C,n_kv,d_h] after RoPE, out [B,n_h,d_h]
 // = attention of q over positions 0..pos[b], or with z [B,n_h,d_h] (row stride ldq; NULL: none) the gated og =
 // sigmoid(z) * that attention, the bits of attn_gate_forward on it. SWA needs C >= w, full attention C > pos[b] (the
-// caller checks). pf: bytes to fetch into L2 meanwhile (CorePrefetch), or none.
+// caller checks).
 static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRope *r, const void *q, const void *k,
                                const void *v, const void *z, int ldq, int ldkv, void *k_cache, void *v_cache, int C,
-                               const int *pos, void *out, cudaStream_t st, CorePrefetch pf = {}) {
+                               const int *pos, void *out, cudaStream_t st) {
     attn_check_dims(a);
     if (a->window > 0 && C < a->window)
         sdm_die("attention: KV cache of %d entries is shorter than the window %d", C, a->window);
@@ -220,7 +218,7 @@ static inline void attn_decode(const AttnDims *a, int B, Dtype dt, const AttnRop
     if (B == 0) return;
     auto launch = dt == DT_BF16 ? (a->head_dim == 64 ? attn_decode_launch<bf16, 64> : attn_decode_launch<bf16, 128>)
                                 : (a->head_dim == 64 ? attn_decode_launch<float, 64> : attn_decode_launch<float, 128>);
-    launch(a, B, r, q, k, v, z, ldq, ldkv, k_cache, v_cache, C, pos, out, st, pf);
+    launch(a, B, r, q, k, v, z, ldq, ldkv, k_cache, v_cache, C, pos, out, st);
 }
 
 #endif

@@ -200,25 +200,6 @@ template <int N> __device__ __forceinline__ void core_cp_async_wait() {
 // A hint that the 128-byte line holding p be fetched into L2 (no register written, no fault on a valid address).
 __device__ __forceinline__ void core_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// Constant bytes for a kernel to fetch into L2 while it runs, or none (bytes 0): in a decode step, the weights of
-// the product after a kernel that moves few bytes of its own (attention's output product behind the attention
-// decode, the SDM output product behind the SDM op), so that the product reads them from L2, not HBM. Kernels take
-// one where CORE_DECODE_PREFETCH is set (compile time; not yet measured in a step).
-#ifndef CORE_DECODE_PREFETCH
-#define CORE_DECODE_PREFETCH 0
-#endif
-typedef struct {
-    const void *p;
-    size_t bytes;
-} CorePrefetch;
-
-// Every 128-byte line of f, spread over the grid's threads (a 2D grid counted x first).
-__device__ __forceinline__ void core_prefetch_range(CorePrefetch f) {
-    const size_t threads = (size_t)gridDim.x * gridDim.y * blockDim.x;
-    const size_t t = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    for (size_t off = t * 128; off < f.bytes; off += threads * 128) core_prefetch_l2((const char *)f.p + off);
-}
-
 // Streaming multiprocessors of the current device (asked once: a process drives one GPU).
 static inline int core_sm_count(void) {
     static int sms = 0;

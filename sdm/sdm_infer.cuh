@@ -81,9 +81,7 @@ static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, c
     sdm_infer_shape(I, n, 1);
     sdm_layer_address(&I->L, p, x, st, norm);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
-    const size_t D = (size_t)I->L.s.dim;
-    CorePrefetch wout = {p->w_out, CORE_DECODE_PREFETCH ? D * D * dtype_size(I->L.ctype) : 0}; // W_out [D, D]
-    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st, wout);
+    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
     sdm_layer_output(&I->L, p, y, st);
 }
 

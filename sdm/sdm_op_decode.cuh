@@ -64,12 +64,11 @@ template <int C, typename T> __device__ __forceinline__ T sdm_decode_pick(const 
 
 template <typename Tb>
 __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank,
-                                                                          float *out, CorePrefetch pf) {
+                                                                          float *out) {
     constexpr int V = SdmBankVec<Tb>::V, E = SDM_DECODE_HELD, NW = SDM_DECODE_WARPS, C = NW * E / 32;
     static_assert(NW * E % 32 == 0, "held entries fill whole lists of 32");
     __shared__ SdmDecodeSmem<V> sm;
     pdl_enter();
-    core_prefetch_range(pf); // the next product's weights, while this kernel moves few bytes
     const int s = blockIdx.y, w = threadIdx.x >> 5, lane = threadIdx.x & 31, col = (blockIdx.x * 32 + lane) * V;
     const int t = threadIdx.x, tcol = blockIdx.x * 32 * V + (t & 31) * V + (t >> 5); // thread t's column of the sums
     const bool active = col < sh.d; // inactive lanes still meet the barriers and ballots
@@ -197,18 +196,16 @@ __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOp
     if (t < 32 * V && tcol < sh.d) out[(size_t)s * sh.d + tcol] = ot;
 }
 
-// pf: bytes to fetch into L2 meanwhile (CorePrefetch), or none.
-static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream,
-                          CorePrefetch pf = {}) {
+static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream) {
     sdm_op_require(s);
     if (s->T != 1) sdm_die("sdm_op_decode: T must be 1 (got %d)", s->T);
     dim3 block(32 * SDM_DECODE_WARPS);
     if (s->bank_fp32)
         launch_pdl(sdm_decode_kernel<float>, dim3(ceil_div(s->d, 32 * 4), s->B * s->H), block, 0, stream, *s, *in,
-                   (float *)bank, out, pf);
+                   (float *)bank, out);
     else
         launch_pdl(sdm_decode_kernel<__nv_bfloat16>, dim3(ceil_div(s->d, 32 * 8), s->B * s->H), block, 0, stream, *s,
-                   *in, (__nv_bfloat16 *)bank, out, pf);
+                   *in, (__nv_bfloat16 *)bank, out);
 }
 
 #endif

@@ -255,10 +255,7 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
         }
         CK(cudaMemcpy(dpos, hpos, B * sizeof(int), cudaMemcpyHostToDevice));
         attn_decode(&a, B, dt, &rope, qt, kt, vt, NULL, nh * D, nkv * D, kc, vc, C, dpos, ot, 0);
-        // the gated call also fetches a range into L2 (CorePrefetch: a decode step's next weights), which must change
-        // no bit
-        const CorePrefetch pf = {dq_in, (size_t)B * T * qrow};
-        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, nh * D, nkv * D, kc, vc, C, dpos, ogt, 0, pf);
+        attn_decode(&a, B, dt, &rope, qt, kt, vt, zt, nh * D, nkv * D, kc, vc, C, dpos, ogt, 0);
         attn_gate_forward(dt, (size_t)B * nh * D, zt, ot, og_ref, 0);
         gate_same &= bitwise_equal(ogt, og_ref, B * qrow);
         attn_decode(&a, 1, dt, &rope, qt, kt, vt, NULL, nh * D, nkv * D, kc1, vc1, C, dpos, o1, 0);
@@ -277,8 +274,8 @@ static void test_decode(int B, int T, int nh, int nkv, int D, int window, Dtype 
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: cache keys are attn_rope's, values copied",
              dt_name(dt), B, T, nh, nkv, D, window);
     CHECK(bitwise_equal(kdec, dk_in, nk * es) && bitwise_equal(vdec, dv_in, nk * es), "%s", what);
-    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: gated og (L2 prefetch on) = attn_gate_forward's",
-             dt_name(dt), B, T, nh, nkv, D, window);
+    snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: gated og = attn_gate_forward's bits", dt_name(dt),
+             B, T, nh, nkv, D, window);
     CHECK(gate_same, "%s", what);
     snprintf(what, sizeof what, "decode %s B%d T%d h%d/%d d%d w%d: stream 0 alone = in the batch (%d and %d warps)",
              dt_name(dt), B, T, nh, nkv, D, window, attn_decode_warps(B * nh), attn_decode_warps(nh));

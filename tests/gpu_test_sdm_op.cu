@@ -887,9 +887,7 @@ static void test_decode(int fp32, int B, int T, int N, int d, int W, int R) {
         in1.gamma = to_dev_f(gam, S * c.W); in1.rho = to_dev_f(rho, S * c.R); in1.beta = to_dev_f(bet, S);
         in1.v = to_dev_f(vv, S * c.d);
         poison(dout1, S * c.d * 4);
-        // odd steps also fetch the bank into L2 (CorePrefetch, a decode step's next weights): a hint, no value changes
-        const CorePrefetch pf = {D.bank, t % 2 ? bank_elems(&c) * (fp32 ? 4 : 2) : 0};
-        sdm_op_decode(&sd, &in1, D.bank, dout1, 0, pf);
+        sdm_op_decode(&sd, &in1, D.bank, dout1, 0);
         double *o1 = to_host(dout1, S * c.d);
         for (int b = 0; b < c.B; b++)
             for (int h = 0; h < c.H; h++)
