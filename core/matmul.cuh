@@ -133,10 +133,6 @@ static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MA
 #ifndef MATMUL_GEMV_THREADS
 #define MATMUL_GEMV_THREADS 256
 #endif
-#ifndef MATMUL_GEMV_L2_TILES
-#define MATMUL_GEMV_L2_TILES 0 // a block's tiles after its first STAGES - 1 prefetched into L2 before pdl_wait, so that
-                               // the bus fetches them while the kernel before still runs (0: none; not yet measured)
-#endif
 #ifndef MATMUL_GEMV_STAGES
 #define MATMUL_GEMV_STAGES 3 // tiles of a block in shared memory: 3 x 16 KB (2: the one-row products alone 0-12%
                              // faster on an H100, the flagship's batch-1 decode step 1.8% slower)
@@ -275,16 +271,6 @@ __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulPart
     core_cp_async_commit();
 }
 
-// The block's next `tiles` tiles from (g, k) into L2, a 128-byte line by the first of each 8 threads whose vectors
-// share it (MATMUL_GEMV_L2_TILES).
-template <typename T, int R, MatmulOut OP>
-__device__ __forceinline__ void matmul_gemv_prefetch(const MatmulParts &P, int groups, int K, int g, int k, int tiles) {
-    for (int i = 0; i < tiles && g < groups; i++)
-        matmul_gemv_tile<T, R, OP>(P, K, g, k, [&](int, const T *src, bool ok) {
-            if (ok && threadIdx.x % 8 == 0) core_prefetch_l2(src);
-        });
-}
-
 // The GEMV's X elements i.. (k.. of a row) under a folded input norm (NORM: MatmulParts.norm, the GEMV reading h and
 // add where the norm kernel would have written X): h' = h + add rounded to T, as the norm kernel stores it (and
 // stored in h_out where `store`), xv = h' w, ss += h'². The norm's rstd, one factor of the whole row, multiplies the
@@ -330,7 +316,6 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 #pragma unroll
     for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
         matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
-    if (MATMUL_GEMV_L2_TILES > 0) matmul_gemv_prefetch<T, R, OP>(P, groups, K, ig, ik, MATMUL_GEMV_L2_TILES);
     pdl_enter();
     float acc[R][M] = {}, ss[M] = {};
     int k = k0;
