@@ -83,8 +83,8 @@ $(BUILD):
 compile-cuda: $(PROGRAMS) $(GPU_TESTS) $(BENCHES)
 
 # An A/B build of a program with other compile-time knobs, e.g.
-#   make variant NAME=fold FLAGS=-DMATMUL_NORM_FOLD=1 [SRC=infer_sdm]
-# -> build/variants/fold, which scripts/gpu_pack.sh packs and scripts/gpu_check.sh decode-ab / step-ab time against
+#   make variant NAME=stages2 FLAGS=-DMATMUL_GEMV_STAGES=2 [SRC=infer_sdm]
+# -> build/variants/stages2, which scripts/gpu_pack.sh packs and scripts/gpu_check.sh decode-ab / step-ab time against
 # the default build on the same machine.
 SRC ?= infer_sdm
 variant: | $(BUILD)

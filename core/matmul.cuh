@@ -106,10 +106,20 @@ static inline void matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int ld
 
 // cuBLASLt runs far below peak when the output-feature count N is not a multiple of the tile width (measured on
 // the H200: Z = X·Wᵀ with N = 6148 at 270 TFLOP/s, N = 2048 at 780). So N is split into an aligned main part
-// (a multiple of MATMUL_ALIGN) and a narrow remainder, computed as two products.
+// (a multiple of MATMUL_ALIGN) and a narrow remainder, computed as two products: in the forward, the backward to
+// the input and the backward to the weight where MATMUL_SPLIT_N has bits 1, 2, 4 (an A/B knob: that measurement
+// predates the SDM layer's 16-byte aligned row stride, and the remainder's products each read all of X or dX).
 #define MATMUL_ALIGN 64
+#ifndef MATMUL_SPLIT_N
+#define MATMUL_SPLIT_N 7
+#endif
+#define MATMUL_SPLIT_FWD 1
+#define MATMUL_SPLIT_BWD_INPUT 2
+#define MATMUL_SPLIT_BWD_WEIGHT 4
 
-static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n; }
+static inline int matmul_main_part(int n, int which) {
+    return (MATMUL_SPLIT_N & which) && n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n;
+}
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small-M forward (decode steps): Y[M,N] = X[M,K] · W[N,K]ᵀ (+ bias) for M <= MATMUL_GEMV_MAX_M is bound by reading
@@ -173,9 +183,8 @@ typedef enum { MATMUL_OUT_PLAIN, MATMUL_OUT_SWIGLU, MATMUL_OUT_GATE } MatmulOut;
 // MATMUL_OUT_PLAIN takes one part, no bias, Y in X's dtype. With an input norm (norm.h set; core/layers.cuh
 // ResidualNorm, rows of K in X's dtype) X is the norm's output, which the norm's own kernel writes into x first. (The
 // GEMV computing it in its prologue instead, one kernel less, made the flagship's decode 4.5% slower on an H100: a
-// block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL.) With
-// MATMUL_NORM_FOLD the one-row GEMV folds it without that wait, rstd multiplying its sums at the end, and x is left
-// as it was: a caller reads x only through the product.
+// block's norm delays its loop, where the norm kernel overlaps the GEMV's first W loads under PDL; folding it
+// without that wait, rstd multiplying the sums at the end, made it 6% slower: BENCHMARKS.md.)
 typedef struct {
     int n;
     const void *w[MATMUL_MAX_PARTS];
@@ -271,45 +280,15 @@ __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulPart
     core_cp_async_commit();
 }
 
-// The GEMV's X elements i.. (k.. of a row) under a folded input norm (NORM: MatmulParts.norm, the GEMV reading h and
-// add where the norm kernel would have written X): h' = h + add rounded to T, as the norm kernel stores it (and
-// stored in h_out where `store`), xv = h' w, ss += h'². The norm's rstd, one factor of the whole row, multiplies the
-// row's sums at the end, so nothing waits for a row-wide sum before the product starts.
-template <typename T>
-__device__ __forceinline__ void matmul_gemv_norm_load(const ResidualNorm &nr, size_t i, int k, bool store, float *xv,
-                                                      float &ss) {
-    constexpr int VEC = 16 / sizeof(T);
-    float h[VEC], w[VEC];
-    matmul_gemv_load((const T *)nr.h + i, h);
-    if (nr.add) {
-        float b[VEC];
-        matmul_gemv_load((const T *)nr.add + i, b);
-        union { uint4 u; T e[VEC]; } o;
-#pragma unroll
-        for (int e = 0; e < VEC; e++) {
-            o.e[e] = dtype_from_float<T>(h[e] + b[e]);
-            h[e] = dtype_to_float(o.e[e]);
-        }
-        if (store) *(uint4 *)((T *)nr.h_out + i) = o.u;
-    }
-    matmul_gemv_load((const T *)nr.w + k, w);
-#pragma unroll
-    for (int e = 0; e < VEC; e++) {
-        ss = fmaf(h[e], h[e], ss);
-        xv[e] = h[e] * w[e];
-    }
-}
-
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
-// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)). NORM: X is P.norm's output,
-// folded (matmul_gemv_norm_load; x unused), block 0 storing h_out in its first group.
-template <typename T, typename TY, int M, MatmulOut OP, bool NORM = false>
+// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)).
+template <typename T, typename TY, int M, MatmulOut OP>
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
                                                                          int groups) {
     constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS,
                   WARPS = MATMUL_GEMV_THREADS / 32, S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     constexpr int C = matmul_block_cols(OP, R);
-    __shared__ float part[WARPS][R * M], part_ss[NORM ? WARPS : 1][M];
+    __shared__ float part[WARPS][R * M];
     extern __shared__ __align__(16) uint4 stages[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
     int ig = blockIdx.x, ik = k0; // the next tile to issue
@@ -317,7 +296,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
         matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
     pdl_enter();
-    float acc[R][M] = {}, ss[M] = {};
+    float acc[R][M] = {};
     int k = k0;
     for (int g = blockIdx.x, i = 0; g < groups; i++) {
         // refill the stage read one tile ago: only this thread reads or writes its slots, so program order keeps its
@@ -332,8 +311,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                                                            x, wv[r]);
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (NORM) matmul_gemv_norm_load<T>(P.norm, (size_t)m * K + k, k, g == 0, xv, ss[m]);
-                else matmul_gemv_load(x + (size_t)m * K + k, xv);
+                matmul_gemv_load(x + (size_t)m * K + k, xv);
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -351,13 +329,6 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                 if (lane == 0) part[warp][r * M + m] = v;
                 acc[r][m] = 0.f;
             }
-        if (NORM)
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float v = core_warp_sum(ss[m]);
-                if (lane == 0) part_ss[warp][m] = v;
-                ss[m] = 0.f;
-            }
         __syncthreads();
         int b = g;
         const int p = matmul_block_part(P, C, b), n0 = b * C, r = threadIdx.x / M, m = threadIdx.x % M;
@@ -366,13 +337,6 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
             for (int j = 0; j < WARPS; j++) s += part[j][r * M + m];
             if (OP == MATMUL_OUT_SWIGLU)
                 for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
-            if (NORM) { // y = rstd (W · (h' w)): the norm's rstd from the row's sum of squares
-                float t = 0.f;
-                for (int j = 0; j < WARPS; j++) t += part_ss[j][m];
-                const float rs = rms_rstd(t, K, P.norm.eps);
-                s *= rs;
-                s3 *= rs;
-            }
             matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
         }
         __syncthreads(); // part is written again at the next group's end
@@ -399,9 +363,8 @@ static inline int matmul_gemv_blocks_per_sm(const void *kernel, size_t smem) {
     return blocks;
 }
 
-// Every part of P (whose op is OP) for M in 1..8 rows of X: x, or with P's input norm set (one row; see
-// matmul_folds_norm) that norm's output, folded. The grid: as many blocks as fit on the GPU at once, at most one
-// a group; which block takes a group does not change its sums.
+// Every part of P (whose op is OP) for M in 1..8 rows of X (P's input norm, if any, already in x). The grid: as
+// many blocks as fit on the GPU at once, at most one a group; which block takes a group does not change its sums.
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
     const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
@@ -414,10 +377,6 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    if (P->norm.h) {
-        if (M != 1) sdm_die("matmul GEMV: a folded input norm takes one row, not %d", M);
-        kernel = matmul_gemv_kernel<T, TY, 1, OP, true>;
-    }
     const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
     // all blocks that fit (capping them at 2 or 3 an SM, so that the next product's blocks fit beside them, made the
@@ -582,20 +541,6 @@ static inline const char *matmul_kernel_name(MatmulKernel k) {
     return k == MATMUL_KERNEL_MMA ? "MMA" : k == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt";
 }
 
-#ifndef MATMUL_NORM_FOLD
-#define MATMUL_NORM_FOLD 0 // 1: the one-row GEMV folds its input norm (not yet timed)
-#endif
-static int g_matmul_norm_fold = MATMUL_NORM_FOLD; // the tests turn it on to test the folded kernels
-
-// Whether `kernel` folds P's input norm (M rows) into the product instead of the norm kernel writing X first: the
-// GEMV at one row (matmul_gemv_norm_load), h_out apart from h and add (some blocks store it while others still read
-// h and add).
-static inline bool matmul_folds_norm(MatmulKernel kernel, const MatmulParts *P, int M) {
-    const ResidualNorm &n = P->norm;
-    return g_matmul_norm_fold && kernel == MATMUL_KERNEL_GEMV && M == 1 && n.h &&
-           (!n.add || (n.h_out != n.h && n.h_out != n.add));
-}
-
 // Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
 // K in_type inputs, X and every W at `addr` (their addresses or'ed) 16-byte aligned, as measured on the H200
 // (BENCHMARKS.md, decode's products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at
@@ -644,7 +589,7 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
 
 // Every part of P by the given kernel (the GEMV for M <= MATMUL_GEMV_MAX_M, the MMA kernels for bf16 and
 // M <= MATMUL_MMA_MAX_M, all on 16-byte rows; cuBLASLt part by part). The tests and benches pick kernels here.
-// P's input norm, if any, by the norm's own kernel into x first, or folded into the product (matmul_folds_norm).
+// P's input norm, if any, by the norm's own kernel into x first.
 static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, Dtype y_type, const void *x,
                                     Dtype in_type, int M, int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
@@ -657,12 +602,7 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
                 dtype_name(in_type));
     if (P->op != MATMUL_OUT_PLAIN && (kernel == MATMUL_KERNEL_LT || P->n != 1 || y_type != in_type || P->bias[0]))
         sdm_die("matmul: an output op takes a kernel of our own, one part, no bias, and Y in X's dtype");
-    MatmulParts Q = *P; // with the input norm only where the GEMV folds it; else its kernel writes x first
-    if (P->norm.h && !matmul_folds_norm(kernel, P, M)) {
-        residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
-        Q.norm = ResidualNorm{};
-    }
-    P = &Q;
+    if (P->norm.h) residual_norm_forward(&P->norm, (void *)x, in_type, M, K, s);
     if (P->op == MATMUL_OUT_SWIGLU) matmul_small_m_op<MATMUL_OUT_SWIGLU>(P, kernel, x, in_type, M, K, s);
     else if (P->op == MATMUL_OUT_GATE) matmul_small_m_op<MATMUL_OUT_GATE>(P, kernel, x, in_type, M, K, s);
     else if (kernel == MATMUL_KERNEL_MMA) {
@@ -682,7 +622,7 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
 static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
-    int n0 = matmul_main_part(N);
+    int n0 = matmul_main_part(N, MATMUL_SPLIT_FWD);
     MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
                      {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
     // the narrow remainder by a small-M kernel where one takes it: cuBLASLt's costs as much as the main part (the
@@ -782,7 +722,7 @@ static inline int matmul_forward_gate(void *og, const void *o, const void *x, co
 static inline void matmul_backward_input(void *dx, Dtype dx_type, const void *dy, int lddy, const void *w,
                                          Dtype in_type, int M, int N, int K, int accumulate, cudaStream_t s) {
     // column-major: dXᵀ[K,M] = (W as col-major [K,N]) · (dY as col-major [N,M]); the sum over N in two parts
-    int n0 = matmul_main_part(N);
+    int n0 = matmul_main_part(N, MATMUL_SPLIT_BWD_INPUT);
     matmul_lt(dx, dx_type, K, w, K, 0, dy, lddy, 0, in_type, K, M, n0, accumulate ? 1.0f : 0.0f, NULL, s);
     if (n0 < N)
         matmul_lt(dx, dx_type, K, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 0, dtype_elem_ptr(dy, n0, in_type),
@@ -794,7 +734,7 @@ static inline void matmul_backward_weight(void *dw, Dtype dw_type, const void *d
                                           Dtype in_type, int M, int N, int K, int accumulate,
                                           cudaStream_t s) {
     // column-major: dWᵀ[K,N] = (X as col-major [K,M]) · (dY as col-major [N,M])ᵀ
-    int n0 = matmul_main_part(N);
+    int n0 = matmul_main_part(N, MATMUL_SPLIT_BWD_WEIGHT);
     float beta = accumulate ? 1.0f : 0.0f;
     matmul_lt(dw, dw_type, K, x, K, 0, dy, lddy, 1, in_type, K, n0, M, beta, NULL, s);
     if (n0 < N)
