@@ -17,7 +17,9 @@
 // =================================================================================================================
 
 #define SDM_RO_WARPS_PER_BLOCK 4
-#define SDM_RO_MAX_WARPS 4096
+#ifndef SDM_RO_MAX_WARPS
+#define SDM_RO_MAX_WARPS 4096 // the backward's warps at most (an A/B knob: more warps, fewer rows each, more partials)
+#endif
 #define SDM_RO_MAX_D 2048
 
 typedef struct {
