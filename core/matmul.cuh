@@ -244,39 +244,31 @@ __device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, i
 // The stages of a GEMV block: [MATMUL_GEMV_STAGES][R][MATMUL_GEMV_THREADS] 16-byte vectors, thread t's at [.][r][t].
 #define MATMUL_GEMV_STAGE_BYTES (MATMUL_GEMV_ROWS * MATMUL_GEMV_THREADS * 16)
 
-// f(r, src, ok) for row r < R of this thread's 16-byte vectors in a block's tile at (g, k): group g (its index over
-// all parts' groups) at K offset k (thread t's vector: k = t VEC + i STEP); rows past N and k past K are not ok (src:
-// W's first element). Then (g, k) advances to the block's next tile: the next stride of K, or after the group's last
-// stride the start of the block's next group, g + G.
-template <typename T, int R, MatmulOut OP, typename F>
-__device__ __forceinline__ void matmul_gemv_tile(const MatmulParts &P, int K, int &g, int &k, F f) {
-    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
-    int b = g;
-    const int p = matmul_block_part(P, C, b);
-    const T *w = (const T *)P.w[p];
-    const int N = P.N[p], n0 = b * C;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
-        f(r, ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
-    }
-    k += STEP;
-    if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
-        k = threadIdx.x * VEC;
-        g += gridDim.x;
-    }
-}
-
-// Issue the copies of a block's next tile into stage `st` (rows and k that are not ok, and groups past the last,
-// zero-filled), advancing (g, k) past it. One commit group a call, empty past the last group, so that a wait for the
+// Issue the copies of a block's next tile into `stage`: group g (its index over all parts' groups) at K offset
+// k (thread t's vector: k = t VEC + i STEP), rows past N, k past K and groups past the last zero-filled; then
+// advance (g, k) to the tile after it. One commit group a call, empty past the last group, so that a wait for the
 // group issued STAGES - 1 calls ago means "this tile".
 template <typename T, int R, MatmulOut OP>
 __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulParts &P, int groups, int K, int &g,
                                                   int &k) {
-    if (g < groups)
-        matmul_gemv_tile<T, R, OP>(P, K, g, k, [&](int r, const T *src, bool ok) {
-            core_cp_async16(stage + r * MATMUL_GEMV_THREADS + threadIdx.x, src, ok);
-        });
+    constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
+    if (g < groups) {
+        int b = g;
+        const int p = matmul_block_part(P, C, b);
+        const T *w = (const T *)P.w[p];
+        const int N = P.N[p], n0 = b * C;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const bool ok = matmul_out_col<OP, R>(n0, r) < N && k < K;
+            core_cp_async16(stage + r * MATMUL_GEMV_THREADS + threadIdx.x,
+                            ok ? w + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + k : w, ok);
+        }
+        k += STEP;
+        if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
+            k = threadIdx.x * VEC;
+            g += gridDim.x;
+        }
+    }
     core_cp_async_commit();
 }
 
