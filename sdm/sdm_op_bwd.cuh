@@ -95,7 +95,12 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
         sdm_axpy8(a.r_gath[er + q], dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col, acc);
 }
 
-#define SDM_SQ 1 // 8-column groups per lane loaded before use in bscatter (2: more loads in flight, 114 registers)
+// 8-column groups per lane loaded before use in bscatter, the same sums in the same order whatever its value (an A/B
+// knob: 2 puts twice the row bytes in flight per warp at two blocks an SM instead of four)
+#ifndef SDM_SQ
+#define SDM_SQ 1
+#endif
+#define SDM_BSCATTER_BLOCKS (SDM_SQ == 1 ? 4 : 2)
 
 // One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
 //   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
@@ -113,8 +118,8 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
 // compiler it took 78-92 registers and three blocks).
 template <typename Tg>
-__global__ void __launch_bounds__(SDM_ROW_THREADS, 4) sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G,
-                                                                       const float *dout, int c) {
+__global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
+    sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
