@@ -60,11 +60,30 @@ static inline void matmul_destroy(void) {
     memset(&g_matmul, 0, sizeof(g_matmul));
 }
 
+// A cuBLASLt algorithm's configuration as text: tile, stages, split-K (and its reduction), CTA swizzle, cluster.
+static inline void matmul_lt_algo_info(const cublasLtMatmulAlgo_t *algo, char *out, size_t size) {
+    int tile = 0, stages = 0, splitk = 0, red = 0, swz = 0, cluster = 0;
+    size_t w;
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &w);
+    snprintf(out, size, "tile %d stages %d splitK %d red %d swz %d cluster %d", tile, stages, splitk, red, swz,
+             cluster);
+}
+
+#define MATMUL_LT_RANKS 8 // the most heuristic candidates matmul_lt asks for (bench_layers times them)
+
 // Column-major core: D[m,n] (ldd) = op(A)[m,k] · op(B)[k,n] + beta·D, optional bias[m] epilogue (bias dtype = D's).
 // A row-major matrix is the column-major transpose, which is how the three public products map onto this.
-static inline void matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda, int trans_a,
-                             const void *b, int ldb, int trans_b, Dtype in_dt, int m, int n, int k,
-                             float beta, const void *bias, cudaStream_t stream) {
+// `rank`: which of cuBLASLt's heuristic candidates runs (0: its first choice); `info` (not NULL) gets that
+// candidate's configuration. Returns 0 without running when the heuristic offers fewer than rank + 1.
+static inline int matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda, int trans_a,
+                            const void *b, int ldb, int trans_b, Dtype in_dt, int m, int n, int k,
+                            float beta, const void *bias, cudaStream_t stream, int rank = 0,
+                            char *info = NULL, size_t info_size = 0) {
     matmul_init();
     cudaDataType_t d_type = dtype_cuda(d_dt), in_type = dtype_cuda(in_dt);
     if (in_type != CUDA_R_16BF && in_type != CUDA_R_32F) sdm_die("matmul: inputs must be bf16 or fp32");
@@ -89,19 +108,24 @@ static inline void matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int ld
     cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
     size_t ws = MATMUL_WORKSPACE_BYTES;
     cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    cublasLtMatmulHeuristicResult_t heur;
+    cublasLtMatmulHeuristicResult_t heur[MATMUL_LT_RANKS];
     int found = 0;
-    cublasCheck(cublasLtMatmulAlgoGetHeuristic(g_matmul.handle, desc, la, lb, ld, ld, pref, 1, &heur, &found));
+    if (rank < 0 || rank >= MATMUL_LT_RANKS) sdm_die("matmul: heuristic rank %d outside 0..%d", rank, MATMUL_LT_RANKS - 1);
+    cublasCheck(cublasLtMatmulAlgoGetHeuristic(g_matmul.handle, desc, la, lb, ld, ld, pref, rank + 1, heur, &found));
     if (found == 0)
         sdm_die("matmul: no cuBLASLt algorithm for m=%d n=%d k=%d (lda %d ldb %d ldd %d)", m, n, k, lda, ldb, ldd);
-    const float alpha = 1.0f;
-    cublasCheck(cublasLtMatmul(g_matmul.handle, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur.algo,
-                               g_matmul.workspace, MATMUL_WORKSPACE_BYTES, stream));
+    if (found > rank) {
+        const float alpha = 1.0f;
+        cublasCheck(cublasLtMatmul(g_matmul.handle, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur[rank].algo,
+                                   g_matmul.workspace, MATMUL_WORKSPACE_BYTES, stream));
+        if (info) matmul_lt_algo_info(&heur[rank].algo, info, info_size);
+    }
     cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
     cublasCheck(cublasLtMatrixLayoutDestroy(la));
     cublasCheck(cublasLtMatrixLayoutDestroy(lb));
     cublasCheck(cublasLtMatrixLayoutDestroy(ld));
     cublasCheck(cublasLtMatmulDescDestroy(desc));
+    return found > rank;
 }
 
 // cuBLASLt runs far below peak when the output-feature count N is not a multiple of the tile width (measured on

@@ -224,6 +224,57 @@ static void bench_products(void) {
     cudaCheck(cudaFree(x));
 }
 
+// cuBLASLt's heuristic candidates (ranks 0..MATMUL_LT_RANKS-1, rank 0 its first choice, which matmul_forward_lt runs)
+// on the one-part products of decode at 8 and 32 rows, each timed as above: whether a fixed choice other than the
+// first would be faster (a choice by timing would not give the same bits run to run; a fixed rank does).
+static void bench_lt_ranks(void) {
+    static const Product LT_PRODUCTS[] = {
+        {"qkv 2048 -> 6144", 2048, 1, {6144}, 0, 0},
+        {"attention out 2048 -> 2048", 2048, 1, {2048}, 0, 0},
+        {"FFN w13 2048 -> 11264", 2048, 1, {11264}, 0, 0},
+        {"FFN w2 5632 -> 2048", 5632, 1, {2048}, 0, 0},
+        {"SDM input's main part 2048 -> 6144 (+ bias)", 2048, 1, {6144}, 0, 1},
+    };
+    const int Ms[] = {8, 32};
+    bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 22), *x = dev_random((size_t)PROD_MAX_M * PROD_MAX_K, 23);
+    void *y0, *y;
+    cudaCheck(cudaMalloc(&y0, (size_t)PROD_MAX_M * PROD_MAX_N * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&y, (size_t)PROD_MAX_M * PROD_MAX_N * sizeof(bf16)));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    printf("\ncuBLASLt's heuristic candidates at decode's one-part products (us, mean of %d launches in a CUDA graph, "
+           "weights from HBM; last: relative L2 difference from rank 0's output)\n| product | M | rank | us | "
+           "configuration | vs rank 0 |\n|---|---|---|---|---|---|\n", PROD_REPS);
+    for (size_t i = 0; i < sizeof LT_PRODUCTS / sizeof LT_PRODUCTS[0]; i++) {
+        const Product *pr = &LT_PRODUCTS[i];
+        for (size_t j = 0; j < sizeof Ms / sizeof Ms[0]; j++) {
+            int M = Ms[j];
+            for (int rank = 0; rank < MATMUL_LT_RANKS; rank++) {
+                char info[128] = "";
+                void *out = rank ? y : y0;
+                auto run = [&](const bf16 *w) {
+                    return matmul_lt(out, DT_BF16, pr->N[0], w, pr->K, 1, x, pr->K, 0, DT_BF16, pr->N[0], M, pr->K,
+                                     0.0f, pr->bias ? x : NULL, st, rank, info, sizeof info);
+                };
+                if (!run(pool)) break; // fewer candidates
+                cudaCheck(cudaStreamSynchronize(st));
+                float ms = product_graph_time(pr, pool, run, st);
+                cudaCheck(cudaStreamSynchronize(st));
+                void *a[1] = {out}, *b[1] = {y0};
+                double d = product_diff(pr, a, b, M);
+                printf("| %s | %d | %d | %.1f | %s | %.1e |\n", pr->name, M, rank, ms * 1e3, info, d);
+                CHECK(ms > 0.0f, "%s M=%d rank %d: no time measured", pr->name, M, rank);
+                CHECK(d < 1e-2, "%s M=%d: rank %d differs from rank 0 by %.2e", pr->name, M, rank, d);
+            }
+        }
+    }
+    cudaCheck(cudaStreamDestroy(st));
+    cudaCheck(cudaFree(y0));
+    cudaCheck(cudaFree(y));
+    cudaCheck(cudaFree(pool));
+    cudaCheck(cudaFree(x));
+}
+
 // ---- the dependent-kernel floor of a decode step -------------------------------------------------------------------
 // A decode step at batch 1 is a chain of ~185 kernels, each of which reads what the one before it wrote. This times
 // such a chain with nothing else in it: CHAIN_KERNELS launches in a CUDA graph, each of CHAIN_BLOCKS blocks that read
@@ -321,6 +372,7 @@ int main(void) {
                     b.flush};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaCheck(cudaFree(bufs[i]));
     bench_products();
+    bench_lt_ranks();
     bench_chain();
     matmul_destroy();
     return test_summary();
