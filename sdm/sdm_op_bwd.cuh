@@ -95,12 +95,52 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
         sdm_axpy8(a.r_gath[er + q], dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col, acc);
 }
 
-// 8-column groups per lane loaded before use in bscatter, the same sums in the same order whatever its value (an A/B
-// knob: 2 puts twice the row bytes in flight per warp at two blocks an SM instead of four)
+// 8-column groups per lane whose loads bscatter issues before it uses any (the same sums in the same order whatever
+// the value). A group is held as loaded (16 bytes of a bf16 row, SdmRaw8), so two groups take the registers one
+// group of fp32 values took: more row bytes in flight per warp at the same occupancy. An A/B knob.
 #ifndef SDM_SQ
 #define SDM_SQ 1
 #endif
-#define SDM_BSCATTER_BLOCKS (SDM_SQ == 1 ? 4 : 2)
+#ifndef SDM_BSCATTER_BLOCKS
+#define SDM_BSCATTER_BLOCKS 4
+#endif
+
+// 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
+template <typename T> struct SdmRaw8 {
+    uint4 r[8 / SdmBankVec<T>::V];
+    __device__ void load(const T *p) {
+        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) r[k] = *(const uint4 *)(p + k * SdmBankVec<T>::V);
+    }
+    __device__ void store(T *p) const {
+        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) *(uint4 *)(p + k * SdmBankVec<T>::V) = r[k];
+    }
+    __device__ void get(float *x) const {
+        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) SdmBankVec<T>::unpack(r[k], x + k * SdmBankVec<T>::V);
+    }
+};
+
+// 8 values of a chunk-start row M0 (a snapshot row or a bank row). BF16 (snapshots `none` over a bf16 bank, the
+// flagship's): both are bf16 rows, held raw, and the restore copies the 16 bytes. Otherwise any snapshot mode or
+// bank dtype, dequantised into fp32 at the load; a snapshot row is rounded to the bank dtype at use when `round`.
+template <bool BF16> struct SdmM0Group;
+template <> struct SdmM0Group<true> {
+    SdmRaw8<__nv_bfloat16> v;
+    __device__ void load_snap(const SdmSnapView &sv, size_t e, int col) {
+        v.load((const __nv_bfloat16 *)(sv.data + e * sv.row_bytes) + col);
+    }
+    __device__ void load_bank(const void *row, int col, bool) { v.load((const __nv_bfloat16 *)row + col); }
+    __device__ void get(float *x, bool) const { v.get(x); }
+    __device__ void restore(void *row, int col, bool) const { v.store((__nv_bfloat16 *)row + col); }
+};
+template <> struct SdmM0Group<false> {
+    float v[8];
+    __device__ void load_snap(const SdmSnapView &sv, size_t e, int col) { sdm_snap_load8(sv, e, col, v); }
+    __device__ void load_bank(const void *row, int col, bool fp32) { sdm_load8_any(row, col, fp32, v); }
+    __device__ void get(float *x, bool round_bf16) const {
+        for (int k = 0; k < 8; k++) x[k] = round_bf16 ? __bfloat162float(__float2bfloat16_rn(v[k])) : v[k];
+    }
+    __device__ void restore(void *row, int col, bool fp32) const { sdm_store8_any(row, col, v, fp32); }
+};
 
 // One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
 //   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
@@ -113,11 +153,11 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
 // Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
 // none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
-// threads.
+// threads. BF16: snapshots `none` over a bf16 bank (SdmM0Group).
 // Four blocks an SM (at most 64 registers, no spills): the warps' dependent loads are the limit, so more warps beat
 // more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
 // compiler it took 78-92 registers and three blocks).
-template <typename Tg>
+template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
@@ -139,28 +179,31 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         Tg *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            float m[SDM_SQ][8], g[SDM_SQ][8];
+            SdmM0Group<BF16> m[SDM_SQ];
+            SdmRaw8<Tg> g[SDM_SQ];
 #pragma unroll
             for (int u = 0; u < SDM_SQ; u++) {
                 int col = c0 + u * 256;
                 if (col >= d) continue;
-                sdm_snap_load8(a.snap, ew + i, col, m[u]);
-                if (last) sdm_load8(grow + col, g[u]);
+                m[u].load_snap(a.snap, ew + i, col);
+                if (last) g[u].load(grow + col);
             }
 #pragma unroll
             for (int u = 0; u < SDM_SQ; u++) {
                 int col = c0 + u * 256;
                 if (col >= d) continue;
-                float x[8];
+                float x[8], mv[8];
                 sdm_load8(dr0 + col, x);
-                psi = sdm_dot8(x, m[u], psi);
-                if (first) sdm_store8_any(brow, col, m[u], bank_fp32);
+                m[u].get(mv, false);
+                psi = sdm_dot8(x, mv, psi);
+                if (first) m[u].restore(brow, col, bank_fp32);
                 if (!last) continue;
-                eta = sdm_dot8(g[u], m[u], eta);
-                float acc[8] = {}, racc[8] = {};
+                float gv[8], acc[8] = {}, racc[8] = {};
+                g[u].get(gv);
+                eta = sdm_dot8(gv, mv, eta);
                 sdm_write_chain_sum(a, s, ew, i, col, acc);
                 if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = fmaf(el, g[u][k], acc[k]) + racc[k];
+                for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
                 sdm_store8(grow + col, x);
             }
         }
@@ -184,28 +227,29 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         Tg *grow = G + (row0 + slot) * d;
         float phi = 0.f;
         for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            float m[SDM_SQ][8], g[SDM_SQ][8];
+            SdmM0Group<BF16> m[SDM_SQ];
+            SdmRaw8<Tg> g[SDM_SQ];
 #pragma unroll
             for (int u = 0; u < SDM_SQ; u++) {
                 int col = c0 + u * 256;
                 if (col >= d) continue;
-                if (lw >= 0) sdm_snap_load8(a.snap, ew + lw, col, m[u]);
-                else sdm_load8_any(brow, col, bank_fp32, m[u]);
-                if (upd) sdm_load8(grow + col, g[u]);
+                if (lw >= 0) m[u].load_snap(a.snap, ew + lw, col);
+                else m[u].load_bank(brow, col, bank_fp32);
+                if (upd) g[u].load(grow + col);
             }
 #pragma unroll
             for (int u = 0; u < SDM_SQ; u++) {
                 int col = c0 + u * 256;
                 if (col >= d) continue;
-                if (lw >= 0 && !bank_fp32)
-                    for (int k = 0; k < 8; k++) m[u][k] = __bfloat162float(__float2bfloat16_rn(m[u][k]));
-                float x[8];
+                float x[8], mv[8];
                 sdm_load8(dO + col, x);
-                phi = sdm_dot8(x, m[u], phi);
+                m[u].get(mv, lw >= 0 && !bank_fp32);
+                phi = sdm_dot8(x, mv, phi);
                 if (!upd) continue;
-                float racc[8] = {};
+                float gv[8], racc[8] = {};
+                g[u].get(gv);
                 sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = g[u][k] + racc[k];
+                for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
                 sdm_store8(grow + col, x);
             }
         }
@@ -405,8 +449,10 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
 template <typename Tg>
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    sdm_bscatter_kernel<Tg><<<sdm_op_entry_grid(a, a.C * (a.W + a.R)), SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32,
-                                                                                                      G, dout, c);
+    const dim3 grid = sdm_op_entry_grid(a, a.C * (a.W + a.R));
+    if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
+        sdm_bscatter_kernel<Tg, true><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
+    else sdm_bscatter_kernel<Tg, false><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
