@@ -130,20 +130,12 @@ static inline int matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda
 
 // cuBLASLt runs far below peak when the output-feature count N is not a multiple of the tile width (measured on
 // the H200: Z = X·Wᵀ with N = 6148 at 270 TFLOP/s, N = 2048 at 780). So N is split into an aligned main part
-// (a multiple of MATMUL_ALIGN) and a narrow remainder, computed as two products: in the forward, the backward to
-// the input and the backward to the weight where MATMUL_SPLIT_N has bits 1, 2, 4 (an A/B knob: that measurement
-// predates the SDM layer's 16-byte aligned row stride, and the remainder's products each read all of X or dX).
+// (a multiple of MATMUL_ALIGN) and a narrow remainder, computed as two products, in the forward and in both
+// backward products. Still true with the SDM layer's 16-byte aligned rows (H100, the flagship step: its SDM
+// projections take 17.0 ms split everywhere, 25.3 split in the forward alone, 31.1 unsplit; BENCHMARKS.md).
 #define MATMUL_ALIGN 64
-#ifndef MATMUL_SPLIT_N
-#define MATMUL_SPLIT_N 7
-#endif
-#define MATMUL_SPLIT_FWD 1
-#define MATMUL_SPLIT_BWD_INPUT 2
-#define MATMUL_SPLIT_BWD_WEIGHT 4
 
-static inline int matmul_main_part(int n, int which) {
-    return (MATMUL_SPLIT_N & which) && n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n;
-}
+static inline int matmul_main_part(int n) { return n > MATMUL_ALIGN ? n - n % MATMUL_ALIGN : n; }
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small-M forward (decode steps): Y[M,N] = X[M,K] · W[N,K]ᵀ (+ bias) for M <= MATMUL_GEMV_MAX_M is bound by reading
@@ -638,7 +630,7 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
 static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void *x, const void *w,
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
-    int n0 = matmul_main_part(N, MATMUL_SPLIT_FWD);
+    int n0 = matmul_main_part(N);
     MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
                      {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
     // the narrow remainder by a small-M kernel where one takes it: cuBLASLt's costs as much as the main part (the
@@ -738,7 +730,7 @@ static inline int matmul_forward_gate(void *og, const void *o, const void *x, co
 static inline void matmul_backward_input(void *dx, Dtype dx_type, const void *dy, int lddy, const void *w,
                                          Dtype in_type, int M, int N, int K, int accumulate, cudaStream_t s) {
     // column-major: dXᵀ[K,M] = (W as col-major [K,N]) · (dY as col-major [N,M]); the sum over N in two parts
-    int n0 = matmul_main_part(N, MATMUL_SPLIT_BWD_INPUT);
+    int n0 = matmul_main_part(N);
     matmul_lt(dx, dx_type, K, w, K, 0, dy, lddy, 0, in_type, K, M, n0, accumulate ? 1.0f : 0.0f, NULL, s);
     if (n0 < N)
         matmul_lt(dx, dx_type, K, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 0, dtype_elem_ptr(dy, n0, in_type),
@@ -750,7 +742,7 @@ static inline void matmul_backward_weight(void *dw, Dtype dw_type, const void *d
                                           Dtype in_type, int M, int N, int K, int accumulate,
                                           cudaStream_t s) {
     // column-major: dWᵀ[K,N] = (X as col-major [K,M]) · (dY as col-major [N,M])ᵀ
-    int n0 = matmul_main_part(N, MATMUL_SPLIT_BWD_WEIGHT);
+    int n0 = matmul_main_part(N);
     float beta = accumulate ? 1.0f : 0.0f;
     matmul_lt(dw, dw_type, K, x, K, 0, dy, lddy, 1, in_type, K, n0, M, beta, NULL, s);
     if (n0 < N)
