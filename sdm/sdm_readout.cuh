@@ -17,9 +17,8 @@
 // =================================================================================================================
 
 #define SDM_RO_WARPS_PER_BLOCK 4
-#ifndef SDM_RO_MAX_WARPS
-#define SDM_RO_MAX_WARPS 4096 // the backward's warps at most (an A/B knob: more warps, fewer rows each, more partials)
-#endif
+// the backward's warps at most (H100, the flagship step's readout: 3.98 ms at 4096 warps, 4.47 at 16384)
+#define SDM_RO_MAX_WARPS 4096
 #define SDM_RO_MAX_D 2048
 
 typedef struct {
