@@ -95,15 +95,10 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
         sdm_axpy8(a.r_gath[er + q], dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col, acc);
 }
 
-// 8-column groups per lane whose loads bscatter issues before it uses any (the same sums in the same order whatever
-// the value). A group is held as loaded (16 bytes of a bf16 row, SdmRaw8), so two groups take the registers one
-// group of fp32 values took: more row bytes in flight per warp at the same occupancy. An A/B knob.
-#ifndef SDM_SQ
-#define SDM_SQ 1
-#endif
-#ifndef SDM_BSCATTER_BLOCKS
+// Four blocks an SM for bscatter (at most 64 registers, no spills). Measured against more row bytes in flight per
+// warp at fewer blocks (H100, `bench_sdm_op 3 grad`, bf16 G, uniform slots): bscatter 22.3 ms here, 23.2 with two
+// groups of 8 columns a lane loaded ahead at three blocks an SM, 26.3 with four groups at two blocks.
 #define SDM_BSCATTER_BLOCKS 4
-#endif
 
 // 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
 template <typename T> struct SdmRaw8 {
@@ -121,7 +116,7 @@ template <typename T> struct SdmRaw8 {
 
 // 8 values of a chunk-start row M0 (a snapshot row or a bank row). BF16 (snapshots `none` over a bf16 bank, the
 // flagship's): both are bf16 rows, held raw, and the restore copies the 16 bytes. Otherwise any snapshot mode or
-// bank dtype, dequantised into fp32 at the load; a snapshot row is rounded to the bank dtype at use when `round`.
+// bank dtype, dequantised into fp32 at the load (get rounds a snapshot row to bf16 for a bf16 bank when asked).
 template <bool BF16> struct SdmM0Group;
 template <> struct SdmM0Group<true> {
     SdmRaw8<__nv_bfloat16> v;
@@ -178,34 +173,24 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         void *brow = (char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
-        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            SdmM0Group<BF16> m[SDM_SQ];
-            SdmRaw8<Tg> g[SDM_SQ];
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                int col = c0 + u * 256;
-                if (col >= d) continue;
-                m[u].load_snap(a.snap, ew + i, col);
-                if (last) g[u].load(grow + col);
-            }
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                int col = c0 + u * 256;
-                if (col >= d) continue;
-                float x[8], mv[8];
-                sdm_load8(dr0 + col, x);
-                m[u].get(mv, false);
-                psi = sdm_dot8(x, mv, psi);
-                if (first) m[u].restore(brow, col, bank_fp32);
-                if (!last) continue;
-                float gv[8], acc[8] = {}, racc[8] = {};
-                g[u].get(gv);
-                eta = sdm_dot8(gv, mv, eta);
-                sdm_write_chain_sum(a, s, ew, i, col, acc);
-                if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
-                sdm_store8(grow + col, x);
-            }
+        for (int col = lane * 8; col < d; col += 256) {
+            SdmM0Group<BF16> m;
+            SdmRaw8<Tg> g;
+            m.load_snap(a.snap, ew + i, col);
+            if (last) g.load(grow + col);
+            float x[8], mv[8];
+            sdm_load8(dr0 + col, x);
+            m.get(mv, false);
+            psi = sdm_dot8(x, mv, psi);
+            if (first) m.restore(brow, col, bank_fp32);
+            if (!last) continue;
+            float gv[8], acc[8] = {}, racc[8] = {};
+            g.get(gv);
+            eta = sdm_dot8(gv, mv, eta);
+            sdm_write_chain_sum(a, s, ew, i, col, acc);
+            if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
+            for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
+            sdm_store8(grow + col, x);
         }
         psi = core_warp_sum(psi);
         eta = core_warp_sum(eta);
@@ -226,32 +211,22 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
         float phi = 0.f;
-        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            SdmM0Group<BF16> m[SDM_SQ];
-            SdmRaw8<Tg> g[SDM_SQ];
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                int col = c0 + u * 256;
-                if (col >= d) continue;
-                if (lw >= 0) m[u].load_snap(a.snap, ew + lw, col);
-                else m[u].load_bank(brow, col, bank_fp32);
-                if (upd) g[u].load(grow + col);
-            }
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                int col = c0 + u * 256;
-                if (col >= d) continue;
-                float x[8], mv[8];
-                sdm_load8(dO + col, x);
-                m[u].get(mv, lw >= 0 && !bank_fp32);
-                phi = sdm_dot8(x, mv, phi);
-                if (!upd) continue;
-                float gv[8], racc[8] = {};
-                g[u].get(gv);
-                sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
-                sdm_store8(grow + col, x);
-            }
+        for (int col = lane * 8; col < d; col += 256) {
+            SdmM0Group<BF16> m;
+            SdmRaw8<Tg> g;
+            if (lw >= 0) m.load_snap(a.snap, ew + lw, col);
+            else m.load_bank(brow, col, bank_fp32);
+            if (upd) g.load(grow + col);
+            float x[8], mv[8];
+            sdm_load8(dO + col, x);
+            m.get(mv, lw >= 0 && !bank_fp32);
+            phi = sdm_dot8(x, mv, phi);
+            if (!upd) continue;
+            float gv[8], racc[8] = {};
+            g.get(gv);
+            sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
+            for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
+            sdm_store8(grow + col, x);
         }
         phi = core_warp_sum(phi);
         if (lane == 0) a.phi[er + r] = phi;
