@@ -95,7 +95,7 @@ typedef struct {
     float *v, *g, *beta; // [BT, D] (training: tmp.v), [BT, H], [BT, H]
     int *wslot, *rslot;  // [BT, H, W], [BT, H, R]
     float *kappa, *gamma, *rho;
-    void *bank;          // [B, H, N, d] bank dtype; final bank after the forward, restored by the backward
+    void *bank;          // [B, H, N, d] bank dtype; final bank after the forward (the backward reads it)
     float *o;            // [BT, D] op readings
     float *ln_mean, *ln_rstd; // [BT, H]
     void *r;             // [BT, D] compute dtype, the input of Wo (recompute: tmp.r)
@@ -353,8 +353,8 @@ static inline void sdm_layer_forward(SdmLayer *L, const SdmLayerParams *p, const
 }
 
 // Backward after sdm_layer_forward on the same x: dx [B,T,D] (compute dtype) is overwritten, every parameter
-// gradient in g is accumulated. Consumes the forward's saved state (the op restores the bank; z becomes dz), so it
-// runs once per forward.
+// gradient in g is accumulated. Consumes the forward's saved state (z becomes dz), so it runs once per
+// forward.
 static inline void sdm_layer_backward(SdmLayer *L, const SdmLayerParams *p, const void *x, const void *dy,
                                       void *dx, const SdmLayerGrads *g, cudaStream_t st) {
     const SdmDims *s = &L->s;

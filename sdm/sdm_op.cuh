@@ -14,7 +14,7 @@
 //   backward         reverse over chunks: token_kernel (per (stream, token), whole rows of the bank gradient G:
 //                    write-path gradient of delta, omega), bsolve (per (stream, DB columns): dDelta, dX, dR0),
 //                    bscatter (one warp per entry: the dense bank gradient G, fp32 or bf16, at the touched rows,
-//                    bank rows restored from the snapshots, the dots psi, phi, eta against the chunk-start rows), then
+//                    the dots psi, phi, eta against the chunk-start rows, read from the snapshots), then
 //                    bwy_kernel (per (stream, chunk): the C x C products, the Gram backward and the per-slot dgamma
 //                    sums, one thread per entry walking its slot's links in shared memory).
 //   decode_kernel    one token per stream, the recurrence in place (docs/SDM.md#the-recurrence).

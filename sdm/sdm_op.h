@@ -24,12 +24,12 @@
 //       s->training = 0 (prefill): `saved` is plain scratch of sdm_op_saved_bytes (smaller: no snapshots, no saves).
 //       s->fwd_path: the chunk loop as three launches per chunk or as one persistent cooperative launch (by
 //       default for a prefill of few streams); the same bits either way.
-//   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
+//   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, const void *bank, const float *dout,
 //                        const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
 //                        cudaStream_t stream);
-//       after sdm_op_forward with s->training = 1 on the same inputs and `saved`. bank: in = final bank left by the
-//       forward, out = initial bank restored from the snapshots (exact for `none`, rounded rows for bf16/fp8/int4
-//       snapshots); the backward can therefore run once per forward. dout [B,T,H,d]; dbank_final [B,H,N,d] fp32 or
+//       after sdm_op_forward with s->training = 1 on the same inputs and `saved`. bank: the final bank left by the
+//       forward, read and left as it is (a chunk's start rows come from the snapshots: docs/SDM.md#bank-restoration).
+//       dout [B,T,H,d]; dbank_final [B,H,N,d] fp32 or
 //       NULL (zero). Writes every gradient of SdmOpGrads (each fully overwritten); g->dbank_init doubles as the dense
 //       bank-gradient accumulator G: fp32 with s->grad_bank_bf16 = 0, bf16 with 1 (fp32 sums inside a chunk, each
 //       touched row rounded to bf16 once per chunk; dbank_final is then rounded in and may not share its buffer).
@@ -144,13 +144,13 @@ static inline size_t sdm_op_snap_scales(const SdmOpShape *s) {
 
 // Bytes a training forward or backward must move at least (its byte floor, as BENCHMARKS.md counts it),
 // per token and head: forward, read the W written and R read rows, write the W rows and W snapshot rows; backward,
-// read and write the bank gradient (fp32, or bf16 with grad_bank_bf16) at the W + R rows, read the W snapshots,
-// restore the W rows, read the R rows.
+// read and write the bank gradient (fp32, or bf16 with grad_bank_bf16) at the W + R rows, read the W snapshots and
+// the R rows read.
 static inline double sdm_op_floor_bytes(const SdmOpShape *s, int backward) {
     double th = (double)s->B * s->T * s->H, row = (double)s->d * (s->bank_fp32 ? 4 : 2);
     double snap = (double)sdm_op_snap_row_bytes(s) + 4.0 * sdm_op_snap_scales(s), W = s->W, R = s->R;
     if (!backward) return th * ((2 * W + R) * row + W * snap);
-    return th * ((2 * W + 2 * R) * s->d * (s->grad_bank_bf16 ? 2 : 4) + W * snap + (W + R) * row);
+    return th * ((2 * W + 2 * R) * s->d * (s->grad_bank_bf16 ? 2 : 4) + W * snap + R * row);
 }
 
 // Phase 1 (sdm/sdm_op_wy.cuh, docs/SDM.md#phases-on-the-gpu): the threads of its block, and its working set for one
@@ -228,6 +228,7 @@ typedef struct {
     size_t dx;                    // [S][Tp][d]
     size_t omega, eta, psi, dmu;  // [S][Tp][W]: per-entry dots omega, eta, psi, then gradients of lambda, mu
     size_t phi, dlamr;            // [S][Tp][R]: per-entry dot phi, gradient of lambda'
+    size_t later_snap;            // [S][N] int: per slot, the entry whose snapshot is the row after the current chunk
 
     size_t bwy_work;              // [S][nc] the backward WY kernel's working sets (sdm_bwy_layout) when one exceeds
     size_t bwy_work_bytes;        // SDM_WY_SMEM_MAX, and their bytes; 0: in shared memory
@@ -271,6 +272,7 @@ static inline SdmOpLayout sdm_op_layout(const SdmOpShape *s) {
     SDM_OP_TAKE(dx, rows * 4);
     SDM_OP_TAKE(omega, ew * 4); SDM_OP_TAKE(eta, ew * 4); SDM_OP_TAKE(psi, ew * 4); SDM_OP_TAKE(dmu, ew * 4);
     SDM_OP_TAKE(phi, er * 4); SDM_OP_TAKE(dlamr, er * 4);
+    SDM_OP_TAKE(later_snap, (size_t)L.S * s->N * 4);
     size_t bwy = sdm_bwy_layout(L.C, s->W, s->R).bytes;
     L.bwy_work_bytes = bwy > SDM_WY_SMEM_MAX ? (size_t)L.S * L.nc * bwy : 0;
     SDM_OP_TAKE(bwy_work, L.bwy_work_bytes);

@@ -1,18 +1,19 @@
 // sdm/sdm_op_bwd.cuh: the chunked backward of the SDM op (docs/SDM.md#backward): sdm_op_backward runs over the chunks
 // in reverse, three launches per chunk for all streams: token_kernel (the write-path gradient of delta and omega from
-// the bank gradient G before the chunk's update), bsolve (dDelta, dX, dR0, dv) and bscatter (G at the touched rows,
-// the bank rows restored from the snapshots, and the dots against the chunk-start rows: psi, phi, eta), then one
+// the bank gradient G before the chunk's update), bsolve (dDelta, dX, dR0, dv) and bscatter (G at the touched rows
+// and the dots against the chunk-start rows: psi, phi, eta), then one
 // bwy_kernel over all chunks (the C x C products, the Gram backward and the per-slot dgamma scans). G, dense
 // [B,H,N,d], is accumulated in dbank_init: fp32, or bf16 with grad_bank_bf16 (Tg below; a row is loaded into fp32,
 // every sum of a chunk is fp32, and the row is rounded to bf16 once when the chunk stores it).
 // In: what sdm/sdm_op_fwd.cuh saved with training = 1, dout [B,T,H,d], dbank_final [B,H,N,d] fp32 or NULL; out:
-// dkappa, dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] (fp32 or bf16), and
-// the initial bank restored.
+// dkappa, dgamma [B,T,H,W], dbeta [B,T,H], dv [B,T,H,d], drho [B,T,H,R], dbank_init [B,H,N,d] (fp32 or bf16). The
+// bank stays final: a chunk's start row of a slot it reads but does not write is the snapshot of the slot's next write
+// after the chunk (later_snap, kept as the chunks walk back), or the final row when no later chunk writes it.
 //
 // Bytes per chunk and stream (docs/SDM.md#bytes-of-the-backward): every G row at a write entry is read twice (token,
 // then bscatter's update, which needs dR0 from the solve in between) and written once, every G row at a read-only
-// slot read and written once, every snapshot row read once, every restored row written once, every read-only row
-// read once. A bf16 G halves the G bytes.
+// slot read and written once, every snapshot row read once, every read-only row read once (a snapshot row, or
+// the final bank row). A bf16 G halves the G bytes.
 #ifndef SDM_SDM_OP_BWD_CUH
 #define SDM_SDM_OP_BWD_CUH
 
@@ -106,16 +107,13 @@ template <typename T> struct SdmRaw8 {
     __device__ void load(const T *p) {
         for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) r[k] = *(const uint4 *)(p + k * SdmBankVec<T>::V);
     }
-    __device__ void store(T *p) const {
-        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) *(uint4 *)(p + k * SdmBankVec<T>::V) = r[k];
-    }
     __device__ void get(float *x) const {
         for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) SdmBankVec<T>::unpack(r[k], x + k * SdmBankVec<T>::V);
     }
 };
 
 // 8 values of a chunk-start row M0 (a snapshot row or a bank row). BF16 (snapshots `none` over a bf16 bank, the
-// flagship's): both are bf16 rows, held raw, and the restore copies the 16 bytes. Otherwise any snapshot mode or
+// flagship's): both are bf16 rows, held raw. Otherwise any snapshot mode or
 // bank dtype, dequantised into fp32 at the load (get rounds a snapshot row to bf16 for a bf16 bank when asked).
 template <bool BF16> struct SdmM0Group;
 template <> struct SdmM0Group<true> {
@@ -125,7 +123,6 @@ template <> struct SdmM0Group<true> {
     }
     __device__ void load_bank(const void *row, int col, bool) { v.load((const __nv_bfloat16 *)row + col); }
     __device__ void get(float *x, bool) const { v.get(x); }
-    __device__ void restore(void *row, int col, bool) const { v.store((__nv_bfloat16 *)row + col); }
 };
 template <> struct SdmM0Group<false> {
     float v[8];
@@ -134,27 +131,28 @@ template <> struct SdmM0Group<false> {
     __device__ void get(float *x, bool round_bf16) const {
         for (int k = 0; k < 8; k++) x[k] = round_bf16 ? __bfloat162float(__float2bfloat16_rn(v[k])) : v[k];
     }
-    __device__ void restore(void *row, int col, bool fp32) const { sdm_store8_any(row, col, v, fp32); }
 };
 
 // One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
 //   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
-//     first entry of i:      M[i] = M0[i] (the restore);
+//     first entry of i:      later_snap[i] = e (M0[i] is the row after the chunk before this one);
 //     last entry of i:       eta = e^Lambda <G[i], M0[i]> for every entry of i (G before the update), then
 //                            G[i] = e^Lambda G[i] + sum_writes kappa e^lam dR0_t + sum_reads rho e^lam' dO_t
-//   read entry r (slot j):   phi = <dO_t, M0[j]> (M0 = the snapshot of a write entry of j in the chunk, rounded to the
-//                            bank dtype as the restore stores it, else the bank row, which this launch does not touch);
+//   read entry r (slot j):   phi = <dO_t, M0[j]> (M0 = the snapshot of a write entry of j in the chunk, else of
+//                            later_snap[j] (a later chunk's), rounded to the bank dtype as the bank would hold it, else
+//                            the final bank row);
 //     last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
 // G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
-// Each touched G row is read and written by one warp only, each restored bank row written by one warp and read by
-// none, so the launch has no races and a fixed order of sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS
-// threads. BF16: snapshots `none` over a bf16 bank (SdmM0Group).
+// Each touched G row is read and written by one warp only, later_snap[i] written by one warp and read by none (a
+// read entry looks it up only for a slot the chunk does not write), so the launch has no races and a fixed order of
+// sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads. BF16: snapshots `none` over a bf16 bank
+// (SdmM0Group).
 // Four blocks an SM (at most 64 registers, no spills): the warps' dependent loads are the limit, so more warps beat
 // more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
 // compiler it took 78-92 registers and three blocks).
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
-    sdm_bscatter_kernel(SdmOpArgs a, void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
+    sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
@@ -170,7 +168,6 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         const float *dr0 = a.cx + ((size_t)s * a.C + i / a.W) * d;
         const float el = a.w_elam_tot[ew + i];
         const int lr = a.w_lastread[ew + i];
-        void *brow = (char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
         for (int col = lane * 8; col < d; col += 256) {
@@ -182,7 +179,6 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
             sdm_load8(dr0 + col, x);
             m.get(mv, false);
             psi = sdm_dot8(x, mv, psi);
-            if (first) m.restore(brow, col, bank_fp32);
             if (!last) continue;
             float gv[8], acc[8] = {}, racc[8] = {};
             g.get(gv);
@@ -196,6 +192,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         eta = core_warp_sum(eta);
         if (lane == 0) {
             a.psi[ew + i] = psi;
+            if (first) a.later_snap[row0 + slot] = (int)(ew + i);
             if (last)
                 for (int q = i; q >= 0; q = a.w_prev[ew + q]) a.eta[ew + q] = el * eta;
         }
@@ -207,6 +204,7 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         }
         const int lw = a.r_nearw[er + r];                  // a write entry of the slot in this chunk, or -1
         const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
+        const int e = lw >= 0 ? (int)(ew + lw) : a.later_snap[row0 + slot]; // M0's snapshot entry, or -1: the bank
         const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
@@ -214,12 +212,12 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         for (int col = lane * 8; col < d; col += 256) {
             SdmM0Group<BF16> m;
             SdmRaw8<Tg> g;
-            if (lw >= 0) m.load_snap(a.snap, ew + lw, col);
+            if (e >= 0) m.load_snap(a.snap, e, col);
             else m.load_bank(brow, col, bank_fp32);
             if (upd) g.load(grow + col);
             float x[8], mv[8];
             sdm_load8(dO + col, x);
-            m.get(mv, lw >= 0 && !bank_fp32);
+            m.get(mv, e >= 0 && !bank_fp32);
             phi = sdm_dot8(x, mv, phi);
             if (!upd) continue;
             float gv[8], racc[8] = {};
@@ -422,7 +420,7 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     cudaCheckLast();
 }
 template <typename Tg>
-static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, void *bank, int bank_fp32, Tg *G, const float *dout,
+static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, const void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
     const dim3 grid = sdm_op_entry_grid(a, a.C * (a.W + a.R));
     if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
@@ -455,7 +453,7 @@ __global__ void sdm_op_round_bf16_kernel(__nv_bfloat16 *dst, const float *src, s
 // The reverse chunk loop over the bank gradient G [S][N][d] in Tg (dbank_init itself): G starts as dbank_final
 // (fp32; rounded when Tg is bf16) or zero.
 template <typename Tg>
-static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank, const float *dout,
+static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, const void *bank, const float *dout,
                                    const float *dbank_final, float *dv, Tg *G, cudaStream_t stream) {
     size_t n = (size_t)a.S * a.N * a.d;
     if (!dbank_final) cudaCheck(cudaMemsetAsync(G, 0, n * sizeof(Tg), stream));
@@ -468,6 +466,9 @@ static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank
         sdm_op_round_bf16_kernel<<<2112, 256, 0, stream>>>((__nv_bfloat16 *)G, dbank_final, n / 8);
         cudaCheckLast();
     }
+    if ((size_t)a.S * a.Tp * a.W > INT_MAX)
+        sdm_die("sdm_op_backward: %d x %d x %d write entries exceed an int", a.S, a.Tp, a.W);
+    cudaCheck(cudaMemsetAsync(a.later_snap, 0xff, (size_t)a.S * a.N * sizeof(int), stream)); // -1: the final row
     for (int c = a.nc - 1; c >= 0; c--) {
         sdm_op_launch_token(a, (const Tg *)G, c, stream);
         sdm_op_launch_bsolve(a, dout, dv, c, stream);
@@ -477,7 +478,7 @@ static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, void *bank
 
 // sdm_op_backward in its two parts, so that a step profile can time them apart: the reverse chunk loop over the bank
 // gradient, then the per-chunk WY backward (no bank access).
-static void sdm_op_backward_rounds(const SdmOpShape *s, void *bank, const float *dout, const float *dbank_final,
+static void sdm_op_backward_rounds(const SdmOpShape *s, const void *bank, const float *dout, const float *dbank_final,
                                    const SdmOpGrads *g, void *saved, void *scratch, cudaStream_t stream) {
     sdm_op_require(s);
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
@@ -492,7 +493,7 @@ static void sdm_op_backward_wy(const SdmOpShape *s, const float *dout, const Sdm
     sdm_op_launch_bwy(sdm_op_args(s, saved, scratch), dout, g, stream);
 }
 
-static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout,
+static void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, const void *bank, const float *dout,
                             const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
                             cudaStream_t stream) {
     (void)in; // everything the backward needs from the inputs was saved by the forward (V - R0, weights, links)

@@ -176,6 +176,7 @@ struct SdmOpArgs {
     char *wy_work; // phase 1's working sets in global memory ([S][nc] of sdm_wy_layout bytes), or NULL: shared memory
     // backward scratch
     float *wsum, *dx, *omega, *eta, *psi, *phi, *dmu, *dlamr;
+    int *later_snap; // [S][N]: per slot, the write entry whose snapshot holds the row after the chunk, or -1
     char *bwy_work; // the backward WY kernel's working sets in global memory ([S][nc] of sdm_bwy_layout), or NULL
 };
 
@@ -210,6 +211,7 @@ static inline SdmOpArgs sdm_op_args(const SdmOpShape *s, void *saved, void *scra
         sv = (char *)scratch;
         SDM_OP_PTR(wsum, float); SDM_OP_PTR(dx, float); SDM_OP_PTR(omega, float); SDM_OP_PTR(eta, float);
         SDM_OP_PTR(psi, float); SDM_OP_PTR(phi, float); SDM_OP_PTR(dmu, float); SDM_OP_PTR(dlamr, float);
+        SDM_OP_PTR(later_snap, int);
         a.bwy_work = L.bwy_work_bytes ? sv + L.bwy_work : NULL;
     }
 #undef SDM_OP_PTR

@@ -10,8 +10,8 @@
 // HBM bandwidth; a snapshot row takes s bytes: 2d for none, d + 4 d/32 for fp8, d/2 + 4 d/32 for int4):
 //   forward (training): per token and head read W + R rows, write W rows and W snapshot rows -> (2W + R) d 2 + W s
 //   prefill:            read W + R rows, write W rows                                          -> (2W + R) d 2 bytes
-//   backward: G rows (g = 4 bytes, 2 with a bf16 G) read + written at W + R rows, W snapshot rows read, W rows
-//             restored, R bank rows read                               -> (2W + 2R) d g + (W + R) d 2 + W s bytes
+//   backward: G rows (g = 4 bytes, 2 with a bf16 G) read + written at W + R rows, W snapshot rows read, R rows
+//             read (bank or snapshot)                                  -> (2W + 2R) d g + R d 2 + W s bytes
 //   decode: read W + R rows, write W rows per stream                                           -> (2W + R) d 2 bytes
 //
 // Notes (one H200, 2026-12-02, op only, flagship shape B=8 T=4096 H=2 N=65536 d=1024 W=R=64 C=64, bf16 bank;

@@ -787,7 +787,7 @@ static void test_persistent_forward(void) {
 
 // bf16 snapshots (fp32 bank) and fp8/int4 (fp32 and bf16 banks) leave the forward bit-identical to none; their
 // kappa/gamma/rho gradients are within TOL_BF16/TOL_FP8/TOL_INT4, the others unchanged. Over a bf16 bank the reads
-// of rows the chunk writes take the dequantised snapshot rounded to bf16, as the restore stores it.
+// of rows a chunk or a later one writes take the dequantised snapshot rounded to bf16, as the bank would hold it.
 static void test_snapshot_modes(int fp32) {
     Case c = make_case(91, 2, 200, 2, 128, 64, 16, 16, GAMMA_UNIFORM, 0);
     double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
