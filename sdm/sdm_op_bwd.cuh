@@ -96,9 +96,11 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
         sdm_axpy8(a.r_gath[er + q], dout + sdm_tok_off(a, s, c * a.C + q / a.R, a.d) + col, acc);
 }
 
-// Four blocks an SM for bscatter (at most 64 registers, no spills). Measured against more row bytes in flight per
-// warp at fewer blocks (H100, `bench_sdm_op 3 grad`, bf16 G, uniform slots): bscatter 22.3 ms here, 23.2 with two
-// groups of 8 columns a lane loaded ahead at three blocks an SM, 26.3 with four groups at two blocks.
+// Four blocks an SM for bscatter (at most 64 registers, no spills): the warps' dependent loads are the limit, so more
+// warps beat more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots, against
+// the compiler's 78-92 registers at three blocks) and beat more row bytes in flight per warp (H100, `bench_sdm_op 3
+// grad`, bf16 G, uniform slots: 22.3 ms here, 23.2 with two groups of 8 columns a lane loaded ahead at three blocks
+// an SM, 26.3 with four groups at two blocks).
 #define SDM_BSCATTER_BLOCKS 4
 
 // 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
@@ -145,11 +147,8 @@ template <> struct SdmM0Group<false> {
 // G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
 // Each touched G row is read and written by one warp only, later_snap[i] written by one warp and read by none (a
 // read entry looks it up only for a slot the chunk does not write), so the launch has no races and a fixed order of
-// sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads. BF16: snapshots `none` over a bf16 bank
-// (SdmM0Group).
-// Four blocks an SM (at most 64 registers, no spills): the warps' dependent loads are the limit, so more warps beat
-// more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots; left to the
-// compiler it took 78-92 registers and three blocks).
+// sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots
+// `none` over a bf16 bank (SdmM0Group).
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
