@@ -232,11 +232,14 @@ __device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, 
 // Whole-row gathers (forward over the bank, backward over the bank gradient)
 
 #define SDM_GQ 4 // 16-byte row vectors per lane accumulated in registers per pass (one pass covers 32 * 4 * V columns)
+#ifndef SDM_GE
+#define SDM_GE 2 // entries whose rows a warp loads together (an A/B knob for the H200, as SDM_SQ in sdm_op_bwd.cuh)
+#endif
 
 // part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
 // the calling warp's partial row); `snap` stores each row's snapshot; with dot_row (d floats, any memory) also
 // dots[e0 + k] = <dot_row, row(slot[k])> (0 for padding). The sums live in registers for SDM_GQ vectors per lane
-// (wider rows take several passes over the entries, each over other columns; a dot adds its passes in order), two
+// (wider rows take several passes over the entries, each over other columns; a dot adds its passes in order), SDM_GE
 // entries' loads in flight. Used by the forward over the bank and by the backward over the bank gradient.
 template <typename Tb>
 __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots,
@@ -249,12 +252,14 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 #pragma unroll
         for (int u = 0; u < SDM_GQ; u++)
             for (int i = 0; i < V; i++) acc[u][i] = 0.f;
-        for (int k0 = warp; k0 < n; k0 += 2 * SDM_ROW_WARPS) {
-            int k[2] = {k0, k0 + SDM_ROW_WARPS}, sl[2];
-            float g[2], pd[2] = {0.f, 0.f};
-            uint4 raw[2][SDM_GQ];
+        for (int k0 = warp; k0 < n; k0 += SDM_GE * SDM_ROW_WARPS) {
+            int k[SDM_GE], sl[SDM_GE];
+            float g[SDM_GE], pd[SDM_GE];
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < SDM_GE; j++) k[j] = k0 + j * SDM_ROW_WARPS, pd[j] = 0.f;
+            uint4 raw[SDM_GE][SDM_GQ];
+#pragma unroll
+            for (int j = 0; j < SDM_GE; j++) {
                 sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
                 g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
 #pragma unroll
@@ -265,7 +270,7 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
                 }
             }
 #pragma unroll
-            for (int j = 0; j < 2; j++)
+            for (int j = 0; j < SDM_GE; j++)
 #pragma unroll
                 for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
@@ -281,7 +286,7 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
                     if (snap) sdm_snap_store<V>(a.snap, e0 + k[j], col, x, on, SDM_SNAP_SCALE_COLS / V);
                 }
             if (dot_row)
-                for (int j = 0; j < 2; j++) {
+                for (int j = 0; j < SDM_GE; j++) {
                     if (k[j] >= n) continue; // warp-uniform
                     float p = core_warp_sum(pd[j]);
                     if (lane == 0) dots[e0 + k[j]] = (q0 > 0 ? dots[e0 + k[j]] : 0.f) + p;
