@@ -123,8 +123,8 @@ template <typename T> struct SdmRaw8 {
 };
 
 // 8 values of a chunk-start row M0 (a snapshot row or a bank row). BF16 (snapshots `none` over a bf16 bank, the
-// flagship's): both are bf16 rows, held raw. Otherwise any snapshot mode or
-// bank dtype, dequantised into fp32 at the load (get rounds a snapshot row to bf16 for a bf16 bank when asked).
+// flagship's): both are bf16 rows, held raw. Otherwise any snapshot mode or bank dtype, dequantised into fp32 at the
+// load (get rounds a snapshot row to bf16 for a bf16 bank when asked).
 template <bool BF16> struct SdmM0Group;
 template <> struct SdmM0Group<true> {
     SdmRaw8<__nv_bfloat16> v;
