@@ -5,7 +5,9 @@
 #   [RUNS=2] scripts/gpu_check.sh decode-ab INFER...   decode of infer_sdm builds, interleaved RUNS times, one checkpoint
 #   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds, interleaved;
 #                                                      KEYS: extra config keys, comma-separated (a:sdm.grad_bank_dtype=fp32)
-#   (no builds named: the default build and every `make variant` build of that program, build/variants/)
+#   [RUNS=2] scripts/gpu_check.sh op-ab BENCH...     `bench_sdm_op 3 grad` of builds, interleaved: the op's kernels
+#   (no builds named: the default build and every `make variant` build of that program, build/variants/; `tests` also
+#   runs every `make variant` build of a GPU test, reported apart from the sum)
 # With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
 # tests: gpu_test_model alone (it measures device memory), then the other GPU tests side by side (about 45 s on an
 # H200 from a pack, against minutes one after the other), summed as `make test-gpu` sums them.
@@ -44,11 +46,14 @@ if [ -f build/gpu_pack.tar.xz ]; then
         echo "build/gpu_pack.tar.xz was built from other sources: ignored, building here"
     fi
 fi
-case $what in decode-ab | step-ab) builds=("$@"); set -- ;; esac
-# decode-ab / step-ab without builds named: the default build, then every `make variant` build of that program here
-if [ "$what" = decode-ab ] || [ "$what" = step-ab ] && [ ${#builds[@]} -eq 0 ]; then
-    prog=$([ "$what" = decode-ab ] && echo infer_sdm || echo train_sdm)
-    builds=("./$prog")
+case $what in decode-ab | step-ab | op-ab) builds=("$@"); set -- ;; esac
+# an A/B without builds named: the default build, then every `make variant` build of that program here
+if [ "$what" = decode-ab ] || [ "$what" = step-ab ] || [ "$what" = op-ab ] && [ ${#builds[@]} -eq 0 ]; then
+    case $what in
+    decode-ab) prog=infer_sdm builds=(./infer_sdm) ;;
+    step-ab) prog=train_sdm builds=(./train_sdm) ;;
+    op-ab) prog=tests/bench_sdm_op builds=(build/bench_sdm_op) ;;
+    esac
     for id in build/variants/*.id; do
         [ -f "$id" ] && [ "$(cut -d' ' -f3 "$id")" = "$prog" ] && builds+=("${id%.id}")
     done
@@ -93,6 +98,16 @@ if [ "$what" = decode-ab ]; then
             /^decode batch +[0-9]+ one step at a time: / { best(alone, $3, $9) }
             END { printf "| %s | %s | %s | %s | %s | %s | %s |\n", name, ahead[1], ahead[8], ahead[32], alone[1],
                          alone[8], alone[32] }'
+    done
+    exit
+fi
+
+if [ "$what" = op-ab ]; then
+    for i in $(seq "${RUNS:-2}"); do
+        for v in "${builds[@]}"; do
+            echo "== $v, run $i"
+            "$v" 3 grad 2>&1 | tee "$out/op_$(basename "$v")_$i.log" | grep -E '^shape|^  backward|^  forward \(|parts'
+        done
     done
     exit
 fi
@@ -156,7 +171,7 @@ fi
 test_rc=0
 if [ "$what" != bench ]; then
     make --no-print-directory "$@" train_sdm infer_sdm prepare_data >/dev/null # gpu_test_infer, _train run them
-    rm -f "$out"/t_*.log
+    rm -f "$out"/t_*.log "$out"/variant_*.log "$out/test_gpu_variants.log"
     tests/run_all.sh build/gpu_test_model >"$out/t_model.log" 2>&1
     for t in $(ls build/gpu_test_* | grep -v -e '\.d$' -e gpu_test_model); do
         tests/run_all.sh "$t" >"$out/t_${t#build/gpu_test_}.log" 2>&1 &
@@ -168,6 +183,14 @@ if [ "$what" != bench ]; then
         "$out/test_gpu.log" |
         tee -a "$out/test_gpu.log"
     test_rc=${PIPESTATUS[0]}
+    # `make variant` builds of the GPU tests (a knob's other value), after the sum and apart from it
+    for id in build/variants/*.id; do
+        [ -f "$id" ] || continue
+        case $(cut -d' ' -f3 "$id") in tests/gpu_test_*) ;; *) continue ;; esac
+        v=${id%.id} log="$out/variant_$(basename "${id%.id}").log"
+        tests/run_all.sh "$v" >"$log" 2>&1 || test_rc=1
+        echo "variant $(basename "$v") ($(cut -d' ' -f4- "$id")): $(tail -n 1 "$log")" | tee -a "$out/test_gpu_variants.log"
+    done
 fi
 bench_rc=0
 if [ "$what" != tests ]; then
@@ -182,7 +205,7 @@ fi
 echo
 echo "==================== summary ===================="
 echo "build: exit $build_rc"
-[ "$what" != bench ] && cat "$out/test_gpu.log"
+[ "$what" != bench ] && cat "$out/test_gpu.log" && { [ -f "$out/test_gpu_variants.log" ] && cat "$out/test_gpu_variants.log"; true; }
 if [ "$what" != tests ]; then
     for l in "$out"/bench_*.log; do
         [ -f "$l" ] && { echo "-- $(basename "$l" .log)"; grep -E '^\|' "$l" | tail -n 20; }

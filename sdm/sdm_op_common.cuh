@@ -154,7 +154,7 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
 }
 
 // 8 values of snapshot row e at columns [col, col+8), dequantised (col a multiple of 8: one scale block; 16-, 8- or
-// 4-byte loads)
+// 4-byte loads; fp8 and int4 rows with an evict-first hint under SDM_L2_REUSE: no later kernel reads them)
 __device__ __forceinline__ void sdm_snap_load8(const SdmSnapView &sv, size_t e, int col, float *x) {
     const char *row = sv.data + e * sv.row_bytes;
     if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
@@ -163,11 +163,13 @@ __device__ __forceinline__ void sdm_snap_load8(const SdmSnapView &sv, size_t e, 
     }
     float s = sv.scale[e * sv.n_scales + col / SDM_SNAP_SCALE_COLS];
     if (sv.mode == SDM_SNAP_FP8) {
-        uint2 raw = *(const uint2 *)(row + col);
+        const uint2 *p = (const uint2 *)(row + col);
+        uint2 raw = SDM_L2_REUSE ? __ldcs(p) : *p;
         const __nv_fp8_storage_t *q = (const __nv_fp8_storage_t *)&raw;
         for (int i = 0; i < 8; i++) x[i] = __half2float(__half(__nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3))) * s;
     } else {
-        uint32_t raw = *(const uint32_t *)(row + col / 2); // byte i (bits 8i..8i+7): columns col + 2i, col + 2i + 1
+        const unsigned *p = (const unsigned *)(row + col / 2);
+        uint32_t raw = SDM_L2_REUSE ? __ldcs(p) : *p; // byte i (bits 8i..8i+7): columns col + 2i, col + 2i + 1
         for (int i = 0; i < 4; i++) {
             uint32_t b = (raw >> (8 * i)) & 255u;
             x[2 * i] = (float)((int)(b << 24) >> 28) * s;     // high nibble, sign-extended
