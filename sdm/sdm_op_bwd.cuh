@@ -172,8 +172,7 @@ static inline dim3 sdm_stream_major(dim3 g) { return SDM_L2_REUSE ? dim3(g.y, g.
 // Each touched G row is read and written by one warp only, later_snap[i] written by one warp and read by none (a
 // read entry looks it up only for a slot the chunk does not write), so the launch has no races and a fixed order of
 // sums. Grid (ceil(C (W + R) / warps), S) (transposed with SDM_L2_REUSE: sdm_bscatter_block), SDM_ROW_THREADS
-// threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots
-// `none` over a bf16 bank (SdmM0Group).
+// threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots `none` over a bf16 bank (SdmM0Group).
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
