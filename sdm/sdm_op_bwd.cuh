@@ -24,13 +24,11 @@
 
 // Per (stream, token) of chunk c, from G (Tg: float or bf16) before the chunk's update: the write-path gradient of
 // delta, wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per
-// write entry. Grid (C, S) ((S, C) with SDM_L2_REUSE), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d
-// floats.
+// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats.
 template <typename Tg>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
     extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
-    const int t = SDM_L2_REUSE ? blockIdx.y : blockIdx.x, s = SDM_L2_REUSE ? blockIdx.x : blockIdx.y, d = a.d,
-              warp = threadIdx.x / 32;
+    const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
@@ -114,14 +112,10 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 #endif
 
 // 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
-// (once: a row no later kernel reads, with an evict-first hint under SDM_L2_REUSE)
 template <typename T> struct SdmRaw8 {
     uint4 r[8 / SdmBankVec<T>::V];
-    __device__ void load(const T *p, bool once = false) {
-        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) {
-            const uint4 *q = (const uint4 *)(p + k * SdmBankVec<T>::V);
-            r[k] = SDM_L2_REUSE && once ? __ldcs(q) : *q;
-        }
+    __device__ void load(const T *p) {
+        for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) r[k] = *(const uint4 *)(p + k * SdmBankVec<T>::V);
     }
     __device__ void get(float *x) const {
         for (int k = 0; k < 8 / SdmBankVec<T>::V; k++) SdmBankVec<T>::unpack(r[k], x + k * SdmBankVec<T>::V);
@@ -135,9 +129,9 @@ template <bool BF16> struct SdmM0Group;
 template <> struct SdmM0Group<true> {
     SdmRaw8<__nv_bfloat16> v;
     __device__ void load_snap(const SdmSnapView &sv, size_t e, int col) {
-        v.load((const __nv_bfloat16 *)(sv.data + e * sv.row_bytes) + col, true);
+        v.load((const __nv_bfloat16 *)(sv.data + e * sv.row_bytes) + col);
     }
-    __device__ void load_bank(const void *row, int col, bool) { v.load((const __nv_bfloat16 *)row + col, true); }
+    __device__ void load_bank(const void *row, int col, bool) { v.load((const __nv_bfloat16 *)row + col); }
     __device__ void get(float *x, bool) const { v.get(x); }
 };
 template <> struct SdmM0Group<false> {
@@ -148,16 +142,6 @@ template <> struct SdmM0Group<false> {
         for (int k = 0; k < 8; k++) x[k] = round_bf16 ? __bfloat162float(__float2bfloat16_rn(v[k])) : v[k];
     }
 };
-
-// With SDM_L2_REUSE the token launch and bscatter take the streams as their grid's x (fastest), so that the token
-// launch reads the last tokens' G rows of every stream last, and bscatter's first blocks are the write entries'
-// blocks from the last token's down (those rows are in L2), then the read entries' blocks (a permutation of the
-// blocks). Its (entry block, stream): nwb, the blocks of write entries only (C W / SDM_ROW_WARPS).
-__device__ __forceinline__ uint2 sdm_bscatter_block(int nwb) {
-    if (!SDM_L2_REUSE) return make_uint2(blockIdx.x, blockIdx.y);
-    return make_uint2(blockIdx.y < nwb ? nwb - 1 - blockIdx.y : blockIdx.y, blockIdx.x);
-}
-static inline dim3 sdm_stream_major(dim3 g) { return SDM_L2_REUSE ? dim3(g.y, g.x) : g; }
 
 // One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
 //   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
@@ -171,13 +155,12 @@ static inline dim3 sdm_stream_major(dim3 g) { return SDM_L2_REUSE ? dim3(g.y, g.
 // G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
 // Each touched G row is read and written by one warp only, later_snap[i] written by one warp and read by none (a
 // read entry looks it up only for a slot the chunk does not write), so the launch has no races and a fixed order of
-// sums. Grid (ceil(C (W + R) / warps), S) (transposed with SDM_L2_REUSE: sdm_bscatter_block), SDM_ROW_THREADS
-// threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots `none` over a bf16 bank (SdmM0Group).
+// sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots
+// `none` over a bf16 bank (SdmM0Group).
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
-    const uint2 blk = sdm_bscatter_block(a.C * a.W / SDM_ROW_WARPS);
-    const int s = blk.y, i = blk.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
+    const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
     const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R, row0 = (size_t)s * a.N;
@@ -454,7 +437,7 @@ template <typename Tg>
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
     cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sdm_token_kernel<Tg><<<sdm_stream_major(dim3(a.C, a.S)), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
@@ -466,7 +449,7 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
 template <typename Tg>
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, const void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
-    const dim3 grid = sdm_stream_major(sdm_op_entry_grid(a, a.C * (a.W + a.R)));
+    const dim3 grid = sdm_op_entry_grid(a, a.C * (a.W + a.R));
     if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
         sdm_bscatter_kernel<Tg, true><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
     else sdm_bscatter_kernel<Tg, false><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);

@@ -58,16 +58,6 @@ template <> struct SdmBankVec<__nv_bfloat16> {
     __device__ static void store(__nv_bfloat16 *p, const float *x) { *(uint4 *)p = pack(x); }
 };
 
-// Rows read twice across a solve (fgather's write rows, then fscatter's read-back of them; the token launch's G rows,
-// then bscatter's update of them) are about 67 MB a launch at the flagship, more than the 50 MB L2, and were found in
-// it at no rate worth the name (ncu, H100: fscatter reads from DRAM all it reads back). SDM_L2_REUSE = 1 (an A/B knob;
-// any order and cache hint give the same bits): fgather's read rows first and its write rows last, rows read once and
-// snapshots written with evict-first hints (ld/st .cs), and the second pass over the rows in reverse, so that it
-// starts with the rows the first pass left in L2.
-#ifndef SDM_L2_REUSE
-#define SDM_L2_REUSE 0
-#endif
-
 // 8 consecutive elements of a row of T (16 or 32 bytes; p 16-byte aligned)
 template <typename T> __device__ __forceinline__ void sdm_load8(const T *p, float *x) {
     for (int i = 0; i < 8; i += SdmBankVec<T>::V) SdmBankVec<T>::load(p + i, x + i);
@@ -94,15 +84,13 @@ __device__ __forceinline__ void sdm_axpy8(float a, const float *p, float *y) {
     sdm_load8(p, x);
     for (int i = 0; i < 8; i++) y[i] = fmaf(a, x[i], y[i]);
 }
-__device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32, bool once = false) {
+__device__ __forceinline__ void sdm_store4_any(void *row, int col, float4 x, bool fp32) {
     if (fp32) { *(float4 *)((float *)row + col) = x; return; }
     __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
     uint2 a;
     a.x = *(uint32_t *)&lo;
     a.y = *(uint32_t *)&hi;
-    uint2 *p = (uint2 *)((__nv_bfloat16 *)row + col);
-    if (SDM_L2_REUSE && once) __stcs(p, a);
-    else *p = a;
+    *(uint2 *)((__nv_bfloat16 *)row + col) = a;
 }
 __device__ __forceinline__ float4 sdm_axpy4(float a, float4 x, float4 y) {
     return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
@@ -129,7 +117,7 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
                 *(float4 *)((float *)row + col + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
         } else {
             for (int i = 0; i < V; i += 4)
-                sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false, true);
+                sdm_store4_any(row, col + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), false);
         }
         return;
     }
@@ -154,7 +142,7 @@ __device__ void sdm_snap_store(const SdmSnapView &sv, size_t e, int col, const f
 }
 
 // 8 values of snapshot row e at columns [col, col+8), dequantised (col a multiple of 8: one scale block; 16-, 8- or
-// 4-byte loads; fp8 and int4 rows with an evict-first hint under SDM_L2_REUSE: no later kernel reads them)
+// 4-byte loads)
 __device__ __forceinline__ void sdm_snap_load8(const SdmSnapView &sv, size_t e, int col, float *x) {
     const char *row = sv.data + e * sv.row_bytes;
     if (sv.mode == SDM_SNAP_NONE || sv.mode == SDM_SNAP_BF16) {
@@ -163,13 +151,11 @@ __device__ __forceinline__ void sdm_snap_load8(const SdmSnapView &sv, size_t e, 
     }
     float s = sv.scale[e * sv.n_scales + col / SDM_SNAP_SCALE_COLS];
     if (sv.mode == SDM_SNAP_FP8) {
-        const uint2 *p = (const uint2 *)(row + col);
-        uint2 raw = SDM_L2_REUSE ? __ldcs(p) : *p;
+        uint2 raw = *(const uint2 *)(row + col);
         const __nv_fp8_storage_t *q = (const __nv_fp8_storage_t *)&raw;
         for (int i = 0; i < 8; i++) x[i] = __half2float(__half(__nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3))) * s;
     } else {
-        const unsigned *p = (const unsigned *)(row + col / 2);
-        uint32_t raw = SDM_L2_REUSE ? __ldcs(p) : *p; // byte i (bits 8i..8i+7): columns col + 2i, col + 2i + 1
+        uint32_t raw = *(const uint32_t *)(row + col / 2); // byte i (bits 8i..8i+7): columns col + 2i, col + 2i + 1
         for (int i = 0; i < 4; i++) {
             uint32_t b = (raw >> (8 * i)) & 255u;
             x[2 * i] = (float)((int)(b << 24) >> 28) * s;     // high nibble, sign-extended
@@ -254,13 +240,11 @@ __device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, 
 // the calling warp's partial row); `snap` stores each row's snapshot; with dot_row (d floats, any memory) also
 // dots[e0 + k] = <dot_row, row(slot[k])> (0 for padding). The sums live in registers for SDM_GQ vectors per lane
 // (wider rows take several passes over the entries, each over other columns; a dot adds its passes in order), SDM_GE
-// entries' loads in flight; `once`: rows no later kernel reads again (an evict-first hint with SDM_L2_REUSE). Used by
-// the forward over the bank and by the backward over the bank gradient.
+// entries' loads in flight. Used by the forward over the bank and by the backward over the bank gradient.
 template <typename Tb>
 __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const Tb *M, const int *slots,
                                                       const float *gath, size_t e0, int n, float *part, bool snap,
-                                                      const float *dot_row = NULL, float *dots = NULL,
-                                                      bool once = false) {
+                                                      const float *dot_row = NULL, float *dots = NULL) {
     constexpr int V = SdmBankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
     for (int q0 = 0; q0 < nq; q0 += SDM_GQ) {
@@ -281,10 +265,8 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 #pragma unroll
                 for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
-                    if (sl[j] >= 0 && q0 + u < nq && col < a.d) {
-                        const uint4 *p = (const uint4 *)(M + (size_t)sl[j] * a.d + col);
-                        raw[j][u] = SDM_L2_REUSE && once ? __ldcs(p) : *p;
-                    }
+                    if (sl[j] >= 0 && q0 + u < nq && col < a.d)
+                        raw[j][u] = *(const uint4 *)(M + (size_t)sl[j] * a.d + col);
                 }
             }
 #pragma unroll

@@ -32,15 +32,15 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
 
 // Block (t, s, z) of the grid (C, S, 2), SDM_ROW_THREADS threads, `part` SDM_ROW_WARPS * d floats of shared memory:
 // z = 0 gathers token t's write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams
-// still fill the GPU (with SDM_L2_REUSE the other way round: the write rows last, for fscatter to find in L2).
+// still fill the GPU.
 template <typename Tb>
 __device__ __forceinline__ void sdm_fgather_block(const SdmOpArgs &a, const float *v, const Tb *bank, int c, dim3 blk,
                                                   float *part) {
     const int t = blk.x, s = blk.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
-    if (blk.z == (SDM_L2_REUSE ? 0 : 1)) {
-        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false, NULL, NULL, true);
+    if (blk.z == 1) {
+        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
         sdm_sum_partials(part, d);
         for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
         return;
@@ -150,12 +150,10 @@ __device__ __forceinline__ void sdm_fscatter_block(const SdmOpArgs &a, Tb *bank,
     }
 }
 
-// With SDM_L2_REUSE the blocks in reverse: the last streams' last entries, whose rows fgather read last, first.
 template <typename Tb>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fscatter_kernel(SdmOpArgs a, Tb *bank, int c) {
     pdl_enter();
-    sdm_fscatter_block<Tb>(a, bank, c,
-                           SDM_L2_REUSE ? dim3(gridDim.x - 1 - blockIdx.x, gridDim.y - 1 - blockIdx.y) : dim3(blockIdx));
+    sdm_fscatter_block<Tb>(a, bank, c, blockIdx);
 }
 
 // The blocks of each phase of a chunk round, numbered x fastest.
