@@ -353,20 +353,21 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
     }
 }
 
-// Tests: at most this many GEMV blocks when non-zero, so that every shape has blocks taking several groups.
-static unsigned g_matmul_gemv_grid_cap = 0;
+// Tests: at most this many GEMV or MMA pipe blocks when non-zero, so that every shape has blocks taking several
+// groups.
+static unsigned g_matmul_grid_cap = 0;
 
-// Blocks of `kernel` (MATMUL_GEMV_THREADS threads, `smem` bytes of dynamic shared memory) that fit on an SM, with its
-// dynamic shared memory limit raised to `smem` first: asked of the driver once per kernel and size, not per launch
-// (an eager decode step launches some 180 products).
-static inline int matmul_gemv_blocks_per_sm(const void *kernel, size_t smem) {
+// Blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) that fit on an SM, with its dynamic
+// shared memory limit raised to `smem` first: asked of the driver once per kernel and size, not per launch (an eager
+// decode step launches some 180 products).
+static inline int matmul_blocks_per_sm(const void *kernel, int threads, size_t smem) {
     static struct { const void *kernel; size_t smem; int blocks; } memo[64];
     static int used = 0;
     for (int i = 0; i < used; i++)
         if (memo[i].kernel == kernel && memo[i].smem == smem) return memo[i].blocks;
     int blocks = 0;
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, MATMUL_GEMV_THREADS, smem));
+    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
     if (used < 64) memo[used++] = {kernel, smem, blocks};
     return blocks;
 }
@@ -385,12 +386,12 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    const int per_sm = matmul_gemv_blocks_per_sm((const void *)kernel, smem);
+    const int per_sm = matmul_blocks_per_sm((const void *)kernel, MATMUL_GEMV_THREADS, smem);
     if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
     // all blocks that fit (capping them at 2 or 3 an SM, so that the next product's blocks fit beside them, made the
     // batch-1 decode step 14% / 8% slower on an H100: BENCHMARKS.md)
     unsigned fit = (unsigned)(per_sm * core_sm_count());
-    if (g_matmul_gemv_grid_cap && g_matmul_gemv_grid_cap < fit) fit = g_matmul_gemv_grid_cap;
+    if (g_matmul_grid_cap && g_matmul_grid_cap < fit) fit = g_matmul_grid_cap;
     const unsigned grid = groups < fit ? groups : fit;
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
     cudaCheckLast();
@@ -543,10 +544,246 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 #undef MATMUL_MMA_CASE
 }
 
-typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA } MatmulKernel;
+// ------------------------------------------------------------------------------------------------------------------
+// Small-M forward on tensor cores with W streamed through shared memory (decode batches, bf16). The MMA kernel above
+// loads W fragments straight from global memory, one short-lived block per 16 rows of W, and each block reads all of
+// X: at 32 rows X's bytes are twice W's. Here, as in the GEMV, the grid holds as many blocks as fit on the GPU, block
+// b takes groups b, b + G, ... of MATMUL_PIPE_ROWS rows of W, and tiles (a group's rows and X's M rows at
+// MATMUL_PIPE_KT of K) stream through MATMUL_PIPE_STAGES stages of shared memory by cp.async, STAGES - 1 tiles ahead
+// across group boundaries, so X's bytes are M / ROWS of W's. A thread copies the same 16-byte column of every tile
+// (its row pointers set once a group: the copies cost a few instructions each). Warp (wn, wk) of a block owns the
+// n-tiles wn + j MATMUL_PIPE_WARPS_N (j < MATMUL_PIPE_NTW; under SwiGLU the first half of them in W1, the second the
+// same columns in W3) and the k-blocks wk, wk + WARPS_K, ... of each tile; at a group's end the WARPS_K partial sums
+// of an output are added in wk order. So an output's sum is fixed by K alone (each warp's chain of mma over its
+// k-blocks in order, with the K permutation of the MMA kernel: fragments of 16 bytes a lane), the same for every M
+// and every row's neighbours: batch invariance, as above. Measured (H100, bench_layers): as fast as cuBLASLt on the
+// FFN's wide product, so it takes decode's SwiGLU products (the SwiGLU in its store, a kernel less); slower than
+// cuBLASLt where a product has few groups (2048 rows: 64 blocks) or X is deep (w2, K = 5632), and than the MMA kernel
+// on narrow ones. Tuned there: 2 x 2 warps (across n-tiles x across k-blocks) beat 4 x 2 and 4 x 1, 4 stages beat
+// 3; tiles 256 deep do not fit 4 stages beside X at 64 rows.
+
+#ifndef MATMUL_PIPE_WARPS_N
+#define MATMUL_PIPE_WARPS_N 2 // warps across a group's n-tiles
+#endif
+#ifndef MATMUL_PIPE_WARPS_K
+#define MATMUL_PIPE_WARPS_K 2 // warps across a tile's k-blocks
+#endif
+#ifndef MATMUL_PIPE_NTW
+#define MATMUL_PIPE_NTW 2 // n-tiles (8 rows of W) a warp
+#endif
+#ifndef MATMUL_PIPE_KB
+#define MATMUL_PIPE_KB 4 // 32-wide k-blocks a tile
+#endif
+#ifndef MATMUL_PIPE_STAGES
+#define MATMUL_PIPE_STAGES 4
+#endif
+#define MATMUL_PIPE_THREADS (32 * MATMUL_PIPE_WARPS_N * MATMUL_PIPE_WARPS_K)
+#define MATMUL_PIPE_ROWS (8 * MATMUL_PIPE_NTW * MATMUL_PIPE_WARPS_N)
+#define MATMUL_PIPE_KT (32 * MATMUL_PIPE_KB)
+#define MATMUL_PIPE_CH (MATMUL_PIPE_KT / 8)         // 16-byte chunks of a tile's row
+#define MATMUL_PIPE_PASS (MATMUL_PIPE_THREADS / MATMUL_PIPE_CH) // rows the block copies at once
+#define MATMUL_PIPE_LD MATMUL_PIPE_KT                // a shared-memory row, in bf16
+static_assert(MATMUL_PIPE_STAGES >= 2 && MATMUL_PIPE_STAGES <= 4, "matmul: 2..4 pipeline stages");
+static_assert(MATMUL_PIPE_NTW % 2 == 0, "matmul: SwiGLU pairs a warp's n-tiles in W1 and W3");
+static_assert(MATMUL_PIPE_KB % MATMUL_PIPE_WARPS_K == 0 && MATMUL_PIPE_KB >= 2,
+              "matmul: a tile's k-blocks split evenly over warps; rows of 8 or more chunks (the swizzle)");
+static_assert(MATMUL_PIPE_THREADS % MATMUL_PIPE_CH == 0 && MATMUL_PIPE_ROWS % MATMUL_PIPE_PASS == 0 &&
+                  16 % MATMUL_PIPE_PASS == 0 && MATMUL_PIPE_PASS % 2 == 0,
+              "matmul: a thread copies one column of a tile's W rows and X rows");
+
+// Where chunk c (16 bytes) of row r of a tile lies in its shared-memory row: odd rows swap the halves of each 128
+// bytes, so that the two rows a quarter-warp reads (g = 2q, 2q + 1; chunks 4 kb + t) fall in 8 distinct 16-byte bank
+// groups.
+__device__ __forceinline__ int matmul_pipe_chunk(int r, int c) { return c ^ (r & 1) << 2; }
+
+// Bytes of dynamic shared memory for MT tiles of 16 rows of X: the stages (W's rows, then X's), then the partial
+// sums of the warps wk > 0 for the end of a group.
+static inline size_t matmul_pipe_smem(int mt) {
+    return MATMUL_PIPE_STAGES * (size_t)(MATMUL_PIPE_ROWS + 16 * mt) * MATMUL_PIPE_LD * sizeof(__nv_bfloat16) +
+           (size_t)(MATMUL_PIPE_WARPS_K - 1) * MATMUL_PIPE_WARPS_N * mt * MATMUL_PIPE_NTW * 4 * 32 * sizeof(float);
+}
+
+// A thread's copies into the stages: the tile (g, k) it issues next (g over all parts' groups), and its rows of W
+// in that group at its column of chunks (NULL past the part's N).
+template <int MT, MatmulOut OP> struct MatmulPipeCopier {
+    static constexpr int R = MATMUL_PIPE_ROWS, C = matmul_block_cols(OP, R), RPT = R / MATMUL_PIPE_PASS;
+    const __nv_bfloat16 *w[RPT];
+    int g, k;
+
+    __device__ void point(const MatmulParts &P, int K, int groups) {
+        if (g >= groups) return;
+        int b = g;
+        const int p = matmul_block_part(P, C, b), N = P.N[p], n0 = b * C, col = threadIdx.x % MATMUL_PIPE_CH * 8;
+        const __nv_bfloat16 *wp = (const __nv_bfloat16 *)P.w[p];
+#pragma unroll
+        for (int j = 0; j < RPT; j++) {
+            const int r = threadIdx.x / MATMUL_PIPE_CH + j * MATMUL_PIPE_PASS;
+            w[j] = matmul_out_col<OP, R>(n0, r) < N ? wp + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + col : NULL;
+        }
+    }
+    // X's M rows at K offset kt into `stage` (chunks past K zero-filled)
+    __device__ static void copy_x(__nv_bfloat16 *stage, const __nv_bfloat16 *x, int M, int K, int kt) {
+        const int c = threadIdx.x % MATMUL_PIPE_CH, r0 = threadIdx.x / MATMUL_PIPE_CH, kk = kt + c * 8;
+        __nv_bfloat16 *xs = stage + R * MATMUL_PIPE_LD + matmul_pipe_chunk(r0, c) * 8; // PASS is even: r's parity
+#pragma unroll
+        for (int j = 0; j < 16 * MT / MATMUL_PIPE_PASS; j++) {
+            const int m = r0 + j * MATMUL_PIPE_PASS;
+            if (m < M) core_cp_async16(xs + m * MATMUL_PIPE_LD, x + (size_t)m * K + (kk < K ? kk : 0), kk < K);
+        }
+    }
+    // tile (g, k) into `stage` (W rows past N and chunks past K zero-filled; X's rows too unless x is NULL), then
+    // advance to the block's next tile; one commit group a call, empty past the last group
+    __device__ void copy(__nv_bfloat16 *stage, const MatmulParts &P, const __nv_bfloat16 *x, int M, int K,
+                         int groups) {
+        if (g < groups) {
+            const int c = threadIdx.x % MATMUL_PIPE_CH, r0 = threadIdx.x / MATMUL_PIPE_CH;
+            const bool in = k + c * 8 < K;
+            __nv_bfloat16 *ws = stage + r0 * MATMUL_PIPE_LD + matmul_pipe_chunk(r0, c) * 8;
+#pragma unroll
+            for (int j = 0; j < RPT; j++)
+                core_cp_async16(ws + j * MATMUL_PIPE_PASS * MATMUL_PIPE_LD, w[j] && in ? w[j] + k : (const void *)P.w[0],
+                                w[j] && in);
+            if (x) copy_x(stage, x, M, K, k);
+            k += MATMUL_PIPE_KT;
+            if (k >= K) { // the group's last tile: the next one starts the block's next group
+                k = 0;
+                g += gridDim.x;
+                point(P, K, groups);
+            }
+        }
+        core_cp_async_commit();
+    }
+};
+
+// Wait until at most n (< MATMUL_PIPE_STAGES - 1, or the steady state's MATMUL_PIPE_STAGES - 2) of this thread's
+// newest commit groups are in flight.
+__device__ __forceinline__ void matmul_pipe_wait(int n) {
+    if (n >= MATMUL_PIPE_STAGES - 2) core_cp_async_wait<MATMUL_PIPE_STAGES - 2>();
+    else if (n <= 0) core_cp_async_wait<0>();
+    else core_cp_async_wait<1>(); // n == 1 < STAGES - 2: four stages
+}
+
+// Block b takes groups b, b + G, ... of `groups` (G = gridDim.x; MatmulParts' groups of matmul_block_cols(OP,
+// MATMUL_PIPE_ROWS) output columns) for all M <= 16 MT rows of X.
+template <typename TY, int MT, MatmulOut OP>
+__global__ void __launch_bounds__(MATMUL_PIPE_THREADS)
+    matmul_pipe_kernel(MatmulParts P, const __nv_bfloat16 *x, int M, int K, int groups) {
+    constexpr int R = MATMUL_PIPE_ROWS, C = matmul_block_cols(OP, R), S = MATMUL_PIPE_STAGES, NTW = MATMUL_PIPE_NTW,
+                  LD = MATMUL_PIPE_LD, WN = MATMUL_PIPE_WARPS_N, WK = MATMUL_PIPE_WARPS_K, KT = MATMUL_PIPE_KT;
+    constexpr int STAGE = (R + 16 * MT) * LD, PART = MT * NTW * 4; // a stage's bf16; a warp's sums a lane
+    extern __shared__ __align__(16) __nv_bfloat16 pipe_smem[];
+    float *partials = (float *)(pipe_smem + S * STAGE); // [WK - 1][WN][PART][32]
+    const int lane = threadIdx.x % 32, wn = threadIdx.x / 32 % WN, wk = threadIdx.x / 32 / WN, g8 = lane / 4,
+              t = lane % 4;
+    MatmulPipeCopier<MT, OP> cp;
+    cp.g = blockIdx.x, cp.k = 0;
+    cp.point(P, K, groups);
+    // W's first tiles before pdl_wait (W is constant in a step), then X's rows for them in a commit group of its own
+    for (int i = 0; i < S - 1; i++) cp.copy(pipe_smem + i * STAGE, P, NULL, M, K, groups);
+    pdl_enter();
+    const int tiles = (K + KT - 1) / KT; // a group's
+    for (int i = 0; i < S - 1 && blockIdx.x + i / tiles * gridDim.x < groups; i++)
+        cp.copy_x(pipe_smem + i * STAGE, x, M, K, i % tiles * KT);
+    core_cp_async_commit();
+    float acc[MT][NTW][4] = {};
+    int k = 0;
+    for (int gr = blockIdx.x, i = 0; gr < groups; i++) {
+        // tile i has landed (the first S - 1 tiles: with X's group, committed after them), and every warp is done
+        // with tile i - 1, whose stage the next copy refills
+        matmul_pipe_wait(i < S - 2 ? i : S - 2);
+        __syncthreads();
+        cp.copy(pipe_smem + (i + S - 1) % S * STAGE, P, x, M, K, groups);
+        const __nv_bfloat16 *ws = pipe_smem + i % S * STAGE, *xs = ws + R * LD;
+#pragma unroll
+        for (int kb = wk; kb < MATMUL_PIPE_KB; kb += WK) {
+            const int kc = matmul_pipe_chunk(g8, 4 * kb + t) * 8; // this lane's 16 bytes of the k-block (rows of
+                                                                     // g8's parity)
+            uint4 wv[NTW];
+#pragma unroll
+            for (int j = 0; j < NTW; j++) wv[j] = *(const uint4 *)(ws + (8 * (wn + j * WN) + g8) * LD + kc);
+#pragma unroll
+            for (int mi = 0; mi < MT; mi++) {
+                const int m = 16 * mi + g8;
+                uint4 lo = m < M ? *(const uint4 *)(xs + m * LD + kc) : make_uint4(0, 0, 0, 0);
+                uint4 hi = m + 8 < M ? *(const uint4 *)(xs + (m + 8) * LD + kc) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int j = 0; j < NTW; j++) {
+                    matmul_mma_16816(acc[mi][j], lo.x, hi.x, lo.y, hi.y, wv[j].x, wv[j].y);
+                    matmul_mma_16816(acc[mi][j], lo.z, hi.z, lo.w, hi.w, wv[j].z, wv[j].w);
+                }
+            }
+        }
+        k += KT;
+        if (k < K) continue;
+        // the group's last tile: the warps wk > 0 hand their sums to warp (wn, 0), which adds them in wk order (the
+        // partials are written again at the next group's end, after the barrier of at least one more tile)
+        float *flat = &acc[0][0][0];
+        auto partial = [&](int o, int e) -> float & { // warp (wn, o)'s sum e, lane `lane`
+            return partials[(((size_t)(o - 1) * WN + wn) * PART + e) * 32 + lane];
+        };
+        if (WK > 1 && wk > 0)
+#pragma unroll
+            for (int e = 0; e < PART; e++) partial(wk, e) = flat[e];
+        if (WK > 1) __syncthreads();
+        if (wk == 0) {
+            for (int o = 1; o < WK; o++)
+#pragma unroll
+                for (int e = 0; e < PART; e++) flat[e] += partial(o, e);
+            // c0 c1: row g, columns 2t, 2t + 1 of the n-tile; c2 c3: row g + 8
+            int b = gr;
+            const int p = matmul_block_part(P, C, b), n0 = b * C;
+            constexpr int JO = OP == MATMUL_OUT_SWIGLU ? NTW / 2 : NTW; // n-tiles of outputs (W1's under SwiGLU)
+#pragma unroll
+            for (int mi = 0; mi < MT; mi++)
+#pragma unroll
+                for (int j = 0; j < JO; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int m = 16 * mi + g8 + 8 * (e / 2),
+                                  n = n0 + matmul_out_col<OP, R>(0, 8 * (wn + j * WN) + 2 * t + e % 2);
+                        if (m < M && n < P.N[p])
+                            matmul_part_store<TY, OP>(P, p, m, n, acc[mi][j][e],
+                                                      OP == MATMUL_OUT_SWIGLU ? acc[mi][j + JO][e] : 0.f);
+                    }
+        }
+#pragma unroll
+        for (int e = 0; e < PART; e++) flat[e] = 0.f;
+        gr += gridDim.x;
+        k = 0;
+    }
+}
+
+// Every part of P (whose op is OP) for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY
+// output. The grid: as many blocks as fit on the GPU at once, at most one a group.
+template <typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
+static inline void matmul_pipe_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
+    const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_PIPE_ROWS));
+    const int mt = ceil_div(M, 16);
+    const size_t smem = matmul_pipe_smem(mt);
+    void (*kernel)(MatmulParts, const __nv_bfloat16 *, int, int, int) = NULL;
+    switch (mt) {
+    case 1: kernel = matmul_pipe_kernel<TY, 1, OP>; break;
+    case 2: kernel = matmul_pipe_kernel<TY, 2, OP>; break;
+    case 3: kernel = matmul_pipe_kernel<TY, 3, OP>; break;
+    case 4: kernel = matmul_pipe_kernel<TY, 4, OP>; break;
+    default: sdm_die("matmul: the MMA pipe kernel takes 1..64 rows, not %d", M);
+    }
+    const int per_sm = matmul_blocks_per_sm((const void *)kernel, MATMUL_PIPE_THREADS, smem);
+    if (per_sm < 1) sdm_die("matmul MMA pipe: no block of %zu bytes of shared memory fits on an SM (M=%d)", smem, M);
+    unsigned fit = (unsigned)(per_sm * core_sm_count());
+    if (g_matmul_grid_cap && g_matmul_grid_cap < fit) fit = g_matmul_grid_cap;
+    const unsigned grid = groups < fit ? groups : fit;
+    launch_pdl(kernel, grid, MATMUL_PIPE_THREADS, smem, s, *P, x, M, K, (int)groups);
+    cudaCheckLast();
+}
+
+typedef enum { MATMUL_KERNEL_LT, MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_PIPE } MatmulKernel;
 
 static inline const char *matmul_kernel_name(MatmulKernel k) {
-    return k == MATMUL_KERNEL_MMA ? "MMA" : k == MATMUL_KERNEL_GEMV ? "GEMV" : "cuBLASLt";
+    return k == MATMUL_KERNEL_MMA    ? "MMA"
+           : k == MATMUL_KERNEL_PIPE ? "MMA pipe"
+           : k == MATMUL_KERNEL_GEMV ? "GEMV"
+                                     : "cuBLASLt";
 }
 
 // Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
@@ -556,14 +793,20 @@ static inline const char *matmul_kernel_name(MatmulKernel k) {
 // where cuBLASLt takes one per part (q, k, v apart at 32 rows: 16.5 against 17.4 us), and for narrow products, where
 // cuBLASLt's fixed cost dominates (the bytes LM head, 258 x 2048, at 32 rows: 4.9 against 9.4 us); other single bf16
 // products of 2 or more rows cuBLASLt (the FFN's 2048 -> 11264 at 32 rows: 13.4 against 26.0 us by the MMA kernel,
-// whose blocks fill HBM's queue less well). The small-M kernels need rows of whole 16-byte vectors.
+// whose blocks fill HBM's queue less well); but the MMA pipe kernel, which moves wide products' weights as fast as
+// cuBLASLt, takes a SwiGLU product (op) of 2..64 bf16 rows, the SwiGLU in its store, a kernel less (H100, the FFN's
+// 2048 -> 11264 at 8 / 32 rows: 17.8 / 18.6 us against cuBLASLt's 17.6 / 18.1 and the SwiGLU kernel's 3.3), and a
+// wide one whose N cuBLASLt would cut into an aligned main part and a remainder (the SDM input's 6148 at 8 / 32 rows:
+// 11.7 / 14.3 against 16.7 / 17.4; BENCHMARKS.md). The small-M kernels need rows of whole 16-byte vectors.
 #define MATMUL_MMA_NARROW 512
-static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr) {
+static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr,
+                                                 MatmulOut op = MATMUL_OUT_PLAIN) {
     if (M < 1 || (size_t)K * dtype_size(in_type) % 16 || addr % 16) return MATMUL_KERNEL_LT;
     if (in_type == DT_FP32) return M <= MATMUL_GEMV_MAX_M ? MATMUL_KERNEL_GEMV : MATMUL_KERNEL_LT;
     if (M == 1) return MATMUL_KERNEL_GEMV;
     if (M > MATMUL_MMA_MAX_M) return MATMUL_KERNEL_LT;
-    if (parts == 1 && N > MATMUL_MMA_NARROW) return MATMUL_KERNEL_LT;
+    if (op == MATMUL_OUT_SWIGLU) return MATMUL_KERNEL_PIPE;
+    if (parts == 1 && N > MATMUL_MMA_NARROW) return N % MATMUL_ALIGN ? MATMUL_KERNEL_PIPE : MATMUL_KERNEL_LT;
     return MATMUL_KERNEL_MMA;
 }
 
@@ -580,6 +823,7 @@ static inline void matmul_small_m_op(const MatmulParts *P, MatmulKernel kernel, 
                                      int K, cudaStream_t s) {
     typedef __nv_bfloat16 bf;
     if (kernel == MATMUL_KERNEL_MMA) matmul_mma_run<bf, OP>(P, (const bf *)x, M, K, s);
+    else if (kernel == MATMUL_KERNEL_PIPE) matmul_pipe_run<bf, OP>(P, (const bf *)x, M, K, s);
     else if (dtype == DT_FP32) matmul_gemv_run<float, float, OP>(P, (const float *)x, M, K, s);
     else matmul_gemv_run<bf, bf, OP>(P, (const bf *)x, M, K, s);
 }
@@ -616,6 +860,9 @@ static inline void matmul_parts_run(MatmulKernel kernel, const MatmulParts *P, D
     else if (kernel == MATMUL_KERNEL_MMA) {
         if (y_type == DT_FP32) matmul_mma_run<float>(P, (const bf *)x, M, K, s);
         else matmul_mma_run<bf>(P, (const bf *)x, M, K, s);
+    } else if (kernel == MATMUL_KERNEL_PIPE) {
+        if (y_type == DT_FP32) matmul_pipe_run<float>(P, (const bf *)x, M, K, s);
+        else matmul_pipe_run<bf>(P, (const bf *)x, M, K, s);
     } else if (kernel == MATMUL_KERNEL_GEMV) {
         if (in_type == DT_FP32) matmul_gemv_run<float, float>(P, (const float *)x, M, K, s);
         else if (y_type == DT_FP32) matmul_gemv_run<bf, float>(P, (const bf *)x, M, K, s);
@@ -697,7 +944,7 @@ static inline void matmul_forward_parts(const MatmulParts *P, Dtype y_type, cons
 // returns 0 where that is cuBLASLt, having done nothing but P's input norm, if any, into x (the caller's product
 // reads X there).
 static inline int matmul_forward_op(const MatmulParts *P, const void *x, Dtype dtype, int M, int K, cudaStream_t s) {
-    MatmulKernel kernel = matmul_small_m_kernel(dtype, M, matmul_parts_rows(P), K, 1, matmul_parts_addr(P, x));
+    MatmulKernel kernel = matmul_small_m_kernel(dtype, M, matmul_parts_rows(P), K, 1, matmul_parts_addr(P, x), P->op);
     if (kernel == MATMUL_KERNEL_LT) {
         if (P->norm.h) residual_norm_forward(&P->norm, (void *)x, dtype, M, K, s);
         return 0;

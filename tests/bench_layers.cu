@@ -5,9 +5,9 @@
 // write once, as the profile's floors count them (docs/MODEL.md#step-profile); the weights, rstd and the backward's
 // dw partials (3-4% of its bytes) are left out. Only the launchers are used, so this part also builds against an
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
-// Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernel
+// Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernels
 // and cuBLASLt, each called directly (see bench_products). Last, the cost of one more kernel in a decode step
-// (bench_chain).
+// (bench_chain). `bench_layers products`: decode's products alone.
 #include "core/layers.cuh"
 #include "core/matmul.cuh"
 #include "tests/bench.h"
@@ -79,7 +79,7 @@ static float time_kernel(const Bufs *b, Kernel k, int warm, int reps) {
 
 // ---- decode's products ---------------------------------------------------------------------------------------------
 // Y[M,N] = X[M,K]·W[N,K]ᵀ at the flagship's decode shapes (D = 2048, F = 5632, V = 258) for M = 1..64 streams,
-// bf16 weights, by each path of core/matmul.cuh called directly: the GEMV (M <= 8), the MMA kernel, cuBLASLt
+// bf16 weights, by each path of core/matmul.cuh called directly: the GEMV (M <= 8), the MMA kernels, cuBLASLt
 // (matmul_forward_lt: one product per part). A time is the mean of PROD_REPS launches in a CUDA graph (decode replays
 // its step as one), each on the next weight copy of a PROD_POOL_BYTES pool, so that the weights come from HBM, not
 // from the 50 MB L2, as in a model whose other layers evict them. GB/s count the weight bytes N·K·2 alone.
@@ -106,7 +106,7 @@ static const Product PRODUCTS[] = {
 };
 
 // PATH_LT1: one cuBLASLt call for a one-part product whatever its width (matmul_lt; PATH_LT splits off N % 64)
-typedef enum { PATH_GEMV, PATH_MMA, PATH_LT, PATH_LT1, PATH_COUNT } Path;
+typedef enum { PATH_GEMV, PATH_MMA, PATH_PIPE, PATH_LT, PATH_LT1, PATH_COUNT } Path;
 
 static size_t product_weights(const Product *pr) {
     size_t n = 0;
@@ -128,7 +128,8 @@ static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *c
                   DT_BF16, pr->N[0], M, pr->K, 0.0f, P.bias[0], st);
         return;
     }
-    static const MatmulKernel KERNEL_OF[PATH_LT1] = {MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_LT};
+    static const MatmulKernel KERNEL_OF[PATH_LT1] = {MATMUL_KERNEL_GEMV, MATMUL_KERNEL_MMA, MATMUL_KERNEL_PIPE,
+                                                     MATMUL_KERNEL_LT};
     matmul_parts_run(KERNEL_OF[path], &P, pr->fp32_out ? DT_FP32 : DT_BF16, x, DT_BF16, M, pr->K, st);
 }
 
@@ -177,7 +178,7 @@ static double product_diff(const Product *pr, void *const *a, void *const *b, in
 
 static void bench_products(void) {
     const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
-    static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "cuBLASLt", "cuBLASLt, one call"};
+    static const char *PATH_NAMES[PATH_COUNT] = {"GEMV", "MMA", "MMA pipe", "cuBLASLt", "cuBLASLt, one call"};
     matmul_init(); // outside the graph captures: it allocates
     bf16 *pool = dev_random(PROD_POOL_BYTES / sizeof(bf16), 20), *x = dev_random((size_t)PROD_MAX_M * PROD_MAX_K, 21);
     void *y[PATH_COUNT][3];
@@ -189,8 +190,8 @@ static void bench_products(void) {
            " "
            "per path: us, GB/s of weights, %% of 4.8 TB/s; last: relative L2 difference from cuBLASLt's output\n",
            PROD_REPS);
-    printf("| product | M | %s | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|---|\n", PATH_NAMES[0],
-           PATH_NAMES[1], PATH_NAMES[2], PATH_NAMES[3]);
+    printf("| product | M | %s | %s | %s | %s | %s | vs cuBLASLt |\n|---|---|---|---|---|---|---|---|\n",
+           PATH_NAMES[0], PATH_NAMES[1], PATH_NAMES[2], PATH_NAMES[3], PATH_NAMES[4]);
     for (size_t i = 0; i < sizeof PRODUCTS / sizeof PRODUCTS[0]; i++) {
         const Product *pr = &PRODUCTS[i];
         double bytes = product_weights(pr) * sizeof(bf16);
@@ -329,7 +330,12 @@ static void bench_chain(void) {
     cudaCheck(cudaFree(row));
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "products")) {
+        bench_products();
+        matmul_destroy();
+        return test_summary();
+    }
     const int n = 4 * 4096, D = 2048, F = 5632, L = 24, warm = 3, reps = 20;
     size_t nd = (size_t)n * D, nf = (size_t)n * F;
     cudaDeviceProp prop;

@@ -174,7 +174,9 @@ static int rows_same_inside(MatmulKernel kernel, const unsigned char *y1, Dtype 
 // another warp order, a tile computed with the row elsewhere) differ in the last bits of most outputs, and a row read
 // from a neighbour's or an unzeroed padding row's data differs outright. Tolerance: fp32 sums of K <= 5632 products
 // of O(1) terms err ~sqrt(K) 2^-24 relative, far below 1e-5; tensor cores truncate each mma's sum (~2^-23 of the
-// accumulator), a warp chaining at most 2 ceil(K / 32 / 8) = 44 of them: < 6e-6 even if all errors add. A bf16
+// accumulator), a warp of the MMA kernel chaining at most 2 ceil(K / 32 / 8) = 44 of them: < 6e-6 even if all errors
+// add. The MMA pipe kernel's warps chain 2 ceil(K / 32) / 2 = 176 at K = 5632, and its error grows with the chain
+// (truncation is biased: measured 6.1e-6 with chains of 352, 2.9e-6 with 176, at 32 rows): 3x below TOL_FP32. A bf16
 // output adds its rounding (2^-9), under TOL_BF16; bf16 inputs are exact in fp32, so an fp32 output is held to
 // TOL_FP32.
 static void test_matmul_small_m(Rng *rng, MatmulKernel kernel, int fp32, int out_fp32, int M, int N, int K, int ldy,
@@ -235,11 +237,11 @@ static void test_matmul_small_m(Rng *rng, MatmulKernel kernel, int fp32, int out
     free(h1); free(h2);
 }
 
-// The GEMV's blocks take group after group of weight rows, as many blocks as fit on the GPU: which block takes a group
-// must not change its sums. The same product with the grid capped at 5 blocks (every block then takes many groups,
-// its copies running ahead across their boundaries, whatever the GPU) gives the bits of the uncapped run: plain with
-// a bias, SwiGLU, the gate, 3 parts, K below one stride and of several.
-static void test_gemv_grid_cap(Rng *rng, int fp32, int M, int N, int K, MatmulOut op, int parts) {
+// The GEMV's and the MMA pipe kernel's blocks take group after group of weight rows, as many blocks as fit on the
+// GPU: which block takes a group must not change its sums. The same product with the grid capped at 5 blocks (every
+// block then takes many groups, its copies running ahead across their boundaries, whatever the GPU) gives the bits
+// of the uncapped run: plain with a bias, SwiGLU, the gate, 3 parts, K below one stride (tile) and of several.
+static void test_grid_cap(Rng *rng, MatmulKernel kernel, int fp32, int M, int N, int K, MatmulOut op, int parts) {
     Dtype t = fp32 ? DT_FP32 : DT_BF16;
     size_t es = dtype_size(t), ybytes = (size_t)M * N * es;
     int wrows = op == MATMUL_OUT_SWIGLU ? 2 * N : N;
@@ -264,9 +266,9 @@ static void test_gemv_grid_cap(Rng *rng, int fp32, int M, int N, int K, MatmulOu
             P.ldy[p] = N;
             n0 += np;
         }
-        g_matmul_gemv_grid_cap = v ? 5 : 0;
-        matmul_parts_run(MATMUL_KERNEL_GEMV, &P, t, dx, t, M, K, 0);
-        g_matmul_gemv_grid_cap = 0;
+        g_matmul_grid_cap = v ? 5 : 0;
+        matmul_parts_run(kernel, &P, t, dx, t, M, K, 0);
+        g_matmul_grid_cap = 0;
         cudaCheck(cudaDeviceSynchronize());
         cudaCheck(cudaMemcpy(hy[v], y[v], ybytes, cudaMemcpyDeviceToHost));
     }
@@ -275,8 +277,8 @@ static void test_gemv_grid_cap(Rng *rng, int fp32, int M, int N, int K, MatmulOu
     for (size_t i = 0; i < (size_t)M * N; i++) nan_y += memcmp(hy[0] + i * es, fill, es) == 0;
     int same_y = memcmp(hy[0], hy[1], ybytes) == 0;
     char what[128];
-    snprintf(what, sizeof what, "GEMV grid capped at 5 blocks: M=%d N=%d K=%d %s op %d, %d part%s", M, N, K,
-             dtype_name(t), (int)op, parts, parts > 1 ? "s" : "");
+    snprintf(what, sizeof what, "%s grid capped at 5 blocks: M=%d N=%d K=%d %s op %d, %d part%s",
+             matmul_kernel_name(kernel), M, N, K, dtype_name(t), (int)op, parts, parts > 1 ? "s" : "");
     printf("%s: Y %s, %zu outputs unwritten\n", what, same_y ? "same bits" : "DIFFERS", nan_y);
     CHECK(same_y && nan_y == 0, "%s: the capped grid changed the result or left outputs unwritten", what);
     void *bufs[] = {dx, dw, db, d_o, y[0], y[1]};
@@ -401,10 +403,11 @@ static void test_matmul_out_ops(Rng *rng, MatmulKernel kernel, int fp32, int M, 
     unsigned char *nan_fill = (unsigned char *)sdm_malloc(bytes);
     memset(nan_fill, 0xFF, bytes);
     int api = kernel == MATMUL_KERNEL_LT; // through matmul_forward_swiglu / _gate, else by `kernel`
-    MatmulKernel policy = matmul_small_m_kernel(t, M, 2 * N, K, 1, (uintptr_t)dx | (uintptr_t)dw);
-    int expect = !api || policy != MATMUL_KERNEL_LT;
-    const char *kname = matmul_kernel_name(api ? policy : kernel);
     for (int gate = 0; gate <= 1; gate++) { // the reference: the same kernel's plain product, then the op's kernel
+        MatmulKernel policy = matmul_small_m_kernel(t, M, gate ? N : 2 * N, K, 1, (uintptr_t)dx | (uintptr_t)dw,
+                                                    gate ? MATMUL_OUT_GATE : MATMUL_OUT_SWIGLU);
+        int expect = !api || policy != MATMUL_KERNEL_LT;
+        const char *kname = matmul_kernel_name(api ? policy : kernel);
         MatmulParts plain = {1, {dw}, {ab}, {NULL}, {gate ? N : 2 * N}, {gate ? N : 2 * N}};
         matmul_parts_run(api ? policy : kernel, &plain, t, dx, t, M, K, 0);
         if (gate) attn_gate_forward(t, (size_t)M * N, ab, d_o, ref, 0);
@@ -1336,37 +1339,47 @@ int main(int argc, char **argv) {
         test_matmul_parts(&rng, fp32, MATMUL_MMA_MAX_M + 1); // cuBLASLt, part by part
         for (int M : {1, 5, 33}) test_matmul_parts_merged(&rng, fp32, M); // GEMV; bf16 cuBLASLt, fp32 GEMV; cuBLASLt
     }
-    { // the GEMV with its grid capped (test_gemv_grid_cap): the decode shapes of the flagship at one bf16 row, fp32 rows
+    { // the GEMV with its grid capped (test_grid_cap): the decode shapes of the flagship at one bf16 row, fp32 rows
+        const MatmulKernel G = MATMUL_KERNEL_GEMV;
         const MatmulOut PL = MATMUL_OUT_PLAIN, SW = MATMUL_OUT_SWIGLU, GA = MATMUL_OUT_GATE;
-        test_gemv_grid_cap(&rng, 0, 1, 6148, 2048, PL, 1); // the SDM input product with its bias
-        test_gemv_grid_cap(&rng, 0, 1, 6144, 2048, PL, 3); // q, k, v as 3 parts
-        test_gemv_grid_cap(&rng, 0, 1, 5632, 2048, SW, 1); // W1|W3 and SwiGLU
-        test_gemv_grid_cap(&rng, 0, 1, 2048, 5632, PL, 1); // W2: 3 strides of K
-        test_gemv_grid_cap(&rng, 0, 1, 2048, 2048, GA, 1); // the gate
-        test_gemv_grid_cap(&rng, 0, 1, 45, 96, PL, 1);     // K below one stride
-        test_gemv_grid_cap(&rng, 0, 1, 1037, 4096, SW, 1); // the 7B configs' rows, 2 strides
-        test_gemv_grid_cap(&rng, 1, 3, 1037, 1032, SW, 1); // fp32 rows
-        test_gemv_grid_cap(&rng, 1, 8, 2048, 2048, PL, 3);
-        test_gemv_grid_cap(&rng, 1, 2, 2051, 4104, PL, 1); // fp32: 5 strides, the last ragged
+        test_grid_cap(&rng, G, 0, 1, 6148, 2048, PL, 1); // the SDM input product with its bias
+        test_grid_cap(&rng, G, 0, 1, 6144, 2048, PL, 3); // q, k, v as 3 parts
+        test_grid_cap(&rng, G, 0, 1, 5632, 2048, SW, 1); // W1|W3 and SwiGLU
+        test_grid_cap(&rng, G, 0, 1, 2048, 5632, PL, 1); // W2: 3 strides of K
+        test_grid_cap(&rng, G, 0, 1, 2048, 2048, GA, 1); // the gate
+        test_grid_cap(&rng, G, 0, 1, 45, 96, PL, 1);     // K below one stride
+        test_grid_cap(&rng, G, 0, 1, 1037, 4096, SW, 1); // the 7B configs' rows, 2 strides
+        test_grid_cap(&rng, G, 1, 3, 1037, 1032, SW, 1); // fp32 rows
+        test_grid_cap(&rng, G, 1, 8, 2048, 2048, PL, 3);
+        test_grid_cap(&rng, G, 1, 2, 2051, 4104, PL, 1); // fp32: 5 strides, the last ragged
+        const MatmulKernel Q = MATMUL_KERNEL_PIPE; // the MMA pipe kernel: decode batches of 8 and 32 (and 64)
+        test_grid_cap(&rng, Q, 0, 8, 6148, 2048, PL, 1);  // the SDM input product with its bias
+        test_grid_cap(&rng, Q, 0, 32, 6144, 2048, PL, 3); // q, k, v as 3 parts
+        test_grid_cap(&rng, Q, 0, 32, 5632, 2048, SW, 1); // W1|W3 and SwiGLU
+        test_grid_cap(&rng, Q, 0, 8, 2048, 5632, PL, 1);  // W2: K not a whole number of tiles
+        test_grid_cap(&rng, Q, 0, 32, 2048, 2048, GA, 1); // the gate
+        test_grid_cap(&rng, Q, 0, 17, 45, 96, PL, 1);     // K below one tile, N below a group
+        test_grid_cap(&rng, Q, 0, 64, 1037, 1032, SW, 1); // four tiles of rows, ragged N and K
     }
     // the policy sends rows of 88 bytes (not whole 16-byte vectors) to cuBLASLt
     CHECK(matmul_small_m_kernel(DT_BF16, 1, 64, 44, 1, 0) == MATMUL_KERNEL_LT, "matmul: K = 44 bf16 rows left cuBLASLt");
-    // the MMA kernel (bf16, 1..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
-    // rows (nor of 8); K with fewer 32-wide k-blocks than warps, with 1 or 3 of a ragged last k-block's four 16-byte
-    // chunks, and the flagship's 2048 and 5632; bf16 and fp32 outputs (the LM head's logits), bias, ldy > N
-    const MatmulKernel T = MATMUL_KERNEL_MMA;
-    test_matmul_small_m(&rng, T, 0, 0, 2, 45, 96, 48, 1);
-    test_matmul_small_m(&rng, T, 0, 1, 8, 258, 2048, 264, 0);
-    test_matmul_small_m(&rng, T, 0, 0, 9, 45, 96, 48, 1);
-    test_matmul_small_m(&rng, T, 0, 1, 16, 1030, 2048, 1032, 0);
-    test_matmul_small_m(&rng, T, 0, 0, 17, 2051, 2056, 2056, 1);
-    test_matmul_small_m(&rng, T, 0, 1, 32, 258, 5632, 264, 1);
-    test_matmul_small_m(&rng, T, 0, 0, 32, 261, 5632, 261, 0);
-    test_matmul_small_m(&rng, T, 0, 1, 33, 100, 5624, 104, 1);
-    test_matmul_small_m(&rng, T, 0, 0, 48, 7, 136, 8, 1);
-    test_matmul_small_m(&rng, T, 0, 0, 64, 1037, 2048, 1040, 1);
-    test_matmul_small_m(&rng, T, 0, 1, 64, 300, 5632, 300, 0);
-    test_matmul_small_m(&rng, MATMUL_KERNEL_LT, 0, 0, 32, 1030, 2048, 1030, 1); // the model's path at 32 rows
+    // the MMA kernels (bf16, 1..64 rows): 1..4 tiles of 16 rows, whole and partial; N not a multiple of a block's 16
+    // or 64 rows (nor of 8); K with fewer 32-wide k-blocks than warps, with 1 or 3 of a ragged last k-block's four
+    // 16-byte chunks, and the flagship's 2048 and 5632; bf16 and fp32 outputs (the LM head's logits), bias, ldy > N
+    for (MatmulKernel T : {MATMUL_KERNEL_MMA, MATMUL_KERNEL_PIPE}) {
+        test_matmul_small_m(&rng, T, 0, 0, 2, 45, 96, 48, 1);
+        test_matmul_small_m(&rng, T, 0, 1, 8, 258, 2048, 264, 0);
+        test_matmul_small_m(&rng, T, 0, 0, 9, 45, 96, 48, 1);
+        test_matmul_small_m(&rng, T, 0, 1, 16, 1030, 2048, 1032, 0);
+        test_matmul_small_m(&rng, T, 0, 0, 17, 2051, 2056, 2056, 1);
+        test_matmul_small_m(&rng, T, 0, 1, 32, 258, 5632, 264, 1);
+        test_matmul_small_m(&rng, T, 0, 0, 32, 261, 5632, 261, 0);
+        test_matmul_small_m(&rng, T, 0, 1, 33, 100, 5624, 104, 1);
+        test_matmul_small_m(&rng, T, 0, 0, 48, 7, 136, 8, 1);
+        test_matmul_small_m(&rng, T, 0, 0, 64, 1037, 2048, 1040, 1);
+        test_matmul_small_m(&rng, T, 0, 1, 64, 300, 5632, 300, 0);
+    }
+    test_matmul_small_m(&rng, MATMUL_KERNEL_LT, 0, 0, 32, 1030, 2048, 1030, 1); // cuBLASLt at 32 rows
     // the output ops by each kernel of our own: the GEMV's 1, 3, 8 rows in bf16 and fp32, the MMA kernel's 2, 9, 32,
     // 64 in bf16; N ragged for a block's 2 (GEMV) or 8 (MMA) columns, and the flagship's FFN (N = F = 5632) and gate
     // (N = 2048) over K = D = 2048; K of 136, 1032, 5624 (multiples of 8, not of 32)
@@ -1378,16 +1391,21 @@ int main(int argc, char **argv) {
         test_matmul_out_ops(&rng, G, fp32, 8, 2048, 2048);
         test_matmul_out_ops(&rng, G, fp32, 8, 13, 5624);
     }
-    test_matmul_out_ops(&rng, T, 0, 2, 45, 136);
-    test_matmul_out_ops(&rng, T, 0, 9, 45, 136);
-    test_matmul_out_ops(&rng, T, 0, 32, 5632, 2048);
-    test_matmul_out_ops(&rng, T, 0, 32, 1037, 1032);
-    test_matmul_out_ops(&rng, T, 0, 64, 2048, 2048);
-    test_matmul_out_ops(&rng, T, 0, 64, 13, 5624);
+    for (MatmulKernel T : {MATMUL_KERNEL_MMA, MATMUL_KERNEL_PIPE}) {
+        test_matmul_out_ops(&rng, T, 0, 2, 45, 136);
+        test_matmul_out_ops(&rng, T, 0, 9, 45, 136);
+        test_matmul_out_ops(&rng, T, 0, 32, 5632, 2048);
+        test_matmul_out_ops(&rng, T, 0, 32, 1037, 1032);
+        test_matmul_out_ops(&rng, T, 0, 64, 2048, 2048);
+        test_matmul_out_ops(&rng, T, 0, 64, 13, 5624);
+    }
     // ... and through the model's API, which fuses where matmul_small_m_kernel picks a kernel of our own (one bf16 row,
-    // up to 8 fp32 rows) and declines elsewhere (bf16 products of 32 rows, fp32 of 32, 65 rows, rows of 88 bytes)
+    // up to 8 fp32 rows, narrow bf16 products and SwiGLU up to 64 rows) and declines elsewhere (the wide gate at 8 and
+    // 32 bf16 rows, fp32 of 32, 65 rows, rows of 88 bytes)
     const MatmulKernel A = MATMUL_KERNEL_LT;
     test_matmul_out_ops(&rng, A, 0, 1, 5632, 2048);
+    test_matmul_out_ops(&rng, A, 0, 8, 5632, 2048);
+    test_matmul_out_ops(&rng, A, 0, 32, 5632, 2048);
     test_matmul_out_ops(&rng, A, 1, 8, 2048, 2048);
     test_matmul_out_ops(&rng, A, 0, 32, 100, 136);
     test_matmul_out_ops(&rng, A, 1, 32, 100, 136);
