@@ -29,8 +29,6 @@ typedef struct {
     void *workspace;      // cuBLASLt workspace [MATMUL_WORKSPACE_BYTES]
     float *col_partials;  // bias_backward scratch [n_partials]
     size_t n_partials;
-    cudaStream_t side;    // a narrow remainder's product beside its main part (matmul_forward_lt)
-    cudaEvent_t fork, join;
 } MatmulContext;
 
 static MatmulContext g_matmul = {};
@@ -38,23 +36,13 @@ static MatmulContext g_matmul = {};
 static inline void matmul_init(void) {
     if (g_matmul.ready) return;
     g_matmul.ready = 1;
-    if (!g_mem.dry_run) {
-        cublasCheck(cublasLtCreate(&g_matmul.handle));
-        cudaCheck(cudaStreamCreateWithFlags(&g_matmul.side, cudaStreamNonBlocking));
-        cudaCheck(cudaEventCreateWithFlags(&g_matmul.fork, cudaEventDisableTiming));
-        cudaCheck(cudaEventCreateWithFlags(&g_matmul.join, cudaEventDisableTiming));
-    }
+    if (!g_mem.dry_run) cublasCheck(cublasLtCreate(&g_matmul.handle));
     g_matmul.workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
 }
 
 static inline void matmul_destroy(void) {
     if (!g_matmul.ready) return;
-    if (g_matmul.handle) {
-        cublasCheck(cublasLtDestroy(g_matmul.handle));
-        cudaCheck(cudaStreamDestroy(g_matmul.side));
-        cudaCheck(cudaEventDestroy(g_matmul.fork));
-        cudaCheck(cudaEventDestroy(g_matmul.join));
-    }
+    if (g_matmul.handle) cublasCheck(cublasLtDestroy(g_matmul.handle));
     device_free(g_matmul.workspace);
     device_free(g_matmul.col_partials);
     memset(&g_matmul, 0, sizeof(g_matmul));
@@ -878,25 +866,10 @@ static inline void matmul_forward_lt(void *y, Dtype y_type, int ldy, const void 
                                      const void *bias, Dtype in_type, int M, int N, int K, cudaStream_t s) {
     // column-major: Yᵀ[N,M] = (W as col-major [K,N])ᵀ · (X as col-major [K,M])
     int n0 = matmul_main_part(N);
-    MatmulParts R = {1, {dtype_elem_ptr(w, (size_t)n0 * K, in_type)}, {(void *)dtype_elem_ptr(y, n0, y_type)},
-                     {bias ? dtype_elem_ptr(bias, n0, y_type) : NULL}, {N - n0}, {ldy}};
-    // the narrow remainder by a small-M kernel where one takes it: cuBLASLt's costs as much as the main part (the
-    // SDM input product's 4 of 6148 columns at 32 rows); it runs on a stream of its own beside the main part (a
-    // parallel branch of a captured graph), since a one-block product of 2048-deep rows is all latency (ncu at 32
-    // rows: 6.4 us after the main part's 11.4). The two write disjoint columns: the same bits in either order.
-    MatmulKernel kernel =
-        n0 < N ? matmul_small_m_kernel(in_type, M, N - n0, K, 1, matmul_parts_addr(&R, x)) : MATMUL_KERNEL_LT;
-    const bool side = kernel != MATMUL_KERNEL_LT;
-    if (side) {
-        matmul_init();
-        cudaCheck(cudaEventRecord(g_matmul.fork, s));
-        cudaCheck(cudaStreamWaitEvent(g_matmul.side, g_matmul.fork, 0));
-        matmul_parts_run(kernel, &R, y_type, x, in_type, M, K, g_matmul.side);
-        cudaCheck(cudaEventRecord(g_matmul.join, g_matmul.side));
-    }
     matmul_lt(y, y_type, ldy, w, K, 1, x, K, 0, in_type, n0, M, K, 0.0f, bias, s);
-    if (side) cudaCheck(cudaStreamWaitEvent(s, g_matmul.join, 0));
-    else if (n0 < N) matmul_lt(R.y[0], y_type, ldy, R.w[0], K, 1, x, K, 0, in_type, N - n0, M, K, 0.0f, R.bias[0], s);
+    if (n0 < N)
+        matmul_lt((void *)dtype_elem_ptr(y, n0, y_type), y_type, ldy, dtype_elem_ptr(w, (size_t)n0 * K, in_type), K, 1, x, K, 0,
+                  in_type, N - n0, M, K, 0.0f, bias ? dtype_elem_ptr(bias, n0, y_type) : NULL, s);
 }
 
 // Y[M,N] (row stride ldy) = X[M,K] · W[N,K]ᵀ + bias[N] (bias may be NULL; its dtype is y_type's); norm: X's input

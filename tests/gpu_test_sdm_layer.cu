@@ -4,8 +4,8 @@
 //          the small-M forward (decode's GEMV and tensor-core kernels): accuracy, rerun bits, a row's bits
 //          independent of M and of the other rows; products sharing X in one launch (matmul_forward_parts) = one
 //          call each, bit for bit; the SwiGLU and attention gate in the product's store = the product then their
-//          kernel, bit for bit; a cuBLASLt product's narrow remainder on the side stream, in a captured CUDA graph
-//          between PDL kernels = the eager launches, bit for bit.
+//          kernel, bit for bit; a chain of a norm and products in a captured CUDA graph with PDL = the eager
+//          launches, bit for bit.
 //   top-k: both kernels (warp and block per problem): slots bit for bit equal to sdm_pk_topk_ref on the same float32
 //          scores (normal, bf16-rounded, quarter steps and small integers with many exact ties, sparse, all equal),
 //          F = 1..4, k = 1 .. N, odd widths; weights (softmax) and gamma; the two kernels' outputs bit for bit equal.
@@ -581,15 +581,13 @@ static void test_matmul_input_norm(Rng *rng, int kind, int fp32, int M, int D, i
     norm_case_free(&n);
 }
 
-// A decode step's product at 2..64 bf16 rows whose cuBLASLt part leaves a narrow remainder (the SDM input's 6148
-// columns, here N = 6152: 8 columns) runs that remainder by the MMA kernel on the side stream (matmul_forward_lt),
-// forked and joined by events: in a captured decode graph a parallel branch, its kernel launched with PDL. The chain
-// here is the step's: on a stream of its own (PDL on), the input norm's kernel, the forked product with a bias, then
-// a product that reads all of Y (K = N; the MMA kernel). A CUDA graph of the chain, replayed 3 times, each on
-// poisoned outputs (NaN in bf16), gives the eager launches' bits in x, h_out, Y and the next product's Z; a join
-// missing or early would leave Y's remainder or feed the poison to Z. (gpu_test_infer's small model has no such
-// product: its bf16 decode products are MMA or whole multiples of 64 columns.)
-static void test_matmul_side_graph(Rng *rng, int M) {
+// A decode step's chain of products in a captured CUDA graph, launched with PDL on a stream of its own: the input
+// norm's kernel, a wide product with a bias whose N (the SDM input's 6148 columns, here 6152) is not a multiple of
+// 64 (the MMA pipe kernel at 2..64 bf16 rows), then a product that reads all of Y (K = N; the MMA kernel). The graph,
+// replayed 3 times, each on poisoned outputs (NaN in bf16), gives the eager launches' bits in x, h_out, Y and the
+// next product's Z: a product that read its input before the kernel before it had written it (a PDL wait missing
+// or early) would take the poison.
+static void test_matmul_chain_graph(Rng *rng, int M) {
     const int D = 2048, N = 6152, N2 = 45;
     const Dtype t = DT_BF16;
     double *hw = hzeros((size_t)N * D), *hw2 = hzeros((size_t)N2 * N), *hb = hzeros(N), *h = hzeros((size_t)M * D);
@@ -642,8 +640,9 @@ static void test_matmul_side_graph(Rng *rng, int M) {
         for (int i = 0; i < 4; i++) same &= device_bytes_are(bufs[i], ref[i], bytes[i]);
     }
     char what[128];
-    snprintf(what, sizeof what, "side-stream remainder in a CUDA graph: M=%d N=%d K=%d bf16 (%s + MMA), %zu nodes", M,
-             N, D, matmul_kernel_name(matmul_small_m_kernel(t, M, N, D, 1, 0)), nodes);
+    snprintf(what, sizeof what, "norm, product, product in a CUDA graph: M=%d N=%d K=%d bf16 (%s, then %s), %zu nodes",
+             M, N, D, matmul_kernel_name(matmul_small_m_kernel(t, M, N, D, 1, 0)),
+             matmul_kernel_name(matmul_small_m_kernel(t, M, 45, N, 1, 0)), nodes);
     printf("%s: %zu non-finite outputs of the eager launches, 3 replays %s\n", what, poisoned,
            same ? "same bits as eager" : "DIFFER");
     CHECK(poisoned == 0, "%s: %zu outputs of the eager launches not finite (unwritten, or the poison read)", what,
@@ -1412,7 +1411,7 @@ int main(int argc, char **argv) {
     test_matmul_out_ops(&rng, A, 0, 65, 45, 136);
     test_matmul_out_ops(&rng, A, 0, 3, 45, 44);
     // the input norm against the norm kernel and the plain product, bit for bit, with and without the residual add,
-    // at 1, 8, 32 rows (bf16: the GEMV, then the MMA kernel or cuBLASLt; fp32: the GEMV, then cuBLASLt), on D =
+    // at 1, 8, 32 rows (bf16: the GEMV, then an MMA kernel or cuBLASLt; fp32: the GEMV, then cuBLASLt), on D =
     // 2048, 96 and the norm kernel's wide layouts (bf16 4104 and fp32 4096: two vectors a thread; bf16 8200: its
     // scalar path); the flagship's widths at one row
     for (int kind = NORM_PARTS; kind <= NORM_SWIGLU; kind++)
@@ -1424,7 +1423,7 @@ int main(int argc, char **argv) {
                     test_matmul_input_norm(&rng, kind, fp32, 1, D, add, 0);
                 test_matmul_input_norm(&rng, kind, fp32, 1, 2048, add, 1);
             }
-    for (int M : {2, 32, 64}) test_matmul_side_graph(&rng, M); // the remainder's side stream in a decode graph
+    for (int M : {2, 32, 64}) test_matmul_chain_graph(&rng, M); // a decode chain in a graph
 
     const int f16x16[] = {16, 16}, f256[] = {256, 256}, f3[] = {4, 8, 8}, f1[] = {64}, f3b[] = {16, 16, 16};
     for (int kind = SC_NORMAL; kind <= SC_EQUAL; kind++) {
