@@ -202,7 +202,7 @@ static inline int shard_manifest_of(const char *path, char *out, size_t cap, con
 // The shard at path (header h, size checked) must be listed in its manifest with its token count and size.
 static inline int shard_manifest_check(const char *path, const ShardHeader *h, char *err) {
     char manifest[SHARD_PATH_LEN + 16], line[SHARD_PATH_LEN + 64], why[160], listed[SHARD_PATH_LEN];
-    const char *name;
+    const char *name = NULL; // set by shard_manifest_of (gcc cannot see it through the inlining)
     if (shard_manifest_of(path, manifest, sizeof manifest, &name, err)) return -1;
     FILE *f = sdm_fopen_regular(manifest, why, sizeof why);
     if (!f)
