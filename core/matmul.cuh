@@ -785,7 +785,8 @@ static inline const char *matmul_kernel_name(MatmulKernel k) {
 // cuBLASLt, takes a SwiGLU product (op) of 2..64 bf16 rows, the SwiGLU in its store, a kernel less (H100, the FFN's
 // 2048 -> 11264 at 8 / 32 rows: 17.8 / 18.6 us against cuBLASLt's 17.6 / 18.1 and the SwiGLU kernel's 3.3), and a
 // wide one whose N cuBLASLt would cut into an aligned main part and a remainder (the SDM input's 6148 at 8 / 32 rows:
-// 11.7 / 14.3 against 16.7 / 17.4; BENCHMARKS.md). The small-M kernels need rows of whole 16-byte vectors.
+// 11.7 / 14.3 against 16.7 / 17.4 with the remainder on a stream of its own, since removed; BENCHMARKS.md). The
+// small-M kernels need rows of whole 16-byte vectors.
 #define MATMUL_MMA_NARROW 512
 static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr,
                                                  MatmulOut op = MATMUL_OUT_PLAIN) {
