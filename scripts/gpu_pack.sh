@@ -17,6 +17,8 @@ for id in build/variants/*.id; do
     if [ "$(cut -d' ' -f1-2 "$id")" = "$(cat build/gpu_pack.id)" ]; then variants+=("${id%.id}" "$id")
     else echo "left out (built from other sources): ${id%.id}"; fi
 done
-tar -cJf build/gpu_pack.tar.xz build/gpu_pack.id build/gpu_test_* build/bench_* train_sdm infer_sdm prepare_data \
-    svgplot ${variants[@]+"${variants[@]}"}
+# the binaries alone: a dependency file (.d) names this machine's headers (nccl.h), and one missing there would
+# make the GPU machine rebuild the programs that include it (-MP)
+tar -cJf build/gpu_pack.tar.xz build/gpu_pack.id $(ls build/gpu_test_* build/bench_* | grep -v '\.d$') train_sdm \
+    infer_sdm prepare_data svgplot ${variants[@]+"${variants[@]}"}
 ls -l build/gpu_pack.tar.xz
