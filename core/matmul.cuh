@@ -545,10 +545,11 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 // of an output are added in wk order. So an output's sum is fixed by K alone (each warp's chain of mma over its
 // k-blocks in order, with the K permutation of the MMA kernel: fragments of 16 bytes a lane), the same for every M
 // and every row's neighbours: batch invariance, as above. Measured (H100, bench_layers): as fast as cuBLASLt on the
-// FFN's wide product, so it takes decode's SwiGLU products (the SwiGLU in its store, a kernel less); slower than
-// cuBLASLt where a product has few groups (2048 rows: 64 blocks) or X is deep (w2, K = 5632), and than the MMA kernel
-// on narrow ones. Tuned there: 2 x 2 warps (across n-tiles x across k-blocks) beat 4 x 2 and 4 x 1, 4 stages beat
-// 3; tiles 256 deep do not fit 4 stages beside X at 64 rows.
+// FFN's wide product, so it takes decode's SwiGLU products (the SwiGLU in its store, a kernel less), and faster on
+// the SDM input's 6148 columns, which cuBLASLt cuts in two; slower than cuBLASLt on the other products (q, k, v as
+// one at 32 rows: 14.1 against 11.7 us; 2048 rows, 64 groups for 132 SMs: up to 2x) and than the MMA kernel on
+// narrow ones. Tuned there: 2 x 2 warps (across n-tiles x across k-blocks) beat 4 x 2 and 4 x 1, 4 stages beat 3;
+// tiles 256 deep do not fit 4 stages beside X at 64 rows.
 
 #ifndef MATMUL_PIPE_WARPS_N
 #define MATMUL_PIPE_WARPS_N 2 // warps across a group's n-tiles
