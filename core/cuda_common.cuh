@@ -143,7 +143,7 @@ __device__ __forceinline__ float core_block_sum(float v, float *scratch) {
 
 // Element-wise functions that must give the same bits wherever they run: the SwiGLU and attention-gate kernels
 // (core/layers.cuh, attention/attn_rope_gate.cuh) and the decode products that fold them into their store
-// (core/matmul.cuh, MatmulOut). One definition each, inlined into all of them.
+// (core/matmul_small_m.cuh, MatmulOut). One definition each, inlined into all of them.
 __device__ __forceinline__ float core_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 // SwiGLU: silu(a) * b.
 __device__ __forceinline__ float core_swiglu(float a, float b) { return a * core_sigmoidf(a) * b; }

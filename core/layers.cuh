@@ -383,8 +383,8 @@ static inline void residual_rmsnorm_forward(void *h_out, void *y, float *rstd, c
     rmsnorm_forward_launch("residual_rmsnorm_forward", y, rstd, h_out, h_in, branch, w, dtype, n, D, eps, s);
 }
 
-// The residual add and RMSNorm as the input of a product (core/matmul.cuh, MatmulParts.norm: the norm kernel writes X
-// into the product's input buffer, then the product runs).
+// The residual add and RMSNorm as the input of a product (core/matmul_small_m.cuh MatmulParts.norm: core/matmul.cuh
+// runs the norm kernel into the product's input buffer, then the product).
 //   X [n, D] = RMSNorm(h + add) * w (add NULL: RMSNorm(h) * w), h_out = h + add
 typedef struct {
     const void *h, *add; // [n, D] the residual stream and the branch added to it (NULL: none)

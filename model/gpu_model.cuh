@@ -429,7 +429,7 @@ static inline void gm_mixer_backward(GpuModel *g, int l, const void *x, const vo
 // SwiGLU FFN of block w on n rows: y [n, D] = W2 (silu(a) * b) with a|b [n, 2F] = x W1|W3ᵀ in one GEMM (the two
 // are adjacent in the parameter table); ab and hf [n, F] keep the intermediates when `keep` (training's backward
 // reads them), else a few rows (inference) take the SwiGLU in the GEMM's store, the same bits in hf alone.
-// norm (inference, not with keep): x's input norm (core/matmul.cuh MatmulParts.norm; x its buffer) or NULL.
+// norm (inference, not with keep): x's input norm (core/matmul_small_m.cuh MatmulParts.norm; x its buffer) or NULL.
 static inline void gm_ffn_forward(const GpuModel *g, const GmBlockWeights *w, const void *x, const ResidualNorm *norm,
                                   void *ab, void *hf, void *y, int n, int keep, cudaStream_t st) {
     int D = g->D, F = g->F;

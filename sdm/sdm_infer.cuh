@@ -74,7 +74,7 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
 }
 
 // Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D]; norm: x's input norm
-// (core/matmul.cuh MatmulParts.norm; x its buffer, read by the input product alone) or NULL.
+// (core/matmul_small_m.cuh MatmulParts.norm; x its buffer, read by the input product alone) or NULL.
 static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, const ResidualNorm *norm,
                                     void *y, int n, cudaStream_t st) {
     if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);

@@ -316,7 +316,8 @@ static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaSt
 }
 
 // z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select, for the
-// L->B * L->T tokens of x [B,T,D]; norm: x's input norm (core/matmul.cuh MatmulParts.norm; x its buffer) or NULL.
+// L->B * L->T tokens of x [B,T,D]; norm: x's input norm (core/matmul_small_m.cuh MatmulParts.norm; x its buffer)
+// or NULL.
 static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const void *x, cudaStream_t st,
                                      const ResidualNorm *norm = NULL) {
     int BT = L->B * L->T, D = L->s.dim;
