@@ -229,23 +229,32 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
 // groups.
 static unsigned g_matmul_grid_cap = 0;
 
-// Blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) that fit on an SM, with its dynamic
-// shared memory limit raised to `smem` first: asked of the driver once per kernel and size, not per launch (an eager
-// decode step launches some 180 products).
-static inline int matmul_blocks_per_sm(const void *kernel, int threads, size_t smem) {
+// The grid of a persistent small-M kernel (`threads` threads, `smem` bytes of dynamic shared memory) over `groups`
+// groups: as many blocks as fit on the GPU at once (g_matmul_grid_cap at most), at most one a group; its dynamic
+// shared memory limit is raised to `smem` first. The blocks an SM are asked of the driver once per kernel and size,
+// not per launch (an eager decode step launches some 180 products). All blocks that fit: capping them at 2 or 3 an
+// SM, so that the next product's blocks fit beside them, made the batch-1 decode step 14% / 8% slower on an H100
+// (BENCHMARKS.md).
+static inline unsigned matmul_persistent_grid(const void *kernel, int threads, size_t smem, unsigned groups,
+                                              const char *what) {
     static struct { const void *kernel; size_t smem; int blocks; } memo[64];
     static int used = 0;
-    for (int i = 0; i < used; i++)
-        if (memo[i].kernel == kernel && memo[i].smem == smem) return memo[i].blocks;
-    int blocks = 0;
-    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
-    if (used < 64) memo[used++] = {kernel, smem, blocks};
-    return blocks;
+    int blocks = -1;
+    for (int i = 0; i < used && blocks < 0; i++)
+        if (memo[i].kernel == kernel && memo[i].smem == smem) blocks = memo[i].blocks;
+    if (blocks < 0) {
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+        if (used < 64) memo[used++] = {kernel, smem, blocks};
+    }
+    if (blocks < 1) sdm_die("matmul %s: no block of %zu bytes of shared memory fits on an SM", what, smem);
+    unsigned fit = (unsigned)(blocks * core_sm_count());
+    if (g_matmul_grid_cap && g_matmul_grid_cap < fit) fit = g_matmul_grid_cap;
+    return groups < fit ? groups : fit;
 }
 
-// Every part of P (whose op is OP) for M in 1..8 rows of X (P's input norm, if any, already in x). The grid: as
-// many blocks as fit on the GPU at once, at most one a group; which block takes a group does not change its sums.
+// Every part of P (whose op is OP) for M in 1..8 rows of X (P's input norm, if any, already in x), on the persistent
+// grid (matmul_persistent_grid); which block takes a group does not change its sums.
 template <typename T, typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int K, cudaStream_t s) {
     const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_GEMV_ROWS));
@@ -258,13 +267,7 @@ static inline void matmul_gemv_run(const MatmulParts *P, const T *x, int M, int 
         MATMUL_GEMV_CASE(5) MATMUL_GEMV_CASE(6) MATMUL_GEMV_CASE(7) MATMUL_GEMV_CASE(8)
     }
 #undef MATMUL_GEMV_CASE
-    const int per_sm = matmul_blocks_per_sm((const void *)kernel, MATMUL_GEMV_THREADS, smem);
-    if (per_sm < 1) sdm_die("matmul GEMV: no block of %zu bytes of shared memory fits on an SM (M=%d K=%d)", smem, M, K);
-    // all blocks that fit (capping them at 2 or 3 an SM, so that the next product's blocks fit beside them, made the
-    // batch-1 decode step 14% / 8% slower on an H100: BENCHMARKS.md)
-    unsigned fit = (unsigned)(per_sm * core_sm_count());
-    if (g_matmul_grid_cap && g_matmul_grid_cap < fit) fit = g_matmul_grid_cap;
-    const unsigned grid = groups < fit ? groups : fit;
+    const unsigned grid = matmul_persistent_grid((const void *)kernel, MATMUL_GEMV_THREADS, smem, groups, "GEMV");
     launch_pdl(kernel, grid, MATMUL_GEMV_THREADS, smem, s, *P, x, K, (int)groups);
     cudaCheckLast();
 }
@@ -627,7 +630,7 @@ __global__ void __launch_bounds__(MATMUL_PIPE_THREADS)
 }
 
 // Every part of P (whose op is OP) for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY
-// output. The grid: as many blocks as fit on the GPU at once, at most one a group.
+// output, on the persistent grid.
 template <typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_pipe_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
     const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_PIPE_ROWS));
@@ -641,11 +644,7 @@ static inline void matmul_pipe_run(const MatmulParts *P, const __nv_bfloat16 *x,
     case 4: kernel = matmul_pipe_kernel<TY, 4, OP>; break;
     default: sdm_die("matmul: the MMA pipe kernel takes 1..64 rows, not %d", M);
     }
-    const int per_sm = matmul_blocks_per_sm((const void *)kernel, MATMUL_PIPE_THREADS, smem);
-    if (per_sm < 1) sdm_die("matmul MMA pipe: no block of %zu bytes of shared memory fits on an SM (M=%d)", smem, M);
-    unsigned fit = (unsigned)(per_sm * core_sm_count());
-    if (g_matmul_grid_cap && g_matmul_grid_cap < fit) fit = g_matmul_grid_cap;
-    const unsigned grid = groups < fit ? groups : fit;
+    const unsigned grid = matmul_persistent_grid((const void *)kernel, MATMUL_PIPE_THREADS, smem, groups, "MMA pipe");
     launch_pdl(kernel, grid, MATMUL_PIPE_THREADS, smem, s, *P, x, M, K, (int)groups);
     cudaCheckLast();
 }
