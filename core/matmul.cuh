@@ -137,17 +137,18 @@ static inline const char *matmul_kernel_name(MatmulKernel k) {
 }
 
 // Which kernel takes a forward product (`parts` products sharing X, MatmulParts, of N weight rows in all) of M rows of
-// K in_type inputs, X and every W at `addr` (their addresses or'ed) 16-byte aligned (BENCHMARKS.md, decode's
-// products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at one row; its FMAs bind it
-// beyond). Of 2..MATMUL_MMA_MAX_M bf16 rows: narrow products the MMA kernel, where cuBLASLt's fixed cost dominates
-// (the bytes LM head, 258 x 2048, at 32 rows: 4.9 against 9.4 us on the H200); the MMA pipe kernel a SwiGLU product
-// (op), the SwiGLU in its store, a kernel less (H100, the FFN's 2048 -> 11264 at 8 / 32 rows: 17.8 / 18.6 us against
-// cuBLASLt's 17.6 / 18.1 and the SwiGLU kernel's 3.3), several parts in one launch (q, k, v at 8 / 32 rows: 10.0 /
-// 11.6 us against the MMA kernel's 10.9 / 16.2 and cuBLASLt's 17.8 / 17.9 a part at a time) and a wide product whose
-// N cuBLASLt would cut into an aligned main part and a remainder (the SDM input's 6148: 10.1 / 11.7 against 22.2 /
-// 23.1); cuBLASLt the other single products (attention out, 2048 x 2048: 6.0 / 6.0 against 6.2 / 8.4; the FFN's
-// 5632 -> 2048: 11.7 / 12.1 against 14.5 / 18.6). Not by M within 2..64: a stream's bits do not change as other
-// streams join or leave a batch. The small-M kernels need rows of whole 16-byte vectors.
+// K in_type inputs, X and every W at `addr` (their addresses or'ed) 16-byte aligned, as measured on the H200
+// (BENCHMARKS.md, decode's products): one bf16 row or up to MATMUL_GEMV_MAX_M fp32 rows the GEMV (63-91% of HBM at
+// one row; its FMAs bind it beyond); up to MATMUL_MMA_MAX_M bf16 rows the MMA kernel for several parts, one launch
+// where cuBLASLt takes one per part (q, k, v apart at 32 rows: 16.5 against 17.4 us), and for narrow products, where
+// cuBLASLt's fixed cost dominates (the bytes LM head, 258 x 2048, at 32 rows: 4.9 against 9.4 us); other single bf16
+// products of 2 or more rows cuBLASLt (the FFN's 2048 -> 11264 at 32 rows: 13.4 against 26.0 us by the MMA kernel,
+// whose blocks fill HBM's queue less well); but the MMA pipe kernel, which moves wide products' weights as fast as
+// cuBLASLt, takes a SwiGLU product (op) of 2..64 bf16 rows, the SwiGLU in its store, a kernel less (H100, the FFN's
+// 2048 -> 11264 at 8 / 32 rows: 17.8 / 18.6 us against cuBLASLt's 17.6 / 18.1 and the SwiGLU kernel's 3.3), and a
+// wide one whose N cuBLASLt would cut into an aligned main part and a remainder (the SDM input's 6148 at 8 / 32 rows:
+// 11.7 / 14.3 against 16.7 / 17.4 with the remainder on a stream of its own, since removed; BENCHMARKS.md). The
+// small-M kernels need rows of whole 16-byte vectors.
 #define MATMUL_MMA_NARROW 512
 static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, int K, int parts, uintptr_t addr,
                                                  MatmulOut op = MATMUL_OUT_PLAIN) {
@@ -156,8 +157,8 @@ static inline MatmulKernel matmul_small_m_kernel(Dtype in_type, int M, int N, in
     if (M == 1) return MATMUL_KERNEL_GEMV;
     if (M > MATMUL_MMA_MAX_M) return MATMUL_KERNEL_LT;
     if (op == MATMUL_OUT_SWIGLU) return MATMUL_KERNEL_PIPE;
-    if (N <= MATMUL_MMA_NARROW) return MATMUL_KERNEL_MMA;
-    return parts > 1 || N % MATMUL_ALIGN ? MATMUL_KERNEL_PIPE : MATMUL_KERNEL_LT;
+    if (parts == 1 && N > MATMUL_MMA_NARROW) return N % MATMUL_ALIGN ? MATMUL_KERNEL_PIPE : MATMUL_KERNEL_LT;
+    return MATMUL_KERNEL_MMA;
 }
 
 // The weight rows of P: every part's N, twice under SwiGLU (W = [W1; W3]).

@@ -423,40 +423,49 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 // Small-M forward on tensor cores with W streamed through shared memory (decode batches, bf16). The MMA kernel above
 // loads W fragments straight from global memory, one short-lived block per 16 rows of W, and each block reads all of
 // X: at 32 rows X's bytes are twice W's. Here, as in the GEMV, the grid holds as many blocks as fit on the GPU, block
-// b takes groups b, b + G, ... of MATMUL_PIPE_ROWS rows of W, and tiles (a group's rows and X's M rows at KT of K)
-// stream through S stages of shared memory by cp.async, S - 1 tiles ahead across group boundaries, so X's bytes are
-// M / ROWS of W's. A thread copies the same 16-byte column of every tile (its row pointers set once a group: the
-// copies cost a few instructions each). Warp (wn, wk) of a block owns the n-tiles wn + j WN (j < NTW; under SwiGLU
-// the first half of them in W1, the second the same columns in W3) and the k-blocks wk, wk + WK, ... of each tile; at
-// a group's end the WK partial sums of an output are added in wk order. So an output's sum is fixed by K and the
-// block shape (MatmulPipeShape) alone (each warp's chain of mma over its k-blocks in order, with the K permutation of
-// the MMA kernel: fragments of 16 bytes a lane), the same for every M and every row's neighbours: batch invariance,
-// as above. The shape is a trade (H100, bench_layers, BENCHMARKS.md): deeper tiles and more warps a block keep more
-// of a product's bytes in flight (q, k, v at 32 rows: 11.6 against 14.1 us) but take more shared memory, so fewer
-// blocks fit than the FFN's wide product has groups (23.2 against 18.4 us).
+// b takes groups b, b + G, ... of MATMUL_PIPE_ROWS rows of W, and tiles (a group's rows and X's M rows at
+// MATMUL_PIPE_KT of K) stream through MATMUL_PIPE_STAGES stages of shared memory by cp.async, STAGES - 1 tiles ahead
+// across group boundaries, so X's bytes are M / ROWS of W's. A thread copies the same 16-byte column of every tile
+// (its row pointers set once a group: the copies cost a few instructions each). Warp (wn, wk) of a block owns the
+// n-tiles wn + j MATMUL_PIPE_WARPS_N (j < MATMUL_PIPE_NTW; under SwiGLU the first half of them in W1, the second the
+// same columns in W3) and the k-blocks wk, wk + WARPS_K, ... of each tile; at a group's end the WARPS_K partial sums
+// of an output are added in wk order. So an output's sum is fixed by K alone (each warp's chain of mma over its
+// k-blocks in order, with the K permutation of the MMA kernel: fragments of 16 bytes a lane), the same for every M
+// and every row's neighbours: batch invariance, as above. Measured (H100, bench_layers): as fast as cuBLASLt on the
+// FFN's wide product, so it takes decode's SwiGLU products (the SwiGLU in its store, a kernel less), and faster on
+// the SDM input's 6148 columns, which cuBLASLt cuts in two; slower than cuBLASLt on the other products (q, k, v as
+// one at 32 rows: 14.1 against 11.7 us; 2048 rows, 64 groups for 132 SMs: up to 2x) and than the MMA kernel on
+// narrow ones. Tuned there: 2 x 2 warps (across n-tiles x across k-blocks) beat 4 x 2 and 4 x 1, 4 stages beat 3;
+// tiles 256 deep do not fit 4 stages beside X at 64 rows.
 
-// A block shape of the pipe kernel: WN x WK warps (across a group's n-tiles x across a tile's k-blocks), NTW n-tiles
-// (8 rows of W) a warp, KB 32-wide k-blocks a tile, S stages.
-template <int WN_, int WK_, int NTW_, int KB_, int S_> struct MatmulPipeShape {
-    static constexpr int WN = WN_, WK = WK_, NTW = NTW_, KB = KB_, S = S_;
-    static constexpr int THREADS = 32 * WN * WK, ROWS = 8 * NTW * WN, KT = 32 * KB;
-    static constexpr int CH = KT / 8, PASS = THREADS / CH, LD = KT; // 16-byte chunks of a tile's row; rows the
-                                                                     // block copies at once; a shared-memory row
-    static_assert(S >= 2 && S <= 4, "matmul: 2..4 pipeline stages");
-    static_assert(NTW % 2 == 0, "matmul: SwiGLU pairs a warp's n-tiles in W1 and W3");
-    static_assert(KB % WK == 0 && KB >= 2,
-                  "matmul: a tile's k-blocks split evenly over warps; rows of 8 or more chunks (the swizzle)");
-    static_assert(THREADS % CH == 0 && ROWS % PASS == 0 && 16 % PASS == 0 && PASS % 2 == 0,
-                  "matmul: a thread copies one column of a tile's W rows and X rows");
-};
-// Two shapes (H100, bench_layers; BENCHMARKS.md): for products of many groups (the FFN's 2048 -> 2 x 5632: 352 at 32
-// rows, all at once at 3 blocks an SM) 2 x 2 warps, tiles 128 deep, 4 stages; for the others (q, k, v and the SDM
-// input: 192 groups) 2 x 4 warps, tiles 256 deep, 3 stages, 2 blocks an SM at 32 rows.
-typedef MatmulPipeShape<2, 2, 2, 4, 4> MatmulPipeWide;
-typedef MatmulPipeShape<2, 4, 2, 8, 3> MatmulPipeDeep;
-#define MATMUL_PIPE_ROWS 32 // rows of W a group, in both shapes
-static_assert(MatmulPipeWide::ROWS == MATMUL_PIPE_ROWS && MatmulPipeDeep::ROWS == MATMUL_PIPE_ROWS,
-              "matmul: the pipe kernel's groups are of MATMUL_PIPE_ROWS rows");
+#ifndef MATMUL_PIPE_WARPS_N
+#define MATMUL_PIPE_WARPS_N 2 // warps across a group's n-tiles
+#endif
+#ifndef MATMUL_PIPE_WARPS_K
+#define MATMUL_PIPE_WARPS_K 2 // warps across a tile's k-blocks
+#endif
+#ifndef MATMUL_PIPE_NTW
+#define MATMUL_PIPE_NTW 2 // n-tiles (8 rows of W) a warp
+#endif
+#ifndef MATMUL_PIPE_KB
+#define MATMUL_PIPE_KB 4 // 32-wide k-blocks a tile
+#endif
+#ifndef MATMUL_PIPE_STAGES
+#define MATMUL_PIPE_STAGES 4
+#endif
+#define MATMUL_PIPE_THREADS (32 * MATMUL_PIPE_WARPS_N * MATMUL_PIPE_WARPS_K)
+#define MATMUL_PIPE_ROWS (8 * MATMUL_PIPE_NTW * MATMUL_PIPE_WARPS_N)
+#define MATMUL_PIPE_KT (32 * MATMUL_PIPE_KB)
+#define MATMUL_PIPE_CH (MATMUL_PIPE_KT / 8)         // 16-byte chunks of a tile's row
+#define MATMUL_PIPE_PASS (MATMUL_PIPE_THREADS / MATMUL_PIPE_CH) // rows the block copies at once
+#define MATMUL_PIPE_LD MATMUL_PIPE_KT                // a shared-memory row, in bf16
+static_assert(MATMUL_PIPE_STAGES >= 2 && MATMUL_PIPE_STAGES <= 4, "matmul: 2..4 pipeline stages");
+static_assert(MATMUL_PIPE_NTW % 2 == 0, "matmul: SwiGLU pairs a warp's n-tiles in W1 and W3");
+static_assert(MATMUL_PIPE_KB % MATMUL_PIPE_WARPS_K == 0 && MATMUL_PIPE_KB >= 2,
+              "matmul: a tile's k-blocks split evenly over warps; rows of 8 or more chunks (the swizzle)");
+static_assert(MATMUL_PIPE_THREADS % MATMUL_PIPE_CH == 0 && MATMUL_PIPE_ROWS % MATMUL_PIPE_PASS == 0 &&
+                  16 % MATMUL_PIPE_PASS == 0 && MATMUL_PIPE_PASS % 2 == 0,
+              "matmul: a thread copies one column of a tile's W rows and X rows");
 
 // Where chunk c (16 bytes) of row r of a tile lies in its shared-memory row: odd rows swap the halves of each 128
 // bytes, so that the two rows a quarter-warp reads (g = 2q, 2q + 1; chunks 4 kb + t) fall in 8 distinct 16-byte bank
@@ -465,37 +474,37 @@ __device__ __forceinline__ int matmul_pipe_chunk(int r, int c) { return c ^ (r &
 
 // Bytes of dynamic shared memory for MT tiles of 16 rows of X: the stages (W's rows, then X's), then the partial
 // sums of the warps wk > 0 for the end of a group.
-template <class Sh> static inline size_t matmul_pipe_smem(int mt) {
-    return Sh::S * (size_t)(Sh::ROWS + 16 * mt) * Sh::LD * sizeof(__nv_bfloat16) +
-           (size_t)(Sh::WK - 1) * Sh::WN * mt * Sh::NTW * 4 * 32 * sizeof(float);
+static inline size_t matmul_pipe_smem(int mt) {
+    return MATMUL_PIPE_STAGES * (size_t)(MATMUL_PIPE_ROWS + 16 * mt) * MATMUL_PIPE_LD * sizeof(__nv_bfloat16) +
+           (size_t)(MATMUL_PIPE_WARPS_K - 1) * MATMUL_PIPE_WARPS_N * mt * MATMUL_PIPE_NTW * 4 * 32 * sizeof(float);
 }
 
 // A thread's copies into the stages: the tile (g, k) it issues next (g over all parts' groups), and its rows of W
 // in that group at its column of chunks (NULL past the part's N).
-template <class Sh, int MT, MatmulOut OP> struct MatmulPipeCopier {
-    static constexpr int R = Sh::ROWS, C = matmul_block_cols(OP, R), RPT = R / Sh::PASS;
+template <int MT, MatmulOut OP> struct MatmulPipeCopier {
+    static constexpr int R = MATMUL_PIPE_ROWS, C = matmul_block_cols(OP, R), RPT = R / MATMUL_PIPE_PASS;
     const __nv_bfloat16 *w[RPT];
     int g, k;
 
     __device__ void point(const MatmulParts &P, int K, int groups) {
         if (g >= groups) return;
         int b = g;
-        const int p = matmul_block_part(P, C, b), N = P.N[p], n0 = b * C, col = threadIdx.x % Sh::CH * 8;
+        const int p = matmul_block_part(P, C, b), N = P.N[p], n0 = b * C, col = threadIdx.x % MATMUL_PIPE_CH * 8;
         const __nv_bfloat16 *wp = (const __nv_bfloat16 *)P.w[p];
 #pragma unroll
         for (int j = 0; j < RPT; j++) {
-            const int r = threadIdx.x / Sh::CH + j * Sh::PASS;
+            const int r = threadIdx.x / MATMUL_PIPE_CH + j * MATMUL_PIPE_PASS;
             w[j] = matmul_out_col<OP, R>(n0, r) < N ? wp + (size_t)matmul_w_row<OP, R>(n0, r, N) * K + col : NULL;
         }
     }
     // X's M rows at K offset kt into `stage` (chunks past K zero-filled)
     __device__ static void copy_x(__nv_bfloat16 *stage, const __nv_bfloat16 *x, int M, int K, int kt) {
-        const int c = threadIdx.x % Sh::CH, r0 = threadIdx.x / Sh::CH, kk = kt + c * 8;
-        __nv_bfloat16 *xs = stage + R * Sh::LD + matmul_pipe_chunk(r0, c) * 8; // PASS is even: r's parity
+        const int c = threadIdx.x % MATMUL_PIPE_CH, r0 = threadIdx.x / MATMUL_PIPE_CH, kk = kt + c * 8;
+        __nv_bfloat16 *xs = stage + R * MATMUL_PIPE_LD + matmul_pipe_chunk(r0, c) * 8; // PASS is even: r's parity
 #pragma unroll
-        for (int j = 0; j < 16 * MT / Sh::PASS; j++) {
-            const int m = r0 + j * Sh::PASS;
-            if (m < M) core_cp_async16(xs + m * Sh::LD, x + (size_t)m * K + (kk < K ? kk : 0), kk < K);
+        for (int j = 0; j < 16 * MT / MATMUL_PIPE_PASS; j++) {
+            const int m = r0 + j * MATMUL_PIPE_PASS;
+            if (m < M) core_cp_async16(xs + m * MATMUL_PIPE_LD, x + (size_t)m * K + (kk < K ? kk : 0), kk < K);
         }
     }
     // tile (g, k) into `stage` (W rows past N and chunks past K zero-filled; X's rows too unless x is NULL), then
@@ -503,15 +512,15 @@ template <class Sh, int MT, MatmulOut OP> struct MatmulPipeCopier {
     __device__ void copy(__nv_bfloat16 *stage, const MatmulParts &P, const __nv_bfloat16 *x, int M, int K,
                          int groups) {
         if (g < groups) {
-            const int c = threadIdx.x % Sh::CH, r0 = threadIdx.x / Sh::CH;
+            const int c = threadIdx.x % MATMUL_PIPE_CH, r0 = threadIdx.x / MATMUL_PIPE_CH;
             const bool in = k + c * 8 < K;
-            __nv_bfloat16 *ws = stage + r0 * Sh::LD + matmul_pipe_chunk(r0, c) * 8;
+            __nv_bfloat16 *ws = stage + r0 * MATMUL_PIPE_LD + matmul_pipe_chunk(r0, c) * 8;
 #pragma unroll
             for (int j = 0; j < RPT; j++)
-                core_cp_async16(ws + j * Sh::PASS * Sh::LD, w[j] && in ? w[j] + k : (const void *)P.w[0],
+                core_cp_async16(ws + j * MATMUL_PIPE_PASS * MATMUL_PIPE_LD, w[j] && in ? w[j] + k : (const void *)P.w[0],
                                 w[j] && in);
             if (x) copy_x(stage, x, M, K, k);
-            k += Sh::KT;
+            k += MATMUL_PIPE_KT;
             if (k >= K) { // the group's last tile: the next one starts the block's next group
                 k = 0;
                 g += gridDim.x;
@@ -522,27 +531,27 @@ template <class Sh, int MT, MatmulOut OP> struct MatmulPipeCopier {
     }
 };
 
-// Wait until at most n (< Sh::S - 1, or the steady state's S - 2) of this thread's
+// Wait until at most n (< MATMUL_PIPE_STAGES - 1, or the steady state's MATMUL_PIPE_STAGES - 2) of this thread's
 // newest commit groups are in flight.
-template <int S> __device__ __forceinline__ void matmul_pipe_wait(int n) {
-    if (n >= S - 2) core_cp_async_wait<S - 2>();
+__device__ __forceinline__ void matmul_pipe_wait(int n) {
+    if (n >= MATMUL_PIPE_STAGES - 2) core_cp_async_wait<MATMUL_PIPE_STAGES - 2>();
     else if (n <= 0) core_cp_async_wait<0>();
     else core_cp_async_wait<1>(); // n == 1 < STAGES - 2: four stages
 }
 
 // Block b takes groups b, b + G, ... of `groups` (G = gridDim.x; MatmulParts' groups of matmul_block_cols(OP,
-// Sh::ROWS) output columns) for all M <= 16 MT rows of X.
-template <class Sh, typename TY, int MT, MatmulOut OP>
-__global__ void __launch_bounds__(Sh::THREADS)
+// MATMUL_PIPE_ROWS) output columns) for all M <= 16 MT rows of X.
+template <typename TY, int MT, MatmulOut OP>
+__global__ void __launch_bounds__(MATMUL_PIPE_THREADS)
     matmul_pipe_kernel(MatmulParts P, const __nv_bfloat16 *x, int M, int K, int groups) {
-    constexpr int R = Sh::ROWS, C = matmul_block_cols(OP, R), S = Sh::S, NTW = Sh::NTW,
-                  LD = Sh::LD, WN = Sh::WN, WK = Sh::WK, KT = Sh::KT;
+    constexpr int R = MATMUL_PIPE_ROWS, C = matmul_block_cols(OP, R), S = MATMUL_PIPE_STAGES, NTW = MATMUL_PIPE_NTW,
+                  LD = MATMUL_PIPE_LD, WN = MATMUL_PIPE_WARPS_N, WK = MATMUL_PIPE_WARPS_K, KT = MATMUL_PIPE_KT;
     constexpr int STAGE = (R + 16 * MT) * LD, PART = MT * NTW * 4; // a stage's bf16; a warp's sums a lane
     extern __shared__ __align__(16) __nv_bfloat16 pipe_smem[];
     float *partials = (float *)(pipe_smem + S * STAGE); // [WK - 1][WN][PART][32]
     const int lane = threadIdx.x % 32, wn = threadIdx.x / 32 % WN, wk = threadIdx.x / 32 / WN, g8 = lane / 4,
               t = lane % 4;
-    MatmulPipeCopier<Sh, MT, OP> cp;
+    MatmulPipeCopier<MT, OP> cp;
     cp.g = blockIdx.x, cp.k = 0;
     cp.point(P, K, groups);
     // W's first tiles before pdl_wait (W is constant in a step), then X's rows for them in a commit group of its own
@@ -557,12 +566,12 @@ __global__ void __launch_bounds__(Sh::THREADS)
     for (int gr = blockIdx.x, i = 0; gr < groups; i++) {
         // tile i has landed (the first S - 1 tiles: with X's group, committed after them), and every warp is done
         // with tile i - 1, whose stage the next copy refills
-        matmul_pipe_wait<S>(i < S - 2 ? i : S - 2);
+        matmul_pipe_wait(i < S - 2 ? i : S - 2);
         __syncthreads();
         cp.copy(pipe_smem + (i + S - 1) % S * STAGE, P, x, M, K, groups);
         const __nv_bfloat16 *ws = pipe_smem + i % S * STAGE, *xs = ws + R * LD;
 #pragma unroll
-        for (int kb = wk; kb < Sh::KB; kb += WK) {
+        for (int kb = wk; kb < MATMUL_PIPE_KB; kb += WK) {
             const int kc = matmul_pipe_chunk(g8, 4 * kb + t) * 8; // this lane's 16 bytes of the k-block (rows of
                                                                      // g8's parity)
             uint4 wv[NTW];
@@ -621,33 +630,23 @@ __global__ void __launch_bounds__(Sh::THREADS)
 }
 
 // Every part of P (whose op is OP) for M in 1..64 rows of bf16 X (X and every W 16-byte aligned, K % 8 == 0), TY
-// output, on the persistent grid, in the block shape Sh.
-template <class Sh, typename TY, MatmulOut OP>
-static inline void matmul_pipe_run_shape(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
-    const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, Sh::ROWS));
-    const int mt = ceil_div(M, 16);
-    const size_t smem = matmul_pipe_smem<Sh>(mt);
-    void (*kernel)(MatmulParts, const __nv_bfloat16 *, int, int, int) = NULL;
-    switch (mt) {
-    case 1: kernel = matmul_pipe_kernel<Sh, TY, 1, OP>; break;
-    case 2: kernel = matmul_pipe_kernel<Sh, TY, 2, OP>; break;
-    case 3: kernel = matmul_pipe_kernel<Sh, TY, 3, OP>; break;
-    case 4: kernel = matmul_pipe_kernel<Sh, TY, 4, OP>; break;
-    default: sdm_die("matmul: the MMA pipe kernel takes 1..64 rows, not %d", M);
-    }
-    const unsigned grid = matmul_persistent_grid((const void *)kernel, Sh::THREADS, smem, groups, "MMA pipe");
-    launch_pdl(kernel, grid, Sh::THREADS, smem, s, *P, x, M, K, (int)groups);
-    cudaCheckLast();
-}
-
-// The same in the shape for P: MatmulPipeDeep where its blocks take every group at once (up to 256 groups, 2 blocks
-// an SM at 32 rows), else MatmulPipeWide. By the shape of W alone, not by M, so that a product's sums are the same for
-// every M.
+// output, on the persistent grid.
 template <typename TY, MatmulOut OP = MATMUL_OUT_PLAIN>
 static inline void matmul_pipe_run(const MatmulParts *P, const __nv_bfloat16 *x, int M, int K, cudaStream_t s) {
-    if (matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_PIPE_ROWS)) <= 256)
-        matmul_pipe_run_shape<MatmulPipeDeep, TY, OP>(P, x, M, K, s);
-    else matmul_pipe_run_shape<MatmulPipeWide, TY, OP>(P, x, M, K, s);
+    const unsigned groups = matmul_parts_blocks(P, matmul_block_cols(OP, MATMUL_PIPE_ROWS));
+    const int mt = ceil_div(M, 16);
+    const size_t smem = matmul_pipe_smem(mt);
+    void (*kernel)(MatmulParts, const __nv_bfloat16 *, int, int, int) = NULL;
+    switch (mt) {
+    case 1: kernel = matmul_pipe_kernel<TY, 1, OP>; break;
+    case 2: kernel = matmul_pipe_kernel<TY, 2, OP>; break;
+    case 3: kernel = matmul_pipe_kernel<TY, 3, OP>; break;
+    case 4: kernel = matmul_pipe_kernel<TY, 4, OP>; break;
+    default: sdm_die("matmul: the MMA pipe kernel takes 1..64 rows, not %d", M);
+    }
+    const unsigned grid = matmul_persistent_grid((const void *)kernel, MATMUL_PIPE_THREADS, smem, groups, "MMA pipe");
+    launch_pdl(kernel, grid, MATMUL_PIPE_THREADS, smem, s, *P, x, M, K, (int)groups);
+    cudaCheckLast();
 }
 
 #endif
