@@ -137,18 +137,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
             int glo = 0, ghi = BM / 16;
             if (SKIPS) attn_groups(m0, BM, k0, query_hi, glo, ghi);
             float st[NT][4], dpt[NT][4]; // S^T, dP^T: 16 keys x BM queries
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) st[nt][e] = dpt[nt][e] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                uint32_t a[4];
-                attn_ldsm_a(a, Ks, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, SKIPS>(st, a, Qb, SD, ks * 16, glo, ghi);
-                attn_ldsm_a(a, Vs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, SKIPS>(dpt, a, Ob, SD, ks * 16, glo, ghi);
-            }
+            attn_mma_bt_pair<NT, KS, SKIPS>(st, dpt, Ks, Qb, Vs, Ob, SD, warp * 16, glo, ghi);
             if (PARTIAL) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
@@ -232,19 +221,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
             const bf16 *Kb = Ks + buf * BN * SD, *Vb = Vs + buf * BN * SD;
             int glo = 0, ghi = BN / 16;
             if (SKIPS) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
-            float s[NT][4], dp[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[nt][e] = dp[nt][e] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                uint32_t a[4];
-                attn_ldsm_a(a, Qs, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, SKIPS>(s, a, Kb, SD, ks * 16, glo, ghi);
-                attn_ldsm_a(a, Os, SD, warp * 16, ks * 16);
-                attn_mma_bt<NT, SKIPS>(dp, a, Vb, SD, ks * 16, glo, ghi);
-            }
+            float s[NT][4], dp[NT][4]; // S, dP: 16 queries x BN keys
+            attn_mma_bt_pair<NT, KS, SKIPS>(s, dp, Qs, Kb, Os, Vb, SD, warp * 16, glo, ghi);
             if (PARTIAL) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)

@@ -118,6 +118,26 @@ __device__ __forceinline__ void attn_mma_b(float (&acc)[NT][4], const uint32_t (
                         tile, sd, k0);
 }
 
+// s = A1 B1ᵀ and d = A2 B2ᵀ, zeroed first, over KS k-steps of 16: A1, A2 this warp's 16 rows (from row0) of two
+// shared tiles, B1, B2 shared tiles of NT n-tiles (SKIP: only the n-tile pairs glo..ghi - 1). The backward's two
+// score-shaped products of a tile (S and dP, or their transposes).
+template <int NT, int KS, bool SKIP>
+__device__ __forceinline__ void attn_mma_bt_pair(float (&s)[NT][4], float (&d)[NT][4], const bf16 *a1, const bf16 *b1,
+                                                 const bf16 *a2, const bf16 *b2, int sd, int row0, int glo, int ghi) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[nt][e] = d[nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        uint32_t a[4];
+        attn_ldsm_a(a, a1, sd, row0, ks * 16);
+        attn_mma_bt<NT, SKIP>(s, a, b1, sd, ks * 16, glo, ghi);
+        attn_ldsm_a(a, a2, sd, row0, ks * 16);
+        attn_mma_bt<NT, SKIP>(d, a, b2, sd, ks * 16, glo, ghi);
+    }
+}
+
 __device__ __forceinline__ uint32_t attn_pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *(uint32_t *)&h;
