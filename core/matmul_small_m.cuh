@@ -435,8 +435,10 @@ static inline void matmul_mma_run(const MatmulParts *P, const __nv_bfloat16 *x, 
 // FFN's wide product, so it takes decode's SwiGLU products (the SwiGLU in its store, a kernel less), and faster on
 // the SDM input's 6148 columns, which cuBLASLt cuts in two; slower than cuBLASLt on the other products (q, k, v as
 // one at 32 rows: 14.1 against 11.7 us; 2048 rows, 64 groups for 132 SMs: up to 2x) and than the MMA kernel on
-// narrow ones. Tuned there: 2 x 2 warps (across n-tiles x across k-blocks) beat 4 x 2 and 4 x 1, 4 stages beat 3;
-// tiles 256 deep do not fit 4 stages beside X at 64 rows.
+// narrow ones. Tuned there for the FFN's product, which has the most groups: 2 x 2 warps (across n-tiles x across
+// k-blocks) and 4 stages of tiles 128 deep. Deeper tiles and more warps are faster on q, k, v and the SDM input
+// alone but not in the decode step, and a K split over clusters brings the 2048-row products only to cuBLASLt's
+// speed (BENCHMARKS.md, twenty-second session).
 
 #ifndef MATMUL_PIPE_WARPS_N
 #define MATMUL_PIPE_WARPS_N 2 // warps across a group's n-tiles
