@@ -61,13 +61,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
 
     for (int n = n_lo; n < n_hi; n++) {
         int buf = (n - n_lo) & 1, key0 = n * BN;
-        if (n + 1 < n_hi) {
-            attn_load_tile<D, BN, NW * 32>(Ks + (buf ^ 1) * BN * SD, kg, key0 + BN, p.T, kstride);
-            attn_load_tile<D, BN, NW * 32>(Vs + (buf ^ 1) * BN * SD, vg, key0 + BN, p.T, kstride);
-        }
-        core_cp_async_commit();
-        core_cp_async_wait<1>();
-        __syncthreads();
+        attn_kv_step<D, BN, NW * 32>(Ks, Vs, kg, vg, buf ^ 1, n + 1 < n_hi, key0 + BN, p.T, kstride);
         unsigned wlim = attn_wlim(p.window);
         auto tile = [&](auto partial) {
             constexpr bool PARTIAL = decltype(partial)::value, SKIPS = PARTIAL && SKIP;

@@ -34,6 +34,20 @@ __device__ __forceinline__ void attn_load_tile(bf16 *smem, const bf16 *g, int ro
     }
 }
 
+// The key loop's step over double-buffered K and V tiles [2][BN][D+PAD]: with `more`, the tiles from key `next` into
+// buffer nbuf; then wait until the current buffer's have landed and every thread sees them.
+template <int D, int BN, int THREADS>
+__device__ __forceinline__ void attn_kv_step(bf16 *Ks, bf16 *Vs, const bf16 *kg, const bf16 *vg, int nbuf, bool more,
+                                             int next, int T, size_t stride) {
+    if (more) {
+        attn_load_tile<D, BN, THREADS>(Ks + nbuf * BN * (D + ATTN_PAD), kg, next, T, stride);
+        attn_load_tile<D, BN, THREADS>(Vs + nbuf * BN * (D + ATTN_PAD), vg, next, T, stride);
+    }
+    core_cp_async_commit();
+    core_cp_async_wait<1>();
+    __syncthreads();
+}
+
 __device__ __forceinline__ void attn_ldsm_x4(uint32_t (&r)[4], const bf16 *p, bool trans) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
     if (trans)
