@@ -330,7 +330,202 @@ static void bench_chain(void) {
     cudaCheck(cudaFree(row));
 }
 
+// ---- decode's products as one persistent kernel --------------------------------------------------------------------
+// What a persistent decode kernel would gain at batch 1 (BENCHMARKS.md, issue 12): the products of the flagship's 18
+// attention layers (q, k, v as one 2048 -> 6144, out 2048 -> 2048, w13 2048 -> 11264 without the SwiGLU, w2 5632 ->
+// 2048: 72 products, 1.85 GB of weights, each product's input the output of the one before) timed
+//   (a) as decode runs them: 72 GEMV launches (core/matmul_small_m.cuh) with programmatic dependent launch in a graph;
+//   (b) as one cooperative launch of the same blocks, a grid-wide barrier after each product, a block issuing the
+//       next product's first weight tiles before it waits at the barrier (weights are constant), so that its
+//       cp.async pipeline never drains between products;
+//   (c) as (b) with EXTRA barriers after each product more: the short dependent kernels (norms, RoPE, attention
+//       decode) a whole persistent step would hold, as barriers with nothing between them.
+// (b) sums every output in the GEMV's order (thread partials in k order, warps in order), so its outputs must equal
+// (a)'s bitwise: a check that the barrier orders the products.
+
+#define PERSIST_LAYERS 18
+#define PERSIST_STAGES (4 * PERSIST_LAYERS)
+
+typedef struct {
+    MatmulParts P; // one part: y = x W^T, bf16
+    const bf16 *x;
+    int K, groups;
+} PersistStage;
+
+// Every block of the grid has arrived `target` times in all: stores before it visible to loads after it.
+__device__ __forceinline__ void persist_barrier(unsigned *count, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1u);
+        unsigned v;
+        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+        while (v < target);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// matmul_gemv_issue over the stages: the tile after (s, g, k), into the next stage where this block's groups of
+// stage s are done.
+__device__ __forceinline__ void persist_issue(uint4 *buf, const PersistStage *st, int &s, int &g, int &k) {
+    while (s < PERSIST_STAGES && g >= st[s].groups) s++, g = blockIdx.x, k = threadIdx.x * 8;
+    if (s < PERSIST_STAGES) matmul_gemv_issue<bf16, MATMUL_GEMV_ROWS, MATMUL_OUT_PLAIN>(buf, st[s].P, st[s].groups,
+                                                                                         st[s].K, g, k);
+    else core_cp_async_commit();
+}
+
+// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers after each; x through L2, since other
+// blocks of this grid wrote it.
+__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const PersistStage *st, unsigned *count,
+                                                                      int extra) {
+    constexpr int VEC = 8, STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32,
+                  S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
+    __shared__ float part[WARPS][R];
+    extern __shared__ __align__(16) uint4 stages[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
+    int is = 0, ig = blockIdx.x, ik = k0; // the next tile to issue
+    for (int i = 0; i < S - 1; i++) persist_issue(stages + i * TILE, st, is, ig, ik);
+    unsigned arrivals = 0;
+    for (int s = 0, i = 0; s < PERSIST_STAGES; s++) {
+        for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, (++arrivals) * gridDim.x);
+        const bf16 *x = st[s].x;
+        const int K = st[s].K, groups = st[s].groups;
+        float acc[R] = {};
+        for (int g = blockIdx.x, k = k0; g < groups; i++) {
+            asm volatile("" ::: "memory");
+            persist_issue(stages + (i + S - 1) % S * TILE, st, is, ig, ik);
+            core_cp_async_wait<S - 1>();
+            if (k < K) {
+                float wv[R][VEC], xv[VEC];
+#pragma unroll
+                for (int r = 0; r < R; r++) matmul_gemv_unpack(stages[i % S * TILE + r * MATMUL_GEMV_THREADS + threadIdx.x],
+                                                               x, wv[r]);
+                matmul_gemv_unpack(__ldcg((const uint4 *)(x + k)), x, xv);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int e = 0; e < VEC; e++) acc[r] = fmaf(wv[r][e], xv[e], acc[r]);
+            }
+            k += STEP;
+            if (k - k0 < K) continue;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float v = core_warp_sum(acc[r]);
+                if (lane == 0) part[warp][r] = v;
+                acc[r] = 0.f;
+            }
+            __syncthreads();
+            if (threadIdx.x < R && g * R + (int)threadIdx.x < st[s].P.N[0]) {
+                float v = 0.f;
+                for (int j = 0; j < WARPS; j++) v += part[j][threadIdx.x];
+                matmul_part_store<bf16, MATMUL_OUT_PLAIN>(st[s].P, 0, 0, g * R + threadIdx.x, v, 0.f);
+            }
+            __syncthreads();
+            g += gridDim.x;
+            k = k0;
+        }
+    }
+}
+
+// x[i] *= scale, so that a chain of products keeps its values near 1.
+__global__ void persist_scale(bf16 *x, size_t n, float scale) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __float2bfloat16(__bfloat162float(x[i]) * scale);
+}
+
+static void bench_persist(void) {
+    const int D = 2048, F = 5632, N[4] = {3 * D, D, 2 * F, D}, K[4] = {D, D, D, F};
+    size_t w_n = 0, y_n = 0;
+    for (int p = 0; p < 4; p++) w_n += (size_t)N[p] * K[p], y_n += N[p];
+    bf16 *w = dev_random(w_n * PERSIST_LAYERS, 41), *x0 = dev_random(D, 42), *ya, *yb;
+    persist_scale<<<(unsigned)((w_n * PERSIST_LAYERS + 255) / 256), 256>>>(w, w_n * PERSIST_LAYERS,
+                                                                          sqrtf(3.0f / (4.0f * D)));
+    cudaCheckLast();
+    cudaCheck(cudaMalloc((void **)&ya, 2 * y_n * PERSIST_LAYERS * sizeof(bf16)));
+    yb = ya + y_n * PERSIST_LAYERS;
+    // the stages of (a) (outputs ya) and of (b) (outputs yb), each product's x the one before's y
+    PersistStage hs[2][PERSIST_STAGES];
+    for (int v = 0; v < 2; v++) {
+        const bf16 *wl = w, *x = x0;
+        bf16 *y = v ? yb : ya;
+        for (int s = 0; s < PERSIST_STAGES; s++) {
+            int p = s % 4;
+            PersistStage *t = &hs[v][s];
+            *t = {};
+            t->P.n = 1, t->P.w[0] = wl, t->P.y[0] = y, t->P.N[0] = t->P.ldy[0] = N[p];
+            t->x = x, t->K = K[p], t->groups = ceil_div(N[p], MATMUL_GEMV_ROWS);
+            // K[p] of F: w2 reads the first F of w13's 2F outputs (their bytes are what counts)
+            wl += (size_t)N[p] * K[p], x = y, y += N[p];
+        }
+    }
+    PersistStage *dst;
+    unsigned *count;
+    cudaCheck(cudaMalloc((void **)&dst, sizeof hs[1]));
+    cudaCheck(cudaMemcpy(dst, hs[1], sizeof hs[1], cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc((void **)&count, sizeof(unsigned)));
+    cudaStream_t st;
+    cudaCheck(cudaStreamCreate(&st));
+    const size_t smem = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES;
+    const unsigned grid =
+        matmul_persistent_grid((const void *)persist_kernel, MATMUL_GEMV_THREADS, smem, 1u << 30, "persistent chain");
+    auto graph_ms = [&](auto record) {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        record();
+        cudaCheck(cudaStreamEndCapture(st, &graph));
+        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+        BenchTime t = bench_time(2, 9, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+        cudaCheck(cudaGraphExecDestroy(exec));
+        cudaCheck(cudaGraphDestroy(graph));
+        return t.median;
+    };
+    auto persistent = [&](int extra) {
+        cudaCheck(cudaMemsetAsync(count, 0, sizeof(unsigned), st));
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeCooperative; // every block resident at once, or the launch fails
+        attr.val.cooperative = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid, cfg.blockDim = MATMUL_GEMV_THREADS, cfg.dynamicSmemBytes = smem, cfg.stream = st;
+        cfg.attrs = &attr, cfg.numAttrs = 1;
+        cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra));
+    };
+    float ms[3];
+    ms[0] = graph_ms([&] {
+        for (int s = 0; s < PERSIST_STAGES; s++)
+            matmul_gemv_run<bf16, bf16>(&hs[0][s].P, hs[0][s].x, 1, hs[0][s].K, st);
+    });
+    ms[1] = graph_ms([&] { persistent(0); });
+    size_t y_bytes = y_n * PERSIST_LAYERS * sizeof(bf16);
+    unsigned char *a = (unsigned char *)sdm_malloc(2 * y_bytes);
+    cudaCheck(cudaMemcpy(a, ya, 2 * y_bytes, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(a, a + y_bytes, y_bytes) == 0, "persistent chain: outputs differ from the launched GEMVs'");
+    CHECK(count_nonfinite(ya, y_n * PERSIST_LAYERS) == 0, "persistent chain: non-finite outputs");
+    free(a);
+    ms[2] = graph_ms([&] { persistent(1); });
+    double gb = w_n * PERSIST_LAYERS * sizeof(bf16) / 1e9;
+    printf("\nthe 18 attention layers' products at batch 1 (%d products, %.2f GB of weights; %u blocks persistent)\n",
+           PERSIST_STAGES, gb, grid);
+    printf("| path | us a step | us a layer | TB/s |\n|---|---|---|---|\n");
+    static const char *NAME[3] = {"72 GEMV launches, PDL, one graph (decode today)",
+                                  "one persistent launch, a barrier a product", "the same, 2 barriers a product"};
+    for (int v = 0; v < 3; v++)
+        printf("| %s | %.1f | %.2f | %.2f |\n", NAME[v], ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
+    cudaCheck(cudaStreamDestroy(st));
+    cudaCheck(cudaFree(dst));
+    cudaCheck(cudaFree(count));
+    cudaCheck(cudaFree(ya));
+    cudaCheck(cudaFree(w));
+    cudaCheck(cudaFree(x0));
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "persist")) {
+        bench_persist();
+        matmul_destroy();
+        return test_summary();
+    }
     if (argc > 1 && !strcmp(argv[1], "products")) {
         bench_products();
         matmul_destroy();
