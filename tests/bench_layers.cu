@@ -7,7 +7,8 @@
 // older core/layers.cuh: the same benchmark measures a tree before and after a change.
 // Then decode's products (core/matmul.cuh) at the flagship's shapes and M = 1..64 streams: the GEMV, the MMA kernels
 // and cuBLASLt, each called directly (see bench_products). Last, the cost of one more kernel in a decode step
-// (bench_chain). `bench_layers products`: decode's products alone.
+// (bench_chain). `bench_layers products`: decode's products alone; `bench_layers persist`: decode's attention-layer
+// products as launched against one persistent launch (bench_persist).
 #include "core/layers.cuh"
 #include "core/matmul.cuh"
 #include "tests/bench.h"
