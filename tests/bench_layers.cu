@@ -134,20 +134,29 @@ static void product_run(const Product *pr, const bf16 *w, const bf16 *x, void *c
     matmul_parts_run(KERNEL_OF[path], &P, pr->fp32_out ? DT_FP32 : DT_BF16, x, DT_BF16, M, pr->K, st);
 }
 
+// Median ms of a replay of the CUDA graph that record() captures on st (`warm` untimed replays, then `reps` timed).
+template <typename Record>
+static float graph_median_ms(cudaStream_t st, cudaStreamCaptureMode mode, int warm, int reps, Record record) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaCheck(cudaStreamBeginCapture(st, mode));
+    record();
+    cudaCheck(cudaStreamEndCapture(st, &graph));
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+    BenchTime t = bench_time(warm, reps, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+    cudaCheck(cudaGraphExecDestroy(exec));
+    cudaCheck(cudaGraphDestroy(graph));
+    return t.median;
+}
+
 // Mean ms of run(w) (launches on st) over PROD_REPS calls in a CUDA graph, w the next copy of pr's weights each.
 template <typename Run> static float product_graph_time(const Product *pr, const bf16 *pool, Run run, cudaStream_t st) {
     size_t w_n = product_weights(pr);
     int copies = (int)(PROD_POOL_BYTES / (w_n * sizeof(bf16)));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed)); // relaxed: cuBLASLt may load modules
-    for (int r = 0; r < PROD_REPS; r++) run(pool + (size_t)(r % copies) * w_n);
-    cudaCheck(cudaStreamEndCapture(st, &graph));
-    cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-    BenchTime t = bench_time(1, 5, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
-    cudaCheck(cudaGraphExecDestroy(exec));
-    cudaCheck(cudaGraphDestroy(graph));
-    return t.median / PROD_REPS;
+    // relaxed: cuBLASLt may load modules
+    return graph_median_ms(st, cudaStreamCaptureModeRelaxed, 1, 5, [&] {
+               for (int r = 0; r < PROD_REPS; r++) run(pool + (size_t)(r % copies) * w_n);
+           }) / PROD_REPS;
 }
 
 // Mean ms of the product by `path` (see above); y keeps the last launch's outputs.
@@ -311,20 +320,14 @@ static void bench_chain(void) {
            CHAIN_KERNELS, CHAIN_BLOCKS);
     for (int pdl = 1; pdl >= 0; pdl--) {
         g_pdl = pdl;
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < CHAIN_KERNELS; i++)
-            launch_pdl(chain_kernel, CHAIN_BLOCKS, 256, 0, st, (const float *)row + (i % 2) * CHAIN_D,
-                       row + (1 - i % 2) * CHAIN_D);
-        cudaCheck(cudaStreamEndCapture(st, &graph));
-        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-        BenchTime t = bench_time(2, 9, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
+        float ms = graph_median_ms(st, cudaStreamCaptureModeGlobal, 2, 9, [&] {
+            for (int i = 0; i < CHAIN_KERNELS; i++)
+                launch_pdl(chain_kernel, CHAIN_BLOCKS, 256, 0, st, (const float *)row + (i % 2) * CHAIN_D,
+                           row + (1 - i % 2) * CHAIN_D);
+        });
         printf("| %s | %.2f us a kernel |\n", pdl ? "programmatic dependent launch" : "plain launches",
-               t.median * 1e3 / CHAIN_KERNELS);
-        CHECK(t.median > 0.0f, "chain: no time measured");
-        cudaCheck(cudaGraphExecDestroy(exec));
-        cudaCheck(cudaGraphDestroy(graph));
+               ms * 1e3 / CHAIN_KERNELS);
+        CHECK(ms > 0.0f, "chain: no time measured");
     }
     g_pdl = 1;
     cudaCheck(cudaStreamDestroy(st));
@@ -470,18 +473,7 @@ static void bench_persist(void) {
     const size_t smem = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES;
     const unsigned grid =
         matmul_persistent_grid((const void *)persist_kernel, MATMUL_GEMV_THREADS, smem, 1u << 30, "persistent chain");
-    auto graph_ms = [&](auto record) {
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        cudaCheck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        record();
-        cudaCheck(cudaStreamEndCapture(st, &graph));
-        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-        BenchTime t = bench_time(2, 9, [](int) {}, [&] { cudaCheck(cudaGraphLaunch(exec, st)); }, st);
-        cudaCheck(cudaGraphExecDestroy(exec));
-        cudaCheck(cudaGraphDestroy(graph));
-        return t.median;
-    };
+    auto graph_ms = [&](auto record) { return graph_median_ms(st, cudaStreamCaptureModeGlobal, 2, 9, record); };
     auto persistent = [&](int extra) {
         cudaCheck(cudaMemsetAsync(count, 0, sizeof(unsigned), st));
         cudaLaunchAttribute attr;
