@@ -339,9 +339,9 @@ static void bench_chain(void) {
 // attention layers (q, k, v as one 2048 -> 6144, out 2048 -> 2048, w13 2048 -> 11264 without the SwiGLU, w2 5632 ->
 // 2048: 72 products, 1.85 GB of weights, each product's input the output of the one before) timed
 //   (a) as decode runs them: 72 GEMV launches (core/matmul_small_m.cuh) with programmatic dependent launch in a graph;
-//   (b) as one cooperative launch of the same blocks, a grid-wide barrier after each product, a block issuing the
-//       next product's first weight tiles before it waits at the barrier (weights are constant), so that its
-//       cp.async pipeline never drains between products;
+//   (b) as one cooperative launch of the same blocks, a grid-wide barrier (flat or a tree of counters, below) after
+//       each product, a block issuing the next product's first weight tiles before it waits at the barrier (weights
+//       are constant), so that its cp.async pipeline never drains between products;
 //   (c) as (b) with EXTRA barriers after each product more: the short dependent kernels (norms, RoPE, attention
 //       decode) a whole persistent step would hold, as barriers with nothing between them.
 // (b) sums every output in the GEMV's order (thread partials in k order, warps in order), so its outputs must equal
@@ -356,14 +356,25 @@ typedef struct {
     int K, groups;
 } PersistStage;
 
-// Every block of the grid has arrived `target` times in all: stores before it visible to loads after it.
-__device__ __forceinline__ void persist_barrier(unsigned *count, unsigned target) {
+// The grid's barrier number `gen` (1, 2, ...): stores before it visible to loads after it. Flat: every block adds to
+// one counter (gridDim.x atomics in a row on one address). Tree: block b adds to counter b % PERSIST_FAN, and the last
+// block of each of those to arrive adds to the top one (about gridDim.x / PERSIST_FAN + PERSIST_FAN atomics in a row).
+// Counters [PERSIST_FAN + 1][32] (128 bytes apart), zero at the launch.
+#define PERSIST_FAN 16
+__device__ __forceinline__ void persist_barrier(unsigned *count, unsigned gen, int tree) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        const unsigned fan = gridDim.x < PERSIST_FAN ? gridDim.x : PERSIST_FAN, sub = blockIdx.x % fan,
+                       members = (gridDim.x - sub + fan - 1) / fan;
+        unsigned *top = count + PERSIST_FAN * 32, target = gen * (tree ? fan : gridDim.x);
         __threadfence();
-        atomicAdd(count, 1u);
+        if (!tree) atomicAdd(top, 1u);
+        else if (atomicAdd(count + sub * 32, 1u) + 1 == gen * members) {
+            __threadfence();
+            atomicAdd(top, 1u);
+        }
         unsigned v;
-        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(top) : "memory");
         while (v < target);
         __threadfence();
     }
@@ -379,10 +390,10 @@ __device__ __forceinline__ void persist_issue(uint4 *buf, const PersistStage *st
     else core_cp_async_commit();
 }
 
-// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers after each; x through L2, since other
-// blocks of this grid wrote it.
+// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers (flat or tree) after each; x through
+// L2, since other blocks of this grid wrote it.
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const PersistStage *st, unsigned *count,
-                                                                      int extra) {
+                                                                      int extra, int tree) {
     constexpr int VEC = 8, STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32,
                   S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     __shared__ float part[WARPS][R];
@@ -392,7 +403,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const Pers
     for (int i = 0; i < S - 1; i++) persist_issue(stages + i * TILE, st, is, ig, ik);
     unsigned arrivals = 0;
     for (int s = 0, i = 0; s < PERSIST_STAGES; s++) {
-        for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, (++arrivals) * gridDim.x);
+        for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, ++arrivals, tree);
         const bf16 *x = st[s].x;
         const int K = st[s].K, groups = st[s].groups;
         float acc[R] = {};
@@ -467,43 +478,48 @@ static void bench_persist(void) {
     unsigned *count;
     cudaCheck(cudaMalloc((void **)&dst, sizeof hs[1]));
     cudaCheck(cudaMemcpy(dst, hs[1], sizeof hs[1], cudaMemcpyHostToDevice));
-    cudaCheck(cudaMalloc((void **)&count, sizeof(unsigned)));
+    const size_t count_bytes = (PERSIST_FAN + 1) * 32 * sizeof(unsigned);
+    cudaCheck(cudaMalloc((void **)&count, count_bytes));
     cudaStream_t st;
     cudaCheck(cudaStreamCreate(&st));
     const size_t smem = MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES;
     const unsigned grid =
         matmul_persistent_grid((const void *)persist_kernel, MATMUL_GEMV_THREADS, smem, 1u << 30, "persistent chain");
     auto graph_ms = [&](auto record) { return graph_median_ms(st, cudaStreamCaptureModeGlobal, 2, 9, record); };
-    auto persistent = [&](int extra) {
-        cudaCheck(cudaMemsetAsync(count, 0, sizeof(unsigned), st));
+    auto persistent = [&](int extra, int tree) {
+        cudaCheck(cudaMemsetAsync(count, 0, count_bytes, st));
         cudaLaunchAttribute attr;
         attr.id = cudaLaunchAttributeCooperative; // every block resident at once, or the launch fails
         attr.val.cooperative = 1;
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = grid, cfg.blockDim = MATMUL_GEMV_THREADS, cfg.dynamicSmemBytes = smem, cfg.stream = st;
         cfg.attrs = &attr, cfg.numAttrs = 1;
-        cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra));
+        cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra, tree));
     };
-    float ms[3];
+    float ms[5];
     ms[0] = graph_ms([&] {
         for (int s = 0; s < PERSIST_STAGES; s++)
             matmul_gemv_run<bf16, bf16>(&hs[0][s].P, hs[0][s].x, 1, hs[0][s].K, st);
     });
-    ms[1] = graph_ms([&] { persistent(0); });
     size_t y_bytes = y_n * PERSIST_LAYERS * sizeof(bf16);
     unsigned char *a = (unsigned char *)sdm_malloc(2 * y_bytes);
-    cudaCheck(cudaMemcpy(a, ya, 2 * y_bytes, cudaMemcpyDeviceToHost));
-    CHECK(memcmp(a, a + y_bytes, y_bytes) == 0, "persistent chain: outputs differ from the launched GEMVs'");
+    for (int v = 1; v < 5; v++) { // flat, tree, flat with 2 barriers, tree with 2
+        cudaCheck(cudaMemset(yb, 0, y_bytes));
+        ms[v] = graph_ms([&] { persistent((v - 1) / 2, (v - 1) % 2); });
+        cudaCheck(cudaMemcpy(a, ya, 2 * y_bytes, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(a, a + y_bytes, y_bytes) == 0, "persistent chain: outputs differ from the launched GEMVs'");
+    }
     CHECK(count_nonfinite(ya, y_n * PERSIST_LAYERS) == 0, "persistent chain: non-finite outputs");
     free(a);
-    ms[2] = graph_ms([&] { persistent(1); });
     double gb = w_n * PERSIST_LAYERS * sizeof(bf16) / 1e9;
     printf("\nthe 18 attention layers' products at batch 1 (%d products, %.2f GB of weights; %u blocks persistent)\n",
            PERSIST_STAGES, gb, grid);
     printf("| path | us a step | us a layer | TB/s |\n|---|---|---|---|\n");
-    static const char *NAME[3] = {"72 GEMV launches, PDL, one graph (decode today)",
-                                  "one persistent launch, a barrier a product", "the same, 2 barriers a product"};
-    for (int v = 0; v < 3; v++)
+    static const char *NAME[5] = {"72 GEMV launches, PDL, one graph (decode today)",
+                                  "one persistent launch, a flat barrier a product",
+                                  "one persistent launch, a tree barrier a product", "flat, 2 barriers a product",
+                                  "tree, 2 barriers a product"};
+    for (int v = 0; v < 5; v++)
         printf("| %s | %.1f | %.2f | %.2f |\n", NAME[v], ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
     cudaCheck(cudaStreamDestroy(st));
     cudaCheck(cudaFree(dst));
