@@ -339,7 +339,7 @@ static void bench_chain(void) {
 // attention layers (q, k, v as one 2048 -> 6144, out 2048 -> 2048, w13 2048 -> 11264 without the SwiGLU, w2 5632 ->
 // 2048: 72 products, 1.85 GB of weights, each product's input the output of the one before) timed
 //   (a) as decode runs them: 72 GEMV launches (core/matmul_small_m.cuh) with programmatic dependent launch in a graph;
-//   (b) as one cooperative launch of the same blocks, a grid-wide barrier (flat or a tree of counters, below) after
+//   (b) as one cooperative launch of the same blocks, a grid-wide barrier (four kinds: persist_barrier) after
 //       each product, a block issuing the next product's first weight tiles before it waits at the barrier (weights
 //       are constant), so that its cp.async pipeline never drains between products;
 //   (c) as (b) with EXTRA barriers after each product more: the short dependent kernels (norms, RoPE, attention
@@ -356,27 +356,37 @@ typedef struct {
     int K, groups;
 } PersistStage;
 
-// The grid's barrier number `gen` (1, 2, ...): stores before it visible to loads after it. Flat: every block adds to
-// one counter (gridDim.x atomics in a row on one address). Tree: block b adds to counter b % PERSIST_FAN, and the last
-// block of each of those to arrive adds to the top one (about gridDim.x / PERSIST_FAN + PERSIST_FAN atomics in a row).
-// Counters [PERSIST_FAN + 1][32] (128 bytes apart), zero at the launch.
+// The grid's barrier number `gen` (1, 2, ...): stores before it visible to loads after it. `mode` bit 0, the shape:
+// flat, every block adds to one counter (gridDim.x atomics in a row on one address); tree, block b adds to counter
+// b % PERSIST_FAN and the last block of each of those to arrive adds to the top one (about gridDim.x / PERSIST_FAN +
+// PERSIST_FAN atomics in a row). Bit 1, the ordering: fences around a relaxed atomic (__threadfence, as cooperative
+// groups' grid sync does), or release / acquire atomics without fences (the block's stores reach thread 0 through
+// __syncthreads; release and acquire are cumulative in the PTX memory model). Counters [PERSIST_FAN + 1][32] (128
+// bytes apart), zero at the launch.
 #define PERSIST_FAN 16
-__device__ __forceinline__ void persist_barrier(unsigned *count, unsigned gen, int tree) {
+__device__ __forceinline__ unsigned persist_add(unsigned *p, int release) {
+    unsigned old;
+    if (release) asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+    else old = atomicAdd(p, 1u);
+    return old;
+}
+__device__ __forceinline__ void persist_barrier(unsigned *count, unsigned gen, int mode) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        const int tree = mode & 1, release = mode & 2;
         const unsigned fan = gridDim.x < PERSIST_FAN ? gridDim.x : PERSIST_FAN, sub = blockIdx.x % fan,
                        members = (gridDim.x - sub + fan - 1) / fan;
         unsigned *top = count + PERSIST_FAN * 32, target = gen * (tree ? fan : gridDim.x);
-        __threadfence();
-        if (!tree) atomicAdd(top, 1u);
-        else if (atomicAdd(count + sub * 32, 1u) + 1 == gen * members) {
-            __threadfence();
-            atomicAdd(top, 1u);
+        if (!release) __threadfence();
+        if (!tree) persist_add(top, release);
+        else if (persist_add(count + sub * 32, release) + 1 == gen * members) {
+            if (!release) __threadfence();
+            persist_add(top, release);
         }
         unsigned v;
-        do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(top) : "memory");
+        do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(top) : "memory");
         while (v < target);
-        __threadfence();
+        if (!release) __threadfence();
     }
     __syncthreads();
 }
@@ -390,10 +400,10 @@ __device__ __forceinline__ void persist_issue(uint4 *buf, const PersistStage *st
     else core_cp_async_commit();
 }
 
-// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers (flat or tree) after each; x through
-// L2, since other blocks of this grid wrote it.
+// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers of `mode` (persist_barrier) after
+// each; x through L2, since other blocks of this grid wrote it.
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const PersistStage *st, unsigned *count,
-                                                                      int extra, int tree) {
+                                                                      int extra, int mode) {
     constexpr int VEC = 8, STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32,
                   S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     __shared__ float part[WARPS][R];
@@ -403,7 +413,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const Pers
     for (int i = 0; i < S - 1; i++) persist_issue(stages + i * TILE, st, is, ig, ik);
     unsigned arrivals = 0;
     for (int s = 0, i = 0; s < PERSIST_STAGES; s++) {
-        for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, ++arrivals, tree);
+        for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, ++arrivals, mode);
         const bf16 *x = st[s].x;
         const int K = st[s].K, groups = st[s].groups;
         float acc[R] = {};
@@ -486,7 +496,7 @@ static void bench_persist(void) {
     const unsigned grid =
         matmul_persistent_grid((const void *)persist_kernel, MATMUL_GEMV_THREADS, smem, 1u << 30, "persistent chain");
     auto graph_ms = [&](auto record) { return graph_median_ms(st, cudaStreamCaptureModeGlobal, 2, 9, record); };
-    auto persistent = [&](int extra, int tree) {
+    auto persistent = [&](int extra, int mode) {
         cudaCheck(cudaMemsetAsync(count, 0, count_bytes, st));
         cudaLaunchAttribute attr;
         attr.id = cudaLaunchAttributeCooperative; // every block resident at once, or the launch fails
@@ -494,18 +504,19 @@ static void bench_persist(void) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = grid, cfg.blockDim = MATMUL_GEMV_THREADS, cfg.dynamicSmemBytes = smem, cfg.stream = st;
         cfg.attrs = &attr, cfg.numAttrs = 1;
-        cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra, tree));
+        cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra, mode));
     };
-    float ms[5];
+    constexpr int VARIANTS = 1 + 2 * 4; // the launches, then each barrier mode with 1 and with 2 barriers a product
+    float ms[VARIANTS];
     ms[0] = graph_ms([&] {
         for (int s = 0; s < PERSIST_STAGES; s++)
             matmul_gemv_run<bf16, bf16>(&hs[0][s].P, hs[0][s].x, 1, hs[0][s].K, st);
     });
     size_t y_bytes = y_n * PERSIST_LAYERS * sizeof(bf16);
     unsigned char *a = (unsigned char *)sdm_malloc(2 * y_bytes);
-    for (int v = 1; v < 5; v++) { // flat, tree, flat with 2 barriers, tree with 2
+    for (int v = 1; v < VARIANTS; v++) {
         cudaCheck(cudaMemset(yb, 0, y_bytes));
-        ms[v] = graph_ms([&] { persistent((v - 1) / 2, (v - 1) % 2); });
+        ms[v] = graph_ms([&] { persistent((v - 1) / 4, (v - 1) % 4); });
         cudaCheck(cudaMemcpy(a, ya, 2 * y_bytes, cudaMemcpyDeviceToHost));
         CHECK(memcmp(a, a + y_bytes, y_bytes) == 0, "persistent chain: outputs differ from the launched GEMVs'");
     }
@@ -515,12 +526,12 @@ static void bench_persist(void) {
     printf("\nthe 18 attention layers' products at batch 1 (%d products, %.2f GB of weights; %u blocks persistent)\n",
            PERSIST_STAGES, gb, grid);
     printf("| path | us a step | us a layer | TB/s |\n|---|---|---|---|\n");
-    static const char *NAME[5] = {"72 GEMV launches, PDL, one graph (decode today)",
-                                  "one persistent launch, a flat barrier a product",
-                                  "one persistent launch, a tree barrier a product", "flat, 2 barriers a product",
-                                  "tree, 2 barriers a product"};
-    for (int v = 0; v < 5; v++)
-        printf("| %s | %.1f | %.2f | %.2f |\n", NAME[v], ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
+    static const char *MODE[4] = {"flat, fences", "tree, fences", "flat, release/acquire", "tree, release/acquire"};
+    printf("| 72 GEMV launches, PDL, one graph (decode today) | %.1f | %.2f | %.2f |\n", ms[0] * 1e3,
+           ms[0] * 1e3 / PERSIST_LAYERS, gb / ms[0]);
+    for (int v = 1; v < VARIANTS; v++)
+        printf("| one persistent launch, %d barrier%s a product (%s) | %.1f | %.2f | %.2f |\n", 1 + (v - 1) / 4,
+               v > 4 ? "s" : "", MODE[(v - 1) % 4], ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
     cudaCheck(cudaStreamDestroy(st));
     cudaCheck(cudaFree(dst));
     cudaCheck(cudaFree(count));
