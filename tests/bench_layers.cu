@@ -400,8 +400,8 @@ __device__ __forceinline__ void persist_issue(uint4 *buf, const PersistStage *st
     else core_cp_async_commit();
 }
 
-// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers of `mode` (persist_barrier) after
-// each; x through L2, since other blocks of this grid wrote it.
+// matmul_gemv_kernel's loop (M = 1, bf16) over every stage, `extra` + 1 barriers of `mode` & 3 (persist_barrier)
+// after each; x through L2 (__ldcg), since other blocks of this grid wrote it.
 __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const PersistStage *st, unsigned *count,
                                                                       int extra, int mode) {
     constexpr int VEC = 8, STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS, WARPS = MATMUL_GEMV_THREADS / 32,
@@ -416,6 +416,11 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const Pers
         for (int e = 0; s > 0 && e <= extra; e++) persist_barrier(count, ++arrivals, mode);
         const bf16 *x = st[s].x;
         const int K = st[s].K, groups = st[s].groups;
+        // mode & 4: this thread's x vectors (k0, k0 + STEP, k0 + 2 STEP: K <= 3 STEP here) loaded once a product,
+        // as the GEMV's __ldg finds them in L1 after the first block of an SM; else one L2 trip a tile
+        uint4 xh[3] = {};
+        if (mode & 4)
+            for (int j = 0; j < 3 && k0 + j * STEP < K; j++) xh[j] = __ldcg((const uint4 *)(x + k0 + j * STEP));
         float acc[R] = {};
         for (int g = blockIdx.x, k = k0; g < groups; i++) {
             asm volatile("" ::: "memory");
@@ -426,7 +431,9 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) persist_kernel(const Pers
 #pragma unroll
                 for (int r = 0; r < R; r++) matmul_gemv_unpack(stages[i % S * TILE + r * MATMUL_GEMV_THREADS + threadIdx.x],
                                                                x, wv[r]);
-                matmul_gemv_unpack(__ldcg((const uint4 *)(x + k)), x, xv);
+                const int j = (k - k0) / STEP;
+                matmul_gemv_unpack(mode & 4 ? (j == 0 ? xh[0] : j == 1 ? xh[1] : xh[2]) : __ldcg((const uint4 *)(x + k)),
+                                   x, xv);
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -506,7 +513,7 @@ static void bench_persist(void) {
         cfg.attrs = &attr, cfg.numAttrs = 1;
         cudaCheck(cudaLaunchKernelEx(&cfg, persist_kernel, (const PersistStage *)dst, count, extra, mode));
     };
-    constexpr int VARIANTS = 1 + 2 * 4; // the launches, then each barrier mode with 1 and with 2 barriers a product
+    constexpr int MODES = 8, VARIANTS = 1 + 2 * MODES; // the launches, then each mode with 1 and 2 barriers a product
     float ms[VARIANTS];
     ms[0] = graph_ms([&] {
         for (int s = 0; s < PERSIST_STAGES; s++)
@@ -516,7 +523,7 @@ static void bench_persist(void) {
     unsigned char *a = (unsigned char *)sdm_malloc(2 * y_bytes);
     for (int v = 1; v < VARIANTS; v++) {
         cudaCheck(cudaMemset(yb, 0, y_bytes));
-        ms[v] = graph_ms([&] { persistent((v - 1) / 4, (v - 1) % 4); });
+        ms[v] = graph_ms([&] { persistent((v - 1) / MODES, (v - 1) % MODES); });
         cudaCheck(cudaMemcpy(a, ya, 2 * y_bytes, cudaMemcpyDeviceToHost));
         CHECK(memcmp(a, a + y_bytes, y_bytes) == 0, "persistent chain: outputs differ from the launched GEMVs'");
     }
@@ -526,12 +533,16 @@ static void bench_persist(void) {
     printf("\nthe 18 attention layers' products at batch 1 (%d products, %.2f GB of weights; %u blocks persistent)\n",
            PERSIST_STAGES, gb, grid);
     printf("| path | us a step | us a layer | TB/s |\n|---|---|---|---|\n");
-    static const char *MODE[4] = {"flat, fences", "tree, fences", "flat, release/acquire", "tree, release/acquire"};
+    static const char *SHAPE[2] = {"flat", "tree"}, *ORDER[2] = {"fences", "release/acquire"},
+                      *X[2] = {"x from L2 a tile", "x held"};
     printf("| 72 GEMV launches, PDL, one graph (decode today) | %.1f | %.2f | %.2f |\n", ms[0] * 1e3,
            ms[0] * 1e3 / PERSIST_LAYERS, gb / ms[0]);
-    for (int v = 1; v < VARIANTS; v++)
-        printf("| one persistent launch, %d barrier%s a product (%s) | %.1f | %.2f | %.2f |\n", 1 + (v - 1) / 4,
-               v > 4 ? "s" : "", MODE[(v - 1) % 4], ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
+    for (int v = 1; v < VARIANTS; v++) {
+        const int mode = (v - 1) % MODES;
+        printf("| one persistent launch, %d barrier%s a product (%s, %s; %s) | %.1f | %.2f | %.2f |\n",
+               1 + (v - 1) / MODES, v > MODES ? "s" : "", SHAPE[mode & 1], ORDER[mode >> 1 & 1], X[mode >> 2],
+               ms[v] * 1e3, ms[v] * 1e3 / PERSIST_LAYERS, gb / ms[v]);
+    }
     cudaCheck(cudaStreamDestroy(st));
     cudaCheck(cudaFree(dst));
     cudaCheck(cudaFree(count));
