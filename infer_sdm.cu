@@ -204,6 +204,27 @@ static GenRequest *make_requests(const Prompt *prompts, int count, int max_token
 #define BENCH_PROMPT 16 // tokens prefilled into each stream (the same prompt, its own seed) before decoding
 #define BENCH_REPS 3    // timed prefills after a warm-up
 
+// Kernels in a decode step of B streams: the step captured once more into a graph of its own and its kernel nodes
+// counted (the dependent kernels a step runs in a chain: at batch 1 each costs ~2.3 us even when it moves few bytes).
+static size_t bench_step_kernels(GpuInferState *I, int B) {
+    cudaGraph_t graph;
+    cudaCheck(cudaStreamBeginCapture(I->stream, cudaStreamCaptureModeRelaxed));
+    gpu_infer_enqueue_decode(I, B, 1);
+    cudaCheck(cudaStreamEndCapture(I->stream, &graph));
+    size_t n = 0, kernels = 0;
+    cudaCheck(cudaGraphGetNodes(graph, NULL, &n));
+    cudaGraphNode_t *nodes = (cudaGraphNode_t *)sdm_malloc(n * sizeof *nodes);
+    cudaCheck(cudaGraphGetNodes(graph, nodes, &n));
+    for (size_t i = 0; i < n; i++) {
+        cudaGraphNodeType type;
+        cudaCheck(cudaGraphNodeGetType(nodes[i], &type));
+        kernels += type == cudaGraphNodeTypeKernel;
+    }
+    free(nodes);
+    cudaCheck(cudaGraphDestroy(graph));
+    return kernels;
+}
+
 // --bench: a prefill of one prompt of the whole context, then decode steps of 1, 8 and 32 streams (sampling on the
 // device, the graph unless use_graph is 0, a step ahead as generation runs them), on random bytes. Prints tokens/s
 // and ms per token (per step), the rate at which a step reads the weights against hbm_tbps (TB/s,
@@ -247,9 +268,9 @@ static void bench(GpuInferState *I, int context, int max_new, const SamplingPara
         gpu_infer_steps_ahead(I, B, use_graph, steps - 1); // as generation runs them: a step ahead
         double step_s = (sdm_now_s() - t0) / (steps - 1);
         cudaCheck(cudaProfilerStop());
-        printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s), weights at %.2f TB/s (%.0f%%)\n", B,
-               steps - 1, 1e3 * step_s, B / step_s, use_graph ? "CUDA graph" : "eager", wbytes / step_s / 1e12,
-               100 * wbytes / step_s / (hbm_tbps * 1e12));
+        printf("decode batch %2d: %d steps, %.3f ms/token, %.0f tokens/s (%s), weights at %.2f TB/s (%.0f%%), %zu "
+               "kernels a step\n", B, steps - 1, 1e3 * step_s, B / step_s, use_graph ? "CUDA graph" : "eager",
+               wbytes / step_s / 1e12, 100 * wbytes / step_s / (hbm_tbps * 1e12), bench_step_kernels(I, B));
         // the same steps one at a time, each waited for before the next is launched: what the step ahead hides. The
         // positions go back to where the steps above started, so that attention spans the same lengths (the caches'
         // contents do not change the time).
