@@ -470,6 +470,8 @@ static void bench_persist(void) {
     const int D = 2048, F = 5632, N[4] = {3 * D, D, 2 * F, D}, K[4] = {D, D, D, F};
     size_t w_n = 0, y_n = 0;
     for (int p = 0; p < 4; p++) w_n += (size_t)N[p] * K[p], y_n += N[p];
+    for (int p = 0; p < 4; p++) // persist_kernel holds at most 3 x vectors a thread
+        CHECK(K[p] <= 3 * MATMUL_GEMV_THREADS * 8, "persistent chain: K = %d beyond 3 x vectors a thread", K[p]);
     bf16 *w = dev_random(w_n * PERSIST_LAYERS, 41), *x0 = dev_random(D, 42), *ya, *yb;
     persist_scale<<<(unsigned)((w_n * PERSIST_LAYERS + 255) / 256), 256>>>(w, w_n * PERSIST_LAYERS,
                                                                           sqrtf(3.0f / (4.0f * D)));
