@@ -197,51 +197,6 @@ template <int N> __device__ __forceinline__ void core_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Bulk copies (sm_90: the one-dimensional form of the tensor memory accelerator): `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) from global to shared memory by one instruction of one thread, no registers held while
-// they fly. Their completion is counted on an mbarrier in shared memory: a thread arms its phase with the bytes to
-// expect (core_mbar_arrive_expect, one arrival), issues the copies, and the readers wait for the phase's parity. A
-// buffer that threads read and a bulk copy then refills needs those reads ordered before the copy: a warp barrier
-// and core_fence_proxy_async by the thread that issues it (also after core_mbar_init, for the barrier itself).
-__device__ __forceinline__ unsigned core_smem_addr(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void core_mbar_init(uint64_t *bar, unsigned arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(core_smem_addr(bar)), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void core_fence_proxy_async(void) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void core_mbar_arrive_expect(uint64_t *bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(core_smem_addr(bar)), "r"(bytes)
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void core_bulk_load(void *smem, const void *gmem, unsigned bytes, uint64_t *bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     core_smem_addr(smem)),
-                 "l"(gmem), "r"(bytes), "r"(core_smem_addr(bar))
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void core_mbar_wait(uint64_t *bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra wait_%=;\n}" ::"r"(
-                     core_smem_addr(bar)),
-                 "r"(parity)
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-
 // A hint that the 128-byte line holding p be fetched into L2 (no register written, no fault on a valid address).
 __device__ __forceinline__ void core_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

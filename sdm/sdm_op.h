@@ -23,8 +23,7 @@
 //       sdm_op_backward needs (per-chunk WY quantities, Delta, V - R0, snapshots of the touched rows).
 //       s->training = 0 (prefill): `saved` is plain scratch of sdm_op_saved_bytes (smaller: no snapshots, no saves).
 //       s->fwd_path: the chunk loop as three launches per chunk or as one persistent cooperative launch (by
-//       default for a prefill of few streams); the same bits either way. s->bwd_scatter: the backward's bscatter
-//       with one warp an entry or with its rows staged in shared memory; the same bits either way.
+//       default for a prefill of few streams); the same bits either way.
 //   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, const void *bank, const float *dout,
 //                        const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
 //                        cudaStream_t stream);
@@ -70,14 +69,6 @@ typedef enum {
     SDM_FWD_PERSISTENT, // one cooperative launch for every chunk (dies where the GPU cannot run it)
 } SdmFwdPath;
 
-// How sdm_op_backward runs bscatter, its largest kernel (sdm/sdm_op_bwd.cuh); both give the same bits.
-typedef enum {
-    SDM_BSCATTER_AUTO,   // the op chooses (sdm_op_bscatter_staged_blocks in sdm/sdm_op_bwd.cuh)
-    SDM_BSCATTER_WARPS,  // one warp an entry, its rows read in place
-    SDM_BSCATTER_STAGED, // rows copied whole into shared memory, a warp's next entry's in flight (bf16 rows, sm_90;
-                         // dies elsewhere)
-} SdmBwdScatter;
-
 typedef struct {
     int B, T, H;          // sequences, tokens per sequence, heads
     int N, d;             // slots per head, row width (head dim)
@@ -89,8 +80,6 @@ typedef struct {
     int training;         // 1: forward saves for the backward; 0: prefill
     SdmFwdPath fwd_path;  // 0 (auto) unless a test or benchmark forces a path
     int fwd_max_blocks;   // > 0: at most this many blocks in the persistent forward (tests); 0: all that fit
-    SdmBwdScatter bwd_scatter; // 0 (auto) unless a test or benchmark forces one
-    int bwd_max_blocks;   // > 0: at most this many blocks a stream in the staged bscatter (tests); 0: all that fit
 } SdmOpShape;
 
 typedef struct {
@@ -130,8 +119,6 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
     if (s->snapshot < SDM_SNAP_NONE || s->snapshot > SDM_SNAP_INT4) return "unknown snapshot mode";
     if (s->fwd_path < SDM_FWD_AUTO || s->fwd_path > SDM_FWD_PERSISTENT) return "unknown forward path";
     if (s->fwd_max_blocks < 0) return "fwd_max_blocks must be >= 0";
-    if (s->bwd_scatter < SDM_BSCATTER_AUTO || s->bwd_scatter > SDM_BSCATTER_STAGED) return "unknown bscatter path";
-    if (s->bwd_max_blocks < 0) return "bwd_max_blocks must be >= 0";
     return NULL;
 }
 

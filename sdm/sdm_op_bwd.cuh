@@ -143,7 +143,7 @@ template <> struct SdmM0Group<false> {
     }
 };
 
-// The work of bscatter's entries, one warp an entry, 8 columns per lane and step; M0 is the chunk-start row:
+// One warp per entry of chunk c, whole rows, 8 columns per lane and step; M0 is the chunk-start row:
 //   write entry e (slot i):  psi = <dR0_t, M0[i]> (M0 = its snapshot row);
 //     first entry of i:      later_snap[i] = e (M0[i] is the row after the chunk before this one);
 //     last entry of i:       eta = e^Lambda <G[i], M0[i]> for every entry of i (G before the update), then
@@ -154,105 +154,9 @@ template <> struct SdmM0Group<false> {
 //     last read of a slot the chunk does not write:  G[j] += sum_reads rho e^lam' dO_t
 // G rows are Tg (float or bf16): loaded into fp32, stored once per chunk (bf16: rounded to nearest even).
 // Each touched G row is read and written by one warp only, later_snap[i] written by one warp and read by none (a
-// read entry looks it up only for a slot the chunk does not write), so a launch has no races and a fixed order of
-// sums, whichever warp takes an entry. The rows are read where the caller says: m0_at(m, col) loads M0's 8 values at
-// col into m, gsrc holds G's row before the update (G itself, or a copy in shared memory); the row is stored to grow.
-// BF16: snapshots `none` over a bf16 bank (SdmM0Group).
-// The SDM_SQ column groups from c0 of an entry's rows, before any is used: M0 by m0_at, G's row from gsrc when with_g.
-template <typename Tg, bool BF16, typename M0At>
-__device__ __forceinline__ void sdm_bscatter_load(int c0, int d, M0At m0_at, bool with_g, const Tg *gsrc,
-                                                  SdmM0Group<BF16> (&m)[SDM_SQ], SdmRaw8<Tg> (&g)[SDM_SQ]) {
-#pragma unroll
-    for (int u = 0; u < SDM_SQ; u++) {
-        const int col = c0 + u * 256;
-        if (col >= d) continue;
-        m0_at(m[u], col);
-        if (with_g) g[u].load(gsrc + col);
-    }
-}
-template <typename Tg, bool BF16, typename M0At>
-__device__ __forceinline__ void sdm_bscatter_write_entry(const SdmOpArgs &a, int s, int c, int i, int slot,
-                                                         const float *dout, M0At m0_at, const Tg *gsrc, Tg *grow) {
-    const int lane = threadIdx.x % 32, d = a.d;
-    const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R;
-    const bool first = a.w_prev[ew + i] < 0, last = a.w_next[ew + i] < 0;
-    const float *dr0 = a.cx + ((size_t)s * a.C + i / a.W) * d;
-    const float el = a.w_elam_tot[ew + i];
-    const int lr = a.w_lastread[ew + i];
-    float psi = 0.f, eta = 0.f;
-    for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-        SdmM0Group<BF16> m[SDM_SQ];
-        SdmRaw8<Tg> g[SDM_SQ];
-        sdm_bscatter_load(c0, d, m0_at, last, gsrc, m, g);
-#pragma unroll
-        for (int u = 0; u < SDM_SQ; u++) {
-            const int col = c0 + u * 256;
-            if (col >= d) continue;
-            float x[8], mv[8];
-            sdm_load8(dr0 + col, x);
-            m[u].get(mv, false);
-            psi = sdm_dot8(x, mv, psi);
-            if (!last) continue;
-            float gv[8], acc[8] = {}, racc[8] = {};
-            g[u].get(gv);
-            eta = sdm_dot8(gv, mv, eta);
-            sdm_write_chain_sum(a, s, ew, i, col, acc);
-            if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-            for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
-            sdm_store8(grow + col, x);
-        }
-    }
-    psi = core_warp_sum(psi);
-    eta = core_warp_sum(eta);
-    if (lane == 0) {
-        a.psi[ew + i] = psi;
-        if (first) a.later_snap[(size_t)s * a.N + slot] = (int)(ew + i);
-        if (last)
-            for (int q = i; q >= 0; q = a.w_prev[ew + q]) a.eta[ew + q] = el * eta;
-    }
-}
-// Read entry r (slot >= 0); round_m0: get rounds M0 to bf16 (a snapshot row over a bf16 bank).
-template <typename Tg, bool BF16, typename M0At>
-__device__ __forceinline__ void sdm_bscatter_read_entry(const SdmOpArgs &a, int s, int c, int r, bool round_m0,
-                                                        const float *dout, M0At m0_at, const Tg *gsrc, Tg *grow) {
-    const int lane = threadIdx.x % 32, d = a.d;
-    const size_t er = ((size_t)s * a.Tp + (size_t)c * a.C) * a.R;
-    const bool upd = a.r_nearw[er + r] < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
-    const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
-    float phi = 0.f;
-    for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-        SdmM0Group<BF16> m[SDM_SQ];
-        SdmRaw8<Tg> g[SDM_SQ];
-        sdm_bscatter_load(c0, d, m0_at, upd, gsrc, m, g);
-#pragma unroll
-        for (int u = 0; u < SDM_SQ; u++) {
-            const int col = c0 + u * 256;
-            if (col >= d) continue;
-            float x[8], mv[8];
-            sdm_load8(dO + col, x);
-            m[u].get(mv, round_m0);
-            phi = sdm_dot8(x, mv, phi);
-            if (!upd) continue;
-            float gv[8], racc[8] = {};
-            g[u].get(gv);
-            sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
-            for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
-            sdm_store8(grow + col, x);
-        }
-    }
-    phi = core_warp_sum(phi);
-    if (lane == 0) a.phi[er + r] = phi;
-}
-
-// The entry's M0: a write entry's own snapshot; a read entry's, the snapshot of a write entry of its slot in this
-// chunk, else of later_snap (a later chunk's), else -1: the final bank row.
-__device__ __forceinline__ int sdm_bscatter_read_m0(const SdmOpArgs &a, size_t ew, size_t er, int r, int slot, int s) {
-    const int lw = a.r_nearw[er + r];
-    return lw >= 0 ? (int)(ew + lw) : a.later_snap[(size_t)s * a.N + slot];
-}
-
-// bscatter, one warp per entry, its rows read in place: grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads,
-// SDM_BSCATTER_BLOCKS an SM.
+// read entry looks it up only for a slot the chunk does not write), so the launch has no races and a fixed order of
+// sums. Grid (ceil(C (W + R) / warps), S), SDM_ROW_THREADS threads, SDM_BSCATTER_BLOCKS an SM. BF16: snapshots
+// `none` over a bf16 bank (SdmM0Group).
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
@@ -260,98 +164,97 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
     const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R, row0 = (size_t)s * a.N;
+    const size_t row_bytes = (size_t)d * (bank_fp32 ? 4 : 2);
     if (i < CW) {
-        const int slot = a.w_slot[ew + i];
+        int slot = a.w_slot[ew + i];
         if (slot < 0) { // padding
             if (lane == 0) a.psi[ew + i] = a.eta[ew + i] = 0.f;
             return;
         }
+        const bool first = a.w_prev[ew + i] < 0, last = a.w_next[ew + i] < 0;
+        const float *dr0 = a.cx + ((size_t)s * a.C + i / a.W) * d;
+        const float el = a.w_elam_tot[ew + i];
+        const int lr = a.w_lastread[ew + i];
         Tg *grow = G + (row0 + slot) * d;
-        auto m0_at = [&](SdmM0Group<BF16> &m, int col) { m.load_snap(a.snap, ew + i, col); };
-        sdm_bscatter_write_entry<Tg, BF16>(a, s, c, i, slot, dout, m0_at, grow, grow);
+        float psi = 0.f, eta = 0.f;
+        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
+            SdmM0Group<BF16> m[SDM_SQ];
+            SdmRaw8<Tg> g[SDM_SQ];
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                const int col = c0 + u * 256;
+                if (col >= d) continue;
+                m[u].load_snap(a.snap, ew + i, col);
+                if (last) g[u].load(grow + col);
+            }
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                const int col = c0 + u * 256;
+                if (col >= d) continue;
+                float x[8], mv[8];
+                sdm_load8(dr0 + col, x);
+                m[u].get(mv, false);
+                psi = sdm_dot8(x, mv, psi);
+                if (!last) continue;
+                float gv[8], acc[8] = {}, racc[8] = {};
+                g[u].get(gv);
+                eta = sdm_dot8(gv, mv, eta);
+                sdm_write_chain_sum(a, s, ew, i, col, acc);
+                if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
+                for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
+                sdm_store8(grow + col, x);
+            }
+        }
+        psi = core_warp_sum(psi);
+        eta = core_warp_sum(eta);
+        if (lane == 0) {
+            a.psi[ew + i] = psi;
+            if (first) a.later_snap[row0 + slot] = (int)(ew + i);
+            if (last)
+                for (int q = i; q >= 0; q = a.w_prev[ew + q]) a.eta[ew + q] = el * eta;
+        }
     } else {
-        const int r = i - CW, slot = a.r_slot[er + r];
+        int r = i - CW, slot = a.r_slot[er + r];
         if (slot < 0) { // padding
             if (lane == 0) a.phi[er + r] = 0.f;
             return;
         }
-        const int e = sdm_bscatter_read_m0(a, ew, er, r, slot, s);
-        const void *brow = (const char *)bank + (row0 + slot) * (size_t)d * (bank_fp32 ? 4 : 2);
+        const int lw = a.r_nearw[er + r];                  // a write entry of the slot in this chunk, or -1
+        const bool upd = lw < 0 && a.r_nextr[er + r] < 0; // the last read of a slot the chunk does not write
+        const int e = lw >= 0 ? (int)(ew + lw) : a.later_snap[row0 + slot]; // M0's snapshot entry, or -1: the bank
+        const float *dO = dout + sdm_tok_off(a, s, c * a.C + r / a.R, d);
+        const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
-        auto m0_at = [&](SdmM0Group<BF16> &m, int col) {
-            if (e >= 0) m.load_snap(a.snap, e, col);
-            else m.load_bank(brow, col, bank_fp32);
-        };
-        sdm_bscatter_read_entry<Tg, BF16>(a, s, c, r, e >= 0 && !bank_fp32, dout, m0_at, grow, grow);
-    }
-}
-
-// bscatter with each entry's rows (M0, and G where the entry updates it) brought whole into shared memory by bulk
-// copies (sm_90), the warp's next entry's while it works on one, so that a warp keeps up to two entries' rows in flight
-// where the kernel above keeps a quarter row. The warps of the grid take entries warp, warp + all warps, ...: any grid
-// gives the same bits (each entry's sums are the kernel above's, in the same order). BF16 rows only (snapshots `none`
-// over a bf16 bank, the flagship's). Grid (blocks, S), SDM_ROW_THREADS threads, 2 stages of (M0 row, G row) a warp
-// in dynamic shared memory (sdm_op_bscatter_staged_smem: 64 KB at d = 1024 with a bf16 G, so 3 blocks an SM).
-template <typename Tg>
-__global__ void __launch_bounds__(SDM_ROW_THREADS, 3)
-    sdm_bscatter_staged_kernel(SdmOpArgs a, const void *bank, Tg *G, const float *dout, int c) {
-    extern __shared__ __align__(128) unsigned char sdm_bsc_smem[];
-    __shared__ uint64_t bars[SDM_ROW_WARPS][2];
-    const int s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
-    const int CW = a.C * a.W, n = CW + a.C * a.R, step = gridDim.x * SDM_ROW_WARPS;
-    const size_t tok0 = (size_t)s * a.Tp + (size_t)c * a.C, ew = tok0 * a.W, er = tok0 * a.R, row0 = (size_t)s * a.N;
-    const unsigned mbytes = (unsigned)d * 2, gbytes = (unsigned)(d * sizeof(Tg)), stage = mbytes + gbytes;
-    unsigned char *ws = sdm_bsc_smem + (size_t)warp * 2 * stage;
-    if (lane == 0) {
-        core_mbar_init(&bars[warp][0], 1);
-        core_mbar_init(&bars[warp][1], 1);
-        core_fence_proxy_async();
-    }
-    __syncwarp();
-    // lane 0: entry i's rows into stage b (none for padding: the barrier's phase then completes at the arrival)
-    auto fetch = [&](int i, int b) {
-        if (lane != 0) return;
-        const void *m0 = NULL, *g = NULL;
-        if (i < CW) {
-            const int slot = a.w_slot[ew + i];
-            if (slot >= 0) {
-                m0 = a.snap.data + (ew + i) * a.snap.row_bytes;
-                if (a.w_next[ew + i] < 0) g = G + (row0 + slot) * d;
+        float phi = 0.f;
+        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
+            SdmM0Group<BF16> m[SDM_SQ];
+            SdmRaw8<Tg> g[SDM_SQ];
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                const int col = c0 + u * 256;
+                if (col >= d) continue;
+                if (e >= 0) m[u].load_snap(a.snap, e, col);
+                else m[u].load_bank(brow, col, bank_fp32);
+                if (upd) g[u].load(grow + col);
             }
-        } else {
-            const int r = i - CW, slot = a.r_slot[er + r];
-            if (slot >= 0) {
-                const int e = sdm_bscatter_read_m0(a, ew, er, r, slot, s);
-                m0 = e >= 0 ? (const void *)(a.snap.data + (size_t)e * a.snap.row_bytes)
-                            : (const void *)((const char *)bank + (row0 + slot) * mbytes);
-                if (a.r_nearw[er + r] < 0 && a.r_nextr[er + r] < 0) g = G + (row0 + slot) * d;
+#pragma unroll
+            for (int u = 0; u < SDM_SQ; u++) {
+                const int col = c0 + u * 256;
+                if (col >= d) continue;
+                float x[8], mv[8];
+                sdm_load8(dO + col, x);
+                m[u].get(mv, e >= 0 && !bank_fp32);
+                phi = sdm_dot8(x, mv, phi);
+                if (!upd) continue;
+                float gv[8], racc[8] = {};
+                g[u].get(gv);
+                sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
+                for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
+                sdm_store8(grow + col, x);
             }
         }
-        unsigned char *dst = ws + b * stage;
-        core_mbar_arrive_expect(&bars[warp][b], (m0 ? mbytes : 0) + (g ? gbytes : 0));
-        if (m0) core_bulk_load(dst, m0, mbytes, &bars[warp][b]);
-        if (g) core_bulk_load(dst + mbytes, g, gbytes, &bars[warp][b]);
-    };
-    int i = blockIdx.x * SDM_ROW_WARPS + warp;
-    if (i < n) fetch(i, 0);
-    for (int k = 0; i < n; k++, i += step) {
-        if (i + step < n) fetch(i + step, (k + 1) & 1);
-        core_mbar_wait(&bars[warp][k & 1], (k >> 1) & 1);
-        const __nv_bfloat16 *m0 = (const __nv_bfloat16 *)(ws + (k & 1) * stage);
-        const Tg *gs = (const Tg *)(ws + (k & 1) * stage + mbytes);
-        auto m0_at = [&](SdmM0Group<true> &m, int col) { m.load_bank(m0, col, false); };
-        if (i < CW) {
-            const int slot = a.w_slot[ew + i];
-            if (slot >= 0) sdm_bscatter_write_entry<Tg, true>(a, s, c, i, slot, dout, m0_at, gs, G + (row0 + slot) * d);
-            else if (lane == 0) a.psi[ew + i] = a.eta[ew + i] = 0.f;
-        } else {
-            const int r = i - CW, slot = a.r_slot[er + r];
-            if (slot >= 0) sdm_bscatter_read_entry<Tg, true>(a, s, c, r, false, dout, m0_at, gs, G + (row0 + slot) * d);
-            else if (lane == 0) a.phi[er + r] = 0.f;
-        }
-        // every lane's reads of this stage before lane 0 refills it (the fetch two entries on, by the async proxy)
-        __syncwarp();
-        if (lane == 0) core_fence_proxy_async();
+        phi = core_warp_sum(phi);
+        if (lane == 0) a.phi[er + r] = phi;
     }
 }
 
@@ -543,54 +446,11 @@ static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, f
     sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c, sdm_op_solve_staged(a));
     cudaCheckLast();
 }
-// The staged bscatter's shared memory: 2 stages of (M0 row in bf16, G row in Tg) a warp.
-static inline size_t sdm_op_bscatter_staged_smem(int d, size_t g_size) {
-    return (size_t)SDM_ROW_WARPS * 2 * d * (2 + g_size);
-}
-
-#ifndef SDM_BSCATTER_STAGED_AUTO
-#define SDM_BSCATTER_STAGED_AUTO 0 // 1: SDM_BSCATTER_AUTO takes the staged bscatter wherever it applies
-#endif
-
-// Blocks a stream of the staged bscatter (enough to fill the GPU once, at most one warp an entry), or 0 for the
-// one-warp-an-entry kernel: the shape's choice, or the op's where it leaves the choice to it.
-template <typename Tg>
-static int sdm_op_bscatter_staged_blocks(const SdmOpShape *s, const SdmOpArgs &a, const void *bank, const Tg *G) {
-    const bool forced = s->bwd_scatter == SDM_BSCATTER_STAGED;
-    if (s->bwd_scatter == SDM_BSCATTER_WARPS || (!forced && !SDM_BSCATTER_STAGED_AUTO)) return 0;
-    int dev, major;
-    cudaCheck(cudaGetDevice(&dev));
-    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    const bool aligned = ((uintptr_t)a.snap.data | (uintptr_t)bank | (uintptr_t)G) % 16 == 0;
-    const char *why = s->bank_fp32 || s->snapshot != SDM_SNAP_NONE ? "bf16 rows (snapshots none over a bf16 bank)"
-                      : major < 9                                  ? "a GPU of compute capability 9.0 or later"
-                      : !aligned                                   ? "16-byte aligned bank, snapshots and gradient"
-                                                                   : NULL;
-    if (why) {
-        if (forced) sdm_die("sdm_op_backward: the staged bscatter needs %s", why);
-        return 0;
-    }
-    const size_t smem = sdm_op_bscatter_staged_smem(a.d, sizeof(Tg));
-    cudaCheck(cudaFuncSetAttribute(sdm_bscatter_staged_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)smem));
-    int per_sm = 0;
-    cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sdm_bscatter_staged_kernel<Tg>, SDM_ROW_THREADS,
-                                                            smem));
-    if (per_sm < 1) sdm_die("sdm_op_backward: the staged bscatter's %zu bytes of shared memory do not fit an SM", smem);
-    int blocks = SDM_MAX(1, per_sm * core_sm_count() / a.S);
-    blocks = SDM_MIN(blocks, (int)sdm_op_entry_grid(a, a.C * (a.W + a.R)).x);
-    return s->bwd_max_blocks > 0 ? SDM_MIN(blocks, s->bwd_max_blocks) : blocks;
-}
-
-// staged_blocks: 0 for one warp an entry, else the staged kernel on that many blocks a stream.
 template <typename Tg>
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, const void *bank, int bank_fp32, Tg *G, const float *dout,
-                                          int c, int staged_blocks, cudaStream_t stream) {
+                                          int c, cudaStream_t stream) {
     const dim3 grid = sdm_op_entry_grid(a, a.C * (a.W + a.R));
-    if (staged_blocks > 0)
-        sdm_bscatter_staged_kernel<Tg><<<dim3(staged_blocks, a.S), SDM_ROW_THREADS,
-                                         sdm_op_bscatter_staged_smem(a.d, sizeof(Tg)), stream>>>(a, bank, G, dout, c);
-    else if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
+    if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
         sdm_bscatter_kernel<Tg, true><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
     else sdm_bscatter_kernel<Tg, false><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
     cudaCheckLast();
@@ -621,8 +481,7 @@ __global__ void sdm_op_round_bf16_kernel(__nv_bfloat16 *dst, const float *src, s
 // (fp32; rounded when Tg is bf16) or zero.
 template <typename Tg>
 static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, const void *bank, const float *dout,
-                                   const float *dbank_final, float *dv, Tg *G, int staged_blocks,
-                                   cudaStream_t stream) {
+                                   const float *dbank_final, float *dv, Tg *G, cudaStream_t stream) {
     size_t n = (size_t)a.S * a.N * a.d;
     if (!dbank_final) cudaCheck(cudaMemsetAsync(G, 0, n * sizeof(Tg), stream));
     else if (sizeof(Tg) == 4) {
@@ -640,7 +499,7 @@ static void sdm_op_backward_chunks(const SdmOpArgs &a, int bank_fp32, const void
     for (int c = a.nc - 1; c >= 0; c--) {
         sdm_op_launch_token(a, (const Tg *)G, c, stream);
         sdm_op_launch_bsolve(a, dout, dv, c, stream);
-        sdm_op_launch_bscatter(a, bank, bank_fp32, G, dout, c, staged_blocks, stream);
+        sdm_op_launch_bscatter(a, bank, bank_fp32, G, dout, c, stream);
     }
 }
 
@@ -651,15 +510,9 @@ static void sdm_op_backward_rounds(const SdmOpShape *s, const void *bank, const 
     sdm_op_require(s);
     if (!s->training) sdm_die("sdm_op_backward: the forward must run with training = 1");
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    if (s->grad_bank_bf16) {
-        __nv_bfloat16 *G = (__nv_bfloat16 *)g->dbank_init;
-        sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, G,
-                               sdm_op_bscatter_staged_blocks(s, a, bank, G), stream);
-    } else {
-        float *G = (float *)g->dbank_init;
-        sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, G,
-                               sdm_op_bscatter_staged_blocks(s, a, bank, G), stream);
-    }
+    if (s->grad_bank_bf16)
+        sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, (__nv_bfloat16 *)g->dbank_init, stream);
+    else sdm_op_backward_chunks(a, s->bank_fp32, bank, dout, dbank_final, g->dv, (float *)g->dbank_init, stream);
 }
 
 static void sdm_op_backward_wy(const SdmOpShape *s, const float *dout, const SdmOpGrads *g, void *saved,

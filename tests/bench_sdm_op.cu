@@ -134,22 +134,11 @@ template <typename F> static float time_ms(int reps, F fn) {
     return median(t);
 }
 
-// token and bscatter over all chunks with the bank gradient G in Tg (fp32 or bf16); bscatter one warp an entry (bc)
-// and staged (bst, where it applies: bf16 rows on sm_90; else 0)
+// token and bscatter over all chunks with the bank gradient G in Tg (fp32 or bf16)
 template <typename Tg>
-static void bench_grad_parts(const SdmOpShape *s, const SdmOpArgs &a, void *bank, Tg *G, const float *dout, int reps,
-                             float *tk, float *bc, float *bst) {
+static void bench_grad_parts(const SdmOpArgs &a, void *bank, Tg *G, const float *dout, int reps, float *tk, float *bc) {
     *tk = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_token(a, (const Tg *)G, c, 0); });
-    auto bscatter = [&](int staged_blocks) {
-        return time_ms(reps, [&] {
-            for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, G, dout, c, staged_blocks, 0);
-        });
-    };
-    *bc = bscatter(0);
-    SdmOpShape st = *s;
-    st.bwd_scatter = SDM_BSCATTER_STAGED;
-    const bool applies = !s->bank_fp32 && s->snapshot == SDM_SNAP_NONE;
-    *bst = applies ? bscatter(sdm_op_bscatter_staged_blocks(&st, a, bank, G)) : 0.f;
+    *bc = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bscatter(a, bank, 0, G, dout, c, 0); });
 }
 
 // Where the time goes: each launch kind of the forward and backward timed alone over all chunks (on the state left
@@ -173,15 +162,15 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
         for (int c = 0; c < a.nc; c++)
             sdm_fscatter_kernel<__nv_bfloat16><<<fgr.scatter, SDM_ROW_THREADS>>>(a, (__nv_bfloat16 *)bank, c);
     });
-    float tk, bc, bst;
-    if (s->grad_bank_bf16) bench_grad_parts(s, a, bank, (__nv_bfloat16 *)g->dbank_init, dout, reps, &tk, &bc, &bst);
-    else bench_grad_parts(s, a, bank, (float *)g->dbank_init, dout, reps, &tk, &bc, &bst);
+    float tk, bc;
+    if (s->grad_bank_bf16) bench_grad_parts(a, bank, (__nv_bfloat16 *)g->dbank_init, dout, reps, &tk, &bc);
+    else bench_grad_parts(a, bank, (float *)g->dbank_init, dout, reps, &tk, &bc);
     float bs = time_ms(reps, [&] { for (int c = a.nc - 1; c >= 0; c--) sdm_op_launch_bsolve(a, dout, g->dv, c, 0); });
     float bw = time_ms(reps, [&] { sdm_op_launch_bwy(a, dout, g, 0); });
     cudaCheckLast();
     printf("  parts (ms): phase1 %.3f (%zu KB a chunk in %s memory) | fgather %.3f fsolve %.3f fscatter %.3f | token "
-           "%.3f bsolve %.3f bscatter %.3f (staged %.3f) bwy %.3f (%zu KB a chunk in %s memory)\n", p1,
-           sdm_wy_layout(a.C, a.W, a.R).bytes >> 10, a.wy_work ? "global" : "shared", fg, fs, fc, tk, bs, bc, bst, bw,
+           "%.3f bsolve %.3f bscatter %.3f bwy %.3f (%zu KB a chunk in %s memory)\n", p1,
+           sdm_wy_layout(a.C, a.W, a.R).bytes >> 10, a.wy_work ? "global" : "shared", fg, fs, fc, tk, bs, bc, bw,
            sdm_bwy_layout(a.C, a.W, a.R).bytes >> 10, a.bwy_work ? "global" : "shared");
 }
 

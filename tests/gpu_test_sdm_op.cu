@@ -1,7 +1,7 @@
 // tests/gpu_test_sdm_op.cu: the GPU SDM memory op (sdm/sdm_op.cuh) against the double-precision CPU oracle
 // (sdm/sdm_ref.h): forward and every gradient on fresh random inputs, chunk-size invariance, the persistent forward =
-// the per-chunk launches (bitwise), the staged bscatter = one warp an entry (bitwise), decode = prefill = training
-// forward, bitwise determinism, snapshot modes and their independence of the batch, refusals.
+// the per-chunk launches (bitwise), decode = prefill = training forward, bitwise determinism, snapshot modes and their
+// independence of the batch, refusals.
 // Tolerances (relative L2 error against the oracle): all-fp32 mode 1e-5, bf16 bank 1e-2. The same hold with heavily
 // repeated slots (chains of C entries): every per-entry sum then has up to 2C fp32 terms, a relative rounding of about
 // sqrt(2C) 2^-24 <= 2e-6 at C = 256, and softmax weights keep |A| <= 1 so the solve does not amplify it.
@@ -785,58 +785,6 @@ static void test_persistent_forward(void) {
         }
 }
 
-// The staged bscatter (each entry's rows by bulk copies into shared memory, a warp's next entry's in flight) against
-// the one-warp-an-entry kernel, bit for bit in every output and gradient, on all the blocks that fit and on 1 and 3
-// blocks a stream (each warp then walks many entries through both stages), with an fp32 and a bf16 bank gradient,
-// over a bf16 bank with snapshots none (the rows it takes); and against the oracle. S = 1 to 12 streams, C = 16 to
-// 256, T % C != 0 (padding entries), chains from repeated and hot slots, d from 8 (16-byte rows) to the flagship's 1024.
-static void test_staged_bscatter(void) {
-    const Spec specs[] = {
-        {1, 200, 1, 512, 64, 64, 64, 64, GAMMA_UNIFORM, 1, 0},   // S = 1, T % C != 0
-        {1, 128, 2, 256, 1024, 64, 64, 64, GAMMA_UNIFORM, 1, 0}, // the flagship's d, W, R, C
-        {2, 100, 2, 64, 16, 8, 8, 16, GAMMA_UNIFORM, 1, 0},      // S = 4, C = 16, small bank
-        {3, 300, 4, 256, 8, 32, 24, 256, GAMMA_UNIFORM, 1, 0},   // S = 12, C = 256, ragged last chunk
-        {2, 130, 2, 256, 16, 32, 24, 64, GAMMA_UNIFORM, 1, 2},   // every token the same slots: chains of C entries
-        {1, 200, 2, 4096, 128, 64, 64, 64, GAMMA_UNIFORM, 1, 3}, // a hot set of 256
-        {2, 90, 1, 256, 8, 1, 128, 32, GAMMA_UNIFORM, 0, 0},     // W = 1, R = 128
-    };
-    int n = (int)(sizeof(specs) / sizeof(specs[0]));
-    for (int grad_bf16 = 0; grad_bf16 <= 1; grad_bf16++)
-        for (int i = 0; i < n; i++) {
-            const Spec *p = &specs[i];
-            Case c = make_case(7000 + i, p->B, p->T, p->H, p->N, p->d, p->W, p->R, p->gm, i % 2);
-            if (p->hot == 2) repeat_first_slots(&c);
-            if (p->hot == 3) draw_hot_slots(&c, 7100 + i, 4 * p->W);
-            double *rb = (double *)sdm_malloc(bank_elems(&c) * sizeof(double));
-            char name[96];
-            snprintf(name, sizeof(name), "%s B%d T%d H%d N%d d%d W%d R%d C%d%s", grad_bf16 ? "bf16-G" : "fp32-G", p->B,
-                     p->T, p->H, p->N, p->d, p->W, p->R, p->C,
-                     p->hot == 2 ? " same-slots" : p->hot == 3 ? " hot-set" : "");
-            SdmOpShape s = shape_of(&c, p->C, 0, SDM_SNAP_NONE, 1);
-            s.grad_bank_bf16 = grad_bf16;
-            s.bwd_scatter = SDM_BSCATTER_WARPS;
-            Result base = run_gpu_shape(&c, &s, rb);
-            s.bwd_scatter = SDM_BSCATTER_STAGED;
-            Result all = run_gpu_shape(&c, &s, rb);
-            s.bwd_max_blocks = 1;
-            Result one = run_gpu_shape(&c, &s, rb);
-            s.bwd_max_blocks = 3;
-            Result three = run_gpu_shape(&c, &s, rb);
-            int same = bitwise_equal(&c, &all, &base), same1 = bitwise_equal(&c, &one, &base),
-                same3 = bitwise_equal(&c, &three, &base);
-            CHECK(same, "%s: the staged bscatter differs from one warp an entry", name);
-            CHECK(same1, "%s: the staged bscatter on 1 block a stream differs from one warp an entry", name);
-            CHECK(same3, "%s: the staged bscatter on 3 blocks a stream differs from one warp an entry", name);
-            printf("  %-58s staged = warps: %s\n", name, same && same1 && same3 ? "same bits" : "DIFFERENT");
-            Result ref = run_ref(&c, rb);
-            char what[140];
-            snprintf(what, sizeof(what), "staged bscatter %s vs oracle", name);
-            compare(what, &c, &all, &ref, TOL_BF16);
-            free_result(&base); free_result(&all); free_result(&one); free_result(&three); free_result(&ref);
-            free(rb); free_case(&c);
-        }
-}
-
 // bf16 snapshots (fp32 bank) and fp8/int4 (fp32 and bf16 banks) leave the forward bit-identical to none; their
 // kappa/gamma/rho gradients are within TOL_BF16/TOL_FP8/TOL_INT4, the others unchanged. Over a bf16 bank the reads
 // of rows a chunk or a later one writes take the dequantised snapshot rounded to bf16, as the bank would hold it.
@@ -1064,9 +1012,6 @@ static void test_refusals(void) {
     s.fwd_path = (SdmFwdPath)3; CHECK(sdm_op_check(&s) != NULL, "unknown forward path accepted");
     s.fwd_path = SDM_FWD_AUTO;
     s.fwd_max_blocks = -1; CHECK(sdm_op_check(&s) != NULL, "fwd_max_blocks < 0 accepted"); s.fwd_max_blocks = 0;
-    s.bwd_scatter = (SdmBwdScatter)3; CHECK(sdm_op_check(&s) != NULL, "unknown bscatter path accepted");
-    s.bwd_scatter = SDM_BSCATTER_AUTO;
-    s.bwd_max_blocks = -1; CHECK(sdm_op_check(&s) != NULL, "bwd_max_blocks < 0 accepted"); s.bwd_max_blocks = 0;
     s.N = 1 << 16; s.T = 256; s.C = 256; s.W = s.R = 128;
     CHECK(sdm_op_check(&s) != NULL, "C*(W+R) over the shared-memory limit accepted");
     s.W = s.R = 8; s.snapshot = SDM_SNAP_BF16; s.bank_fp32 = 0;
@@ -1083,7 +1028,6 @@ int main(int argc, char **argv) {
     test_chunk_invariance_and_determinism(0);
     test_chunk_invariance_and_determinism(1);
     test_persistent_forward();
-    test_staged_bscatter();
     test_snapshot_modes(1);
     test_snapshot_modes(0);
     test_snapshot_batch_independence();
