@@ -98,18 +98,11 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 
 // Four blocks an SM for bscatter (at most 64 registers, no spills): the warps' dependent loads are the limit, so more
 // warps beat more registers (bench_sdm_op: 29.2 -> 26.5 ms at the flagship shape, 18.8 -> 15.7 with hot slots, against
-// the compiler's 78-92 registers at three blocks) and beat more row bytes in flight per warp (H100, `bench_sdm_op 3
-// grad`, bf16 G, uniform slots: 22.3 ms here, 23.2 with two groups of 8 columns a lane loaded ahead at three blocks
-// an SM, 26.3 with four groups at two blocks). Both are A/B knobs for the H200 (SDM_SQ: 8-column groups a lane
-// loads before it uses any, the same sums in the same order whatever the value): there the op's row kernels move their
-// bytes at the H100's rate, 2.6-2.7 TB/s, 56% of the H200's bus against 76% of the H100's (BENCHMARKS.md), so more
-// bytes in flight may win where they lost on the H100.
-#ifndef SDM_BSCATTER_BLOCKS
+// the compiler's 78-92 registers at three blocks). More row bytes in flight a warp lost on both GPUs (`bench_sdm_op 3
+// grad`, flagship op, uniform slots, bf16 G): two groups of 8 columns a lane loaded ahead at three blocks an SM, 22.3
+// -> 23.2 ms on an H100 and 16.6 -> 18.1 on the H200; each entry's whole rows copied into shared memory by bulk
+// copies, the warp's next entry's in flight (0fc6426), 16.6 -> 18.9 ms on the H200 (BENCHMARKS.md).
 #define SDM_BSCATTER_BLOCKS 4
-#endif
-#ifndef SDM_SQ
-#define SDM_SQ 1
-#endif
 
 // 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
 template <typename T> struct SdmRaw8 {
@@ -177,33 +170,23 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         const int lr = a.w_lastread[ew + i];
         Tg *grow = G + (row0 + slot) * d;
         float psi = 0.f, eta = 0.f;
-        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            SdmM0Group<BF16> m[SDM_SQ];
-            SdmRaw8<Tg> g[SDM_SQ];
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                const int col = c0 + u * 256;
-                if (col >= d) continue;
-                m[u].load_snap(a.snap, ew + i, col);
-                if (last) g[u].load(grow + col);
-            }
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                const int col = c0 + u * 256;
-                if (col >= d) continue;
-                float x[8], mv[8];
-                sdm_load8(dr0 + col, x);
-                m[u].get(mv, false);
-                psi = sdm_dot8(x, mv, psi);
-                if (!last) continue;
-                float gv[8], acc[8] = {}, racc[8] = {};
-                g[u].get(gv);
-                eta = sdm_dot8(gv, mv, eta);
-                sdm_write_chain_sum(a, s, ew, i, col, acc);
-                if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
-                sdm_store8(grow + col, x);
-            }
+        for (int col = lane * 8; col < d; col += 256) {
+            SdmM0Group<BF16> m;
+            SdmRaw8<Tg> g;
+            m.load_snap(a.snap, ew + i, col);
+            if (last) g.load(grow + col);
+            float x[8], mv[8];
+            sdm_load8(dr0 + col, x);
+            m.get(mv, false);
+            psi = sdm_dot8(x, mv, psi);
+            if (!last) continue;
+            float gv[8], acc[8] = {}, racc[8] = {};
+            g.get(gv);
+            eta = sdm_dot8(gv, mv, eta);
+            sdm_write_chain_sum(a, s, ew, i, col, acc);
+            if (lr >= 0) sdm_read_chain_sum(a, dout, s, c, er, lr, col, racc);
+            for (int k = 0; k < 8; k++) x[k] = fmaf(el, gv[k], acc[k]) + racc[k];
+            sdm_store8(grow + col, x);
         }
         psi = core_warp_sum(psi);
         eta = core_warp_sum(eta);
@@ -226,32 +209,22 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
         const void *brow = (const char *)bank + (row0 + slot) * row_bytes;
         Tg *grow = G + (row0 + slot) * d;
         float phi = 0.f;
-        for (int c0 = lane * 8; c0 < d; c0 += 256 * SDM_SQ) {
-            SdmM0Group<BF16> m[SDM_SQ];
-            SdmRaw8<Tg> g[SDM_SQ];
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                const int col = c0 + u * 256;
-                if (col >= d) continue;
-                if (e >= 0) m[u].load_snap(a.snap, e, col);
-                else m[u].load_bank(brow, col, bank_fp32);
-                if (upd) g[u].load(grow + col);
-            }
-#pragma unroll
-            for (int u = 0; u < SDM_SQ; u++) {
-                const int col = c0 + u * 256;
-                if (col >= d) continue;
-                float x[8], mv[8];
-                sdm_load8(dO + col, x);
-                m[u].get(mv, e >= 0 && !bank_fp32);
-                phi = sdm_dot8(x, mv, phi);
-                if (!upd) continue;
-                float gv[8], racc[8] = {};
-                g[u].get(gv);
-                sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
-                for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
-                sdm_store8(grow + col, x);
-            }
+        for (int col = lane * 8; col < d; col += 256) {
+            SdmM0Group<BF16> m;
+            SdmRaw8<Tg> g;
+            if (e >= 0) m.load_snap(a.snap, e, col);
+            else m.load_bank(brow, col, bank_fp32);
+            if (upd) g.load(grow + col);
+            float x[8], mv[8];
+            sdm_load8(dO + col, x);
+            m.get(mv, e >= 0 && !bank_fp32);
+            phi = sdm_dot8(x, mv, phi);
+            if (!upd) continue;
+            float gv[8], racc[8] = {};
+            g.get(gv);
+            sdm_read_chain_sum(a, dout, s, c, er, r, col, racc);
+            for (int k = 0; k < 8; k++) x[k] = gv[k] + racc[k];
+            sdm_store8(grow + col, x);
         }
         phi = core_warp_sum(phi);
         if (lane == 0) a.phi[er + r] = phi;
