@@ -207,10 +207,7 @@ static GenRequest *make_requests(const Prompt *prompts, int count, int max_token
 // Kernels in a decode step of B streams: the step captured once more into a graph of its own and its kernel nodes
 // counted (the dependent kernels a step runs in a chain: at batch 1 each costs ~2.3 us even when it moves few bytes).
 static size_t bench_step_kernels(GpuInferState *I, int B) {
-    cudaGraph_t graph;
-    cudaCheck(cudaStreamBeginCapture(I->stream, cudaStreamCaptureModeRelaxed));
-    gpu_infer_enqueue_decode(I, B, 1);
-    cudaCheck(cudaStreamEndCapture(I->stream, &graph));
+    cudaGraph_t graph = gpu_infer_capture_decode(I, B);
     size_t n = 0, kernels = 0;
     cudaCheck(cudaGraphGetNodes(graph, NULL, &n));
     cudaGraphNode_t *nodes = (cudaGraphNode_t *)sdm_malloc(n * sizeof *nodes);

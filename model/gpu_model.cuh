@@ -881,13 +881,20 @@ static inline int gpu_infer_sample(GpuInferState *I, int b) {
     return I->next_host[b];
 }
 
-// graph[n], captured on first use. Relaxed capture: the first GEMM of a process may allocate cuBLASLt's workspace.
+// A decode step of streams 0..n-1 captured as a graph (the caller destroys it). Relaxed capture: the first GEMM of a
+// process may allocate cuBLASLt's workspace.
+static inline cudaGraph_t gpu_infer_capture_decode(GpuInferState *I, int n) {
+    cudaGraph_t graph;
+    cudaCheck(cudaStreamBeginCapture(I->stream, cudaStreamCaptureModeRelaxed));
+    gpu_infer_enqueue_decode(I, n, 1);
+    cudaCheck(cudaStreamEndCapture(I->stream, &graph));
+    return graph;
+}
+
+// graph[n], captured on first use.
 static inline cudaGraphExec_t gpu_infer_graph(GpuInferState *I, int n) {
     if (!I->graph[n]) {
-        cudaGraph_t graph;
-        cudaCheck(cudaStreamBeginCapture(I->stream, cudaStreamCaptureModeRelaxed));
-        gpu_infer_enqueue_decode(I, n, 1);
-        cudaCheck(cudaStreamEndCapture(I->stream, &graph));
+        cudaGraph_t graph = gpu_infer_capture_decode(I, n);
         cudaCheck(cudaGraphInstantiate(&I->graph[n], graph, 0));
         cudaCheck(cudaGraphDestroy(graph));
     }
