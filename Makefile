@@ -1,11 +1,12 @@
 # sdm.c build. `make` builds the programs, `make test` runs every CPU test and compiles every CUDA source,
 # `make test-gpu` runs the GPU tests, `make bench` runs the benchmarks, `make fuzz` (clang, optional, not part of
 # `make test`) runs the libFuzzer harnesses of tests/fuzz/ for FUZZ_SECONDS each.
-# Overrides: GPU_ARCH (default sm_90), CUDA_HOME, NCCL_HOME, NCCL (1: require it, 0: leave it out).
+# Overrides: GPU_ARCH (default sm_90a: H100, H200; sm_90 or older leaves out the Hopper-only kernels), CUDA_HOME,
+# NCCL_HOME, NCCL (1: require it, 0: leave it out).
 
 CUDA_HOME ?= /usr/local/cuda
 NCCL_HOME ?= $(CUDA_HOME)
-GPU_ARCH  ?= sm_90
+GPU_ARCH  ?= sm_90a
 
 CC       ?= gcc
 NVCC     := $(CUDA_HOME)/bin/nvcc
@@ -16,6 +17,10 @@ SANITIZE  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 NVCCFLAGS := -O3 -std=c++17 -arch=$(GPU_ARCH) -I. -Xcompiler -Wall,-Wextra \
              --expt-relaxed-constexpr -lineinfo
 GPU_LIBS  := -lcublas -lcublasLt -lm
+# sm_90a (H100, H200): the Hopper-only instructions (wgmma) too; the host code learns it from SDM_SM90A
+ifeq ($(GPU_ARCH),sm_90a)
+  NVCCFLAGS += -DSDM_SM90A=1
+endif
 DEPS       = -MMD -MP -MF $(BUILD)/$(notdir $@).d # dependency files go to build/, never the repository root
 
 # NCCL: NCCL=1 requires it, NCCL=0 leaves it out, unset uses it when core/nccl_probe.c compiles and links against

@@ -5,6 +5,7 @@
 #define SDM_ATTN_FWD_CUH
 
 #include "attention/attn_common.cuh"
+#include "attention/attn_fwd_wgmma.cuh"
 #include "attention/attn_mma.cuh"
 
 // One warp per (b, t, head j): out row and lse.
@@ -82,35 +83,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                if (PARTIAL) {
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            int row = r0 + mt * 16 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                            if (attn_hidden(row, key, wlim, p.T)) s[mt][nt][e] = -INFINITY;
-                        }
-                }
-#pragma unroll
-                for (int h = 0; h < 2; h++) { // rows lane/4 and lane/4 + 8; m in base-2 units of the scaled score
-                    float mx = -INFINITY;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    float m_new = fmaxf(m[mt][h], mx * p.scale_log2), m_use = m_new == -INFINITY ? 0.0f : m_new;
-                    float alpha = exp2f(m[mt][h] - m_use);
-                    m[mt][h] = m_new;
-                    l[mt][h] *= alpha;
-#pragma unroll
-                    for (int dt = 0; dt < DT; dt++) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        s[mt][nt][2 * h] = exp2f(fmaf(s[mt][nt][2 * h], p.scale_log2, -m_use));
-                        s[mt][nt][2 * h + 1] = exp2f(fmaf(s[mt][nt][2 * h + 1], p.scale_log2, -m_use));
-                        l[mt][h] += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
-                    }
-                }
+                if (PARTIAL) attn_mask_scores<NT>(s[mt], r0 + mt * 16, key0, wlim, p.T);
+                attn_online_softmax<NT, DT>(s[mt], m[mt], l[mt], o[mt], p.scale_log2);
             }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
@@ -127,19 +101,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_fwd_mma_kernel(AttnArgs p)
     }
 
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        float inv[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 1);
-            l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 2);
-            inv[h] = 1.0f / l[mt][h];
-            int row = r0 + mt * 16 + attn_acc_row(2 * h);
-            if (p.lse && (threadIdx.x & 3) == 0 && row < p.T)
-                p.lse[((size_t)b * p.nh + j) * p.T + row] = (m[mt][h] + log2f(l[mt][h])) * ATTN_LN2;
-        }
-        attn_store_acc<D>((bf16 *)p.out + ((size_t)b * p.T * p.nh + j) * D, qstride, r0 + mt * 16, p.T, o[mt], inv);
-    }
+    for (int mt = 0; mt < MT; mt++) attn_fwd_finish<D>(p, b, j, r0 + mt * 16, m[mt], l[mt], o[mt]);
 }
 
 // The tensor-core kernels at a given tile configuration (NW warps, BN/BM tile, MINB CTAs per SM). The defaults below
@@ -154,6 +116,7 @@ static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
 
 template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {
     if (dt == DT_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p);
+    else if (attn_use_wgmma(D, p.window)) attn_fwd_wgmma(p, B, st);
     else if (p.window > 0 && p.window <= 256) attn_fwd_mma<D, ATTN_FWD_SWA_CFG>(p, B, st);
     else attn_fwd_mma<D, ATTN_FWD_CFG>(p, B, st);
 }

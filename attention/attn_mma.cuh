@@ -201,6 +201,78 @@ __device__ __forceinline__ bool attn_hidden(int row, int key, unsigned wlim, int
 }
 __device__ __forceinline__ unsigned attn_wlim(int window) { return window == 0 ? 0x7fffffffu : (unsigned)window; }
 
+// A warp's 16 x 8NT scores s (raw q.k) of query rows row0.. against keys key0..: the pairs the mask hides to -inf.
+template <int NT>
+__device__ __forceinline__ void attn_mask_scores(float (&s)[NT][4], int row0, int key0, unsigned wlim, int T) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (attn_hidden(row0 + attn_acc_row(e), key0 + attn_acc_col(nt, e), wlim, T)) s[nt][e] = -INFINITY;
+}
+
+// One key tile of a warp's online softmax over its 16 rows: s (raw, masked scores) becomes exp2(s * scale_log2 - m)
+// with m the running row maximum (base-2 units of the scaled score), and the running sum l is rescaled to the new
+// maximum and increased by the tile's terms. alpha: the factor that rescales the output accumulator to the new
+// maximum (the caller applies it; attn_online_softmax does at once).
+template <int NT>
+__device__ __forceinline__ void attn_softmax_tile(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                                  float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) { // rows lane/4 and lane/4 + 8
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m[h], mx * scale_log2), m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[h] = exp2f(m[h] - m_use);
+        m[h] = m_new;
+        l[h] *= alpha[h];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[nt][2 * h] = exp2f(fmaf(s[nt][2 * h], scale_log2, -m_use));
+            s[nt][2 * h + 1] = exp2f(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
+            l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+    }
+}
+
+// The output accumulator o [16 x 8DT] of a warp's rows times their factors alpha.
+template <int DT> __device__ __forceinline__ void attn_rescale(float (&o)[DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+        o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
+    }
+}
+
+template <int NT, int DT>
+__device__ __forceinline__ void attn_online_softmax(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[DT][4],
+                                                    float scale_log2) {
+    float alpha[2];
+    attn_softmax_tile<NT>(s, m, l, alpha, scale_log2);
+    attn_rescale<DT>(o, alpha);
+}
+
+// The end of a warp's forward over its 16 rows from row0 of (b, head j): the row sums l completed across the quad,
+// lse (when training) and out = o / l.
+template <int D>
+__device__ __forceinline__ void attn_fwd_finish(const AttnArgs &p, int b, int j, int row0, float (&m)[2],
+                                                float (&l)[2], const float (&o)[D / 8][4]) {
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        inv[h] = 1.0f / l[h];
+        int row = row0 + attn_acc_row(2 * h);
+        if (p.lse && (threadIdx.x & 3) == 0 && row < p.T)
+            p.lse[((size_t)b * p.nh + j) * p.T + row] = (m[h] + log2f(l[h])) * ATTN_LN2;
+    }
+    attn_store_acc<D>((bf16 *)p.out + ((size_t)b * p.T * p.nh + j) * D, (size_t)p.nh * D, row0, p.T, o, inv);
+}
+
 // The 16-wide column groups [lo, hi) of a tile whose columns start at c0 (ncols of them) that hold any column of
 // [v_lo, v_hi] (absolute; the caller knows the intersection is not empty). Work on the others is skipped.
 __device__ __forceinline__ void attn_groups(int c0, int ncols, int v_lo, int v_hi, int &lo, int &hi) {

@@ -39,7 +39,7 @@ jobs=$(nproc 2>/dev/null || echo 4)
 # The binaries from build/gpu_pack.tar.xz (scripts/gpu_pack.sh) where it was built from these sources for this
 # GPU_ARCH: unpacked and touched, newer than the sources copied here, so make builds nothing.
 if [ -f build/gpu_pack.tar.xz ]; then
-    if [ "$(tar -xJOf build/gpu_pack.tar.xz build/gpu_pack.id)" = "$(source_digest) ${GPU_ARCH:-sm_90}" ]; then
+    if [ "$(tar -xJOf build/gpu_pack.tar.xz build/gpu_pack.id)" = "$(source_digest) ${GPU_ARCH:-sm_90a}" ]; then
         tar -xJvf build/gpu_pack.tar.xz | xargs touch
         echo "binaries from build/gpu_pack.tar.xz"
     else
@@ -58,7 +58,7 @@ if [ "$what" = decode-ab ] || [ "$what" = step-ab ] || [ "$what" = op-ab ] && [ 
         [ -f "$id" ] && [ "$(cut -d' ' -f3 "$id")" = "$prog" ] && builds+=("${id%.id}")
     done
 fi
-make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
+make -j"$jobs" GPU_ARCH=${GPU_ARCH:-sm_90a} "$@" compile-cuda prepare_data >"$out/build.log" 2>&1
 build_rc=$?
 tail -n 20 "$out/build.log"
 

@@ -5,11 +5,11 @@
 # (build/gpu_pack.id, every C, CUDA source and header and the Makefile, and GPU_ARCH) is the tree's and its own, so a
 # stale pack is never run.
 # Send the pack with the tree (it is git-ignored: name it where your tool copies ignored paths).
-#   [GPU_ARCH=sm_90] scripts/gpu_pack.sh [extra make args]
+#   [GPU_ARCH=sm_90a] scripts/gpu_pack.sh [extra make args]
 set -eu -o pipefail
 cd "$(dirname "$0")/.."
-make -j"$(nproc 2>/dev/null || echo 2)" GPU_ARCH="${GPU_ARCH:-sm_90}" "$@" compile-cuda prepare_data
-echo "$(scripts/gpu_check.sh --source-digest) ${GPU_ARCH:-sm_90}" > build/gpu_pack.id
+make -j"$(nproc 2>/dev/null || echo 2)" GPU_ARCH="${GPU_ARCH:-sm_90a}" "$@" compile-cuda prepare_data
+echo "$(scripts/gpu_check.sh --source-digest) ${GPU_ARCH:-sm_90a}" > build/gpu_pack.id
 # `make variant` builds (decode-ab, step-ab) made from these sources for this GPU_ARCH; others are left out
 variants=()
 for id in build/variants/*.id; do

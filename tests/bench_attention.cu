@@ -161,6 +161,7 @@ int main(void) {
             {"fwd 4 warps x 32 rows x 64 keys, 1/SM", attn_fwd_mma<128, 4, 64, 2, 1, true>},
             {"fwd 4 warps x 32 rows x 64 keys, 1/SM, no skip", attn_fwd_mma<128, 4, 64, 2, 1, false>},
             {"fwd 4 warps x 32 rows x 32 keys, 2/SM", attn_fwd_mma<128, 4, 32, 2, 2, true>},
+            {"fwd wgmma 2 warpgroups x 64 rows x 128 keys", attn_wgmma_available() ? attn_fwd_wgmma : NULL},
             {"delta", attn_delta<bf16, 128>},
             {"dkdv 4 warps x 64 queries, 2/SM", attn_dkdv_mma<128, 4, 64, 2, true>},
             {"dkdv 4 warps x 64 queries, 2/SM, no skip", attn_dkdv_mma<128, 4, 64, 2, false>},
@@ -168,13 +169,18 @@ int main(void) {
             {"dq 4 warps x 64 keys, 2/SM", attn_dq_mma<128, 4, 64, 2, true>},
             {"dq 4 warps x 64 keys, 2/SM, no skip", attn_dq_mma<128, 4, 64, 2, false>},
             {"dq 4 warps x 32 keys, 2/SM", attn_dq_mma<128, 4, 32, 2, true>},
+            {"dkdv wgmma 2 warpgroups x 64 keys", attn_wgmma_available() ? attn_dkdv_wgmma : NULL},
+            {"dq wgmma 2 warpgroups x 64 queries", attn_wgmma_available() ? attn_dq_wgmma : NULL},
         };
         // each forward variant's output must match the default's (the GPU tests check the default against the CPU)
         float *ref_out = download_f(bb.out, n);
         printf("window %d, kernel variants (median ms):\n", windows[c]);
         for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-            printf("  %-48s %.3f", variants[i].name, time_pass(&bb, 0, variants[i].f, &p, 3, 15));
+            if (!variants[i].f) continue; // not in this build (wgmma: sm_90a)
+            float t = time_pass(&bb, 0, variants[i].f, &p, 3, 15);
+            printf("  %-48s %.3f", variants[i].name, t);
             if (strncmp(variants[i].name, "fwd", 3) == 0) {
+                printf(" = %5.1f TFLOP/s", 4.0 * D * pairs / (t * 1e-3) / 1e12);
                 CK(cudaDeviceSynchronize());
                 float *got = download_f(bb.out, n);
                 double err = rel_diff(got, ref_out, n);
