@@ -140,24 +140,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dkdv_mma_kernel(AttnAr
             if (SKIPS) attn_groups(m0, BM, k0, query_hi, glo, ghi);
             float st[NT][4], dpt[NT][4]; // S^T, dP^T: 16 keys x BM queries
             attn_mma_bt_pair<NT, KS, SKIPS>(st, dpt, Ks, Qb, Vs, Ob, SD, warp * 16, glo, ghi);
-            if (PARTIAL) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int key = k0 + attn_acc_row(e), query = m0 + attn_acc_col(nt, e);
-                        if (query >= p.T || attn_hidden(query, key, wlim, p.T)) st[nt][e] = -INFINITY;
-                    }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int col = attn_acc_col(nt, e);
-                    float pr = exp2f(fmaf(st[nt][e], p.scale_log2, -Lb[col]));
-                    st[nt][e] = pr;
-                    dpt[nt][e] = pr * (dpt[nt][e] - Db[col]);
-                }
+            if (PARTIAL) attn_dkdv_mask<NT>(st, k0, m0, wlim, p.T);
+            attn_dkdv_p_ds<NT>(st, dpt, Lb, Db, p.scale_log2);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++) {
                 if (SKIPS && (kk < glo || kk >= ghi)) continue;
@@ -197,13 +181,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
     core_cp_async_commit();
 
     float lse2[2], delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = min(r0 + attn_acc_row(2 * h), p.T - 1);
-        size_t hrow = ((size_t)b * p.nh + j) * p.T + row;
-        lse2[h] = p.lse[hrow] * ATTN_LOG2E;
-        delta[h] = p.delta[hrow];
-    }
+    attn_rows_lse_delta(p, b, j, r0, lse2, delta);
     float dq[DT][4];
 #pragma unroll
     for (int dt = 0; dt < DT; dt++) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
@@ -219,22 +197,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) attn_bwd_dq_mma_kernel(AttnArgs
             if (SKIPS) attn_groups(key0, BN, key_lo, key_hi, glo, ghi);
             float s[NT][4], dp[NT][4]; // S, dP: 16 queries x BN keys
             attn_mma_bt_pair<NT, KS, SKIPS>(s, dp, Qs, Kb, Os, Vb, SD, warp * 16, glo, ghi);
-            if (PARTIAL) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int row = r0 + attn_acc_row(e), key = key0 + attn_acc_col(nt, e);
-                        if (attn_hidden(row, key, wlim, p.T)) s[nt][e] = -INFINITY; // rows >= T are never stored
-                    }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float pr = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[e >> 1]));
-                    s[nt][e] = pr * (dp[nt][e] - delta[e >> 1]);
-                }
+            if (PARTIAL) attn_mask_scores<NT>(s, r0, key0, wlim, p.T); // rows >= T are never stored
+            attn_dq_ds<NT>(s, dp, lse2, delta, p.scale_log2);
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
                 if (SKIPS && (kk < glo || kk >= ghi)) continue;

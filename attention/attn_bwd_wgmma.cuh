@@ -108,24 +108,8 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p)
             wg_wait<0>();
             wg_fence_acc(stf);
             wg_fence_acc(dptf);
-            if (!attn_block_all(m0, BM, kw, 64, p.window, p.T)) {
-#pragma unroll
-                for (int nt = 0; nt < BM / 8; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int key = k0 + attn_acc_row(e), query = m0 + attn_acc_col(nt, e);
-                        if (query >= p.T || attn_hidden(query, key, wlim, p.T)) st[nt][e] = -INFINITY;
-                    }
-            }
-#pragma unroll
-            for (int nt = 0; nt < BM / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int col = attn_acc_col(nt, e);
-                    float pr = exp2f(fmaf(st[nt][e], p.scale_log2, -Lb[col]));
-                    st[nt][e] = pr;
-                    dpt[nt][e] = pr * (dpt[nt][e] - Db[col]);
-                }
+            if (!attn_block_all(m0, BM, kw, 64, p.window, p.T)) attn_dkdv_mask<BM / 8>(st, k0, m0, wlim, p.T);
+            attn_dkdv_p_ds<BM / 8>(st, dpt, Lb, Db, p.scale_log2);
             uint32_t pa[4][4], da[4][4];
             attn_wg_frags(pa, st);
             attn_wg_frags(da, dpt);
@@ -168,13 +152,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p) {
     core_cp_async_commit();
 
     float lse2[2], delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = min(r0 + attn_acc_row(2 * h), p.T - 1);
-        size_t hrow = ((size_t)b * p.nh + j) * p.T + row;
-        lse2[h] = p.lse[hrow] * ATTN_LOG2E;
-        delta[h] = p.delta[hrow];
-    }
+    attn_rows_lse_delta(p, b, j, r0, lse2, delta);
     float dq[D / 8][4];
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
@@ -199,13 +177,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p) {
             wg_fence_acc(sf);
             wg_fence_acc(dpf);
             if (!attn_block_all(w0, 64, key0, BN, p.window, p.T)) attn_mask_scores<BN / 8>(s, r0, key0, wlim, p.T);
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float pr = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[e >> 1]));
-                    s[nt][e] = pr * (dp[nt][e] - delta[e >> 1]);
-                }
+            attn_dq_ds<BN / 8>(s, dp, lse2, delta, p.scale_log2);
             uint32_t da[4][4];
             attn_wg_frags(da, s);
             attn_wg_acc64(dqf, da, k_addr + buf * SMALL);

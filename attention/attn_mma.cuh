@@ -255,6 +255,59 @@ __device__ __forceinline__ void attn_online_softmax(float (&s)[NT][4], float (&m
     attn_rescale<DT>(o, alpha);
 }
 
+// The backward's per-row values of a warp's 16 query rows from row0 of (b, head j): lse in base 2 and delta, for
+// rows lane/4 and lane/4 + 8 (rows past T read row T-1's; they are never stored).
+__device__ __forceinline__ void attn_rows_lse_delta(const AttnArgs &p, int b, int j, int row0, float (&lse2)[2],
+                                                    float (&delta)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = min(row0 + attn_acc_row(2 * h), p.T - 1);
+        size_t hrow = ((size_t)b * p.nh + j) * p.T + row;
+        lse2[h] = p.lse[hrow] * ATTN_LOG2E;
+        delta[h] = p.delta[hrow];
+    }
+}
+
+// dQ pass: a warp's masked scores s (16 queries x 8NT keys) become dS = P (dP - delta), P = exp2(s * scale - lse).
+template <int NT>
+__device__ __forceinline__ void attn_dq_ds(float (&s)[NT][4], const float (&dp)[NT][4], const float (&lse2)[2],
+                                           const float (&delta)[2], float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float pr = exp2f(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+            s[nt][e] = pr * (dp[nt][e] - delta[e >> 1]);
+        }
+}
+
+// dK/dV pass: a warp's S^T (16 keys from k0 x 8NT queries from m0): the pairs the mask hides (or queries past T) to
+// -inf; then S^T becomes P^T = exp2(S^T * scale - lse) and dP^T becomes dS^T = P^T (dP^T - delta), lse (base 2)
+// and delta per query column from shared memory.
+template <int NT>
+__device__ __forceinline__ void attn_dkdv_mask(float (&st)[NT][4], int k0, int m0, unsigned wlim, int T) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int key = k0 + attn_acc_row(e), query = m0 + attn_acc_col(nt, e);
+            if (query >= T || attn_hidden(query, key, wlim, T)) st[nt][e] = -INFINITY;
+        }
+}
+template <int NT>
+__device__ __forceinline__ void attn_dkdv_p_ds(float (&st)[NT][4], float (&dpt)[NT][4], const float *lse2,
+                                               const float *delta, float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int col = attn_acc_col(nt, e);
+            float pr = exp2f(fmaf(st[nt][e], scale_log2, -lse2[col]));
+            st[nt][e] = pr;
+            dpt[nt][e] = pr * (dpt[nt][e] - delta[col]);
+        }
+}
+
 // The end of a warp's forward over its 16 rows from row0 of (b, head j): the row sums l completed across the quad,
 // lse (when training) and out = o / l.
 template <int D>
