@@ -21,15 +21,6 @@ __device__ __forceinline__ void attn_wg_frags(uint32_t (&a)[4][4], const float (
 }
 
 #ifdef CORE_HAVE_WGMMA
-// o [64 x 128] += A (fragments a, 64 columns) . B, B a swizzled [64][128] tile read MN-major. Issued and committed.
-__device__ __forceinline__ void attn_wg_acc64(float (&o)[64], const uint32_t (&a)[4][4], uint32_t b_tile) {
-    wg_fence_acc(o);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) wg_mma_rs_t(o, a[kk], wg_desc_mnmajor(b_tile, ATTN_WGB_STEP, kk));
-    wg_commit();
-}
-
 // s = A1 B1^T and d = A2 B2^T [64 x 64] for a warpgroup: A1, A2 its 64 rows (from row0) of two swizzled [rows1][128]
 // tiles, B1, B2 swizzled [64][128] tiles, all K-major. Issued and committed.
 __device__ __forceinline__ void attn_wg_pair(float (&s)[32], float (&d)[32], uint32_t a1, uint32_t a2, int rows1,
@@ -113,8 +104,8 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p)
             uint32_t pa[4][4], da[4][4];
             attn_wg_frags(pa, st);
             attn_wg_frags(da, dpt);
-            attn_wg_acc64(dvf, pa, o_addr + buf * SMALL);
-            attn_wg_acc64(dkf, da, q_addr + buf * SMALL);
+            attn_wg_acc<4>(dvf, pa, o_addr + buf * SMALL);
+            attn_wg_acc<4>(dkf, da, q_addr + buf * SMALL);
             wg_wait<0>();
             wg_fence_acc(dvf);
             wg_fence_acc(dkf);
@@ -180,7 +171,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p) {
             attn_dq_ds<BN / 8>(s, dp, lse2, delta, p.scale_log2);
             uint32_t da[4][4];
             attn_wg_frags(da, s);
-            attn_wg_acc64(dqf, da, k_addr + buf * SMALL);
+            attn_wg_acc<4>(dqf, da, k_addr + buf * SMALL);
             wg_wait<0>();
             wg_fence_acc(dqf);
         }

@@ -24,13 +24,14 @@ __device__ __forceinline__ void attn_load_tile_sw(unsigned char *smem, const bf1
 }
 
 #ifdef CORE_HAVE_WGMMA
-// P V for one key tile: o [64 x 128] += a (the warps' bf16 P fragments, 16 keys a k-step) . V, V a swizzled
-// [128 keys][128] tile at v_tile read MN-major. Issued and committed, not waited for.
-__device__ __forceinline__ void attn_wg_pv(float (&o)[64], const uint32_t (&a)[ATTN_WG_BN / 16][4], uint32_t v_tile) {
+// o [64 x 128] += A (fragments a: KK k-steps of 16) . B, B a swizzled [16 KK][128] tile read MN-major (V for P V;
+// dO, Q, K in the backward). Issued and committed, not waited for.
+template <int KK>
+__device__ __forceinline__ void attn_wg_acc(float (&o)[64], const uint32_t (&a)[KK][4], uint32_t b_tile) {
     wg_fence_acc(o);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < ATTN_WG_BN / 16; kk++) wg_mma_rs_t(o, a[kk], wg_desc_mnmajor(v_tile, ATTN_WG_BN, kk));
+    for (int kk = 0; kk < KK; kk++) wg_mma_rs_t(o, a[kk], wg_desc_mnmajor(b_tile, 16 * KK, kk));
     wg_commit();
 }
 #endif
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_kernel(AttnArgs p) {
                       ks > 0);
         wg_commit();
         if (n > n_lo) {
-            attn_wg_pv(of, a, v_addr + ((n - 1) & 1) * TILE);
+            attn_wg_acc<BN / 16>(of, a, v_addr + ((n - 1) & 1) * TILE);
             wg_wait<1>(); // S
         } else {
             wg_wait<0>();
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_kernel(AttnArgs p) {
     core_cp_async_wait<0>(); // the last V
     wg_fence_smem();
     __syncthreads();
-    attn_wg_pv(of, a, v_addr + ((n_hi - 1) & 1) * TILE);
+    attn_wg_acc<BN / 16>(of, a, v_addr + ((n_hi - 1) & 1) * TILE);
     wg_wait<0>();
     wg_fence_acc(of);
     attn_fwd_finish<D>(p, b, j, r0, m, l, o);
