@@ -14,12 +14,6 @@
 #define ATTN_WGB_SMEM \
     ((size_t)(2 * ATTN_WGB_ROWS + 4 * ATTN_WGB_STEP) * 128 * sizeof(bf16) + 4 * ATTN_WGB_STEP * sizeof(float) + 1024)
 
-// Accumulator elements of 16-key k-step kk of a warp's 64-column score tile as A fragments (kk = 0..3).
-__device__ __forceinline__ void attn_wg_frags(uint32_t (&a)[4][4], const float (&s)[8][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) attn_acc_to_a<8>(a[kk], s, kk);
-}
-
 #ifdef CORE_HAVE_WGMMA
 // s = A1 B1^T and d = A2 B2^T [64 x 64] for a warpgroup: A1, A2 its 64 rows (from row0) of two swizzled [rows1][128]
 // tiles, B1, B2 swizzled [64][128] tiles, all K-major. Issued and committed.
@@ -43,7 +37,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p)
 #ifdef CORE_HAVE_WGMMA
     constexpr int D = 128, BN = ATTN_WGB_ROWS, BM = ATTN_WGB_STEP, BIG = BN * D * 2, SMALL = BM * D * 2;
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    unsigned char *Ks = attn_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(attn_smem) & 1023)) & 1023);
+    unsigned char *Ks = wg_align_smem(attn_smem);
     unsigned char *Vs = Ks + BIG, *Qs = Vs + BIG, *Os = Qs + 2 * SMALL; // Q, dO: [2] tiles each
     float *Ls = (float *)(Os + 2 * SMALL), *Ds = Ls + 2 * BM;          // lse (base 2), delta: [2][BM] each
     uint32_t k_addr = (uint32_t)__cvta_generic_to_shared(Ks), v_addr = k_addr + BIG, q_addr = v_addr + BIG,
@@ -102,8 +96,8 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p)
             if (!attn_block_all(m0, BM, kw, 64, p.window, p.T)) attn_dkdv_mask<BM / 8>(st, k0, m0, wlim, p.T);
             attn_dkdv_p_ds<BM / 8>(st, dpt, Lb, Db, p.scale_log2);
             uint32_t pa[4][4], da[4][4];
-            attn_wg_frags(pa, st);
-            attn_wg_frags(da, dpt);
+            attn_wg_frags<4>(pa, st);
+            attn_wg_frags<4>(da, dpt);
             attn_wg_acc<4>(dvf, pa, o_addr + buf * SMALL);
             attn_wg_acc<4>(dkf, da, q_addr + buf * SMALL);
             wg_wait<0>();
@@ -124,7 +118,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p) {
 #ifdef CORE_HAVE_WGMMA
     constexpr int D = 128, BM = ATTN_WGB_ROWS, BN = ATTN_WGB_STEP, BIG = BM * D * 2, SMALL = BN * D * 2;
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    unsigned char *Qs = attn_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(attn_smem) & 1023)) & 1023);
+    unsigned char *Qs = wg_align_smem(attn_smem);
     unsigned char *Os = Qs + BIG, *Ks = Os + BIG, *Vs = Ks + 2 * SMALL; // K, V: [2] tiles each
     uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(Qs), o_addr = q_addr + BIG, k_addr = o_addr + BIG,
              v_addr = k_addr + 2 * SMALL;
@@ -170,7 +164,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p) {
             if (!attn_block_all(w0, 64, key0, BN, p.window, p.T)) attn_mask_scores<BN / 8>(s, r0, key0, wlim, p.T);
             attn_dq_ds<BN / 8>(s, dp, lse2, delta, p.scale_log2);
             uint32_t da[4][4];
-            attn_wg_frags(da, s);
+            attn_wg_frags<4>(da, s);
             attn_wg_acc<4>(dqf, da, k_addr + buf * SMALL);
             wg_wait<0>();
             wg_fence_acc(dqf);

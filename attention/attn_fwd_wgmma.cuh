@@ -23,6 +23,13 @@ __device__ __forceinline__ void attn_load_tile_sw(unsigned char *smem, const bf1
     }
 }
 
+// A warp's accumulator of 16 x 16KK scores as the A fragments of KK k-steps of 16 (the layouts coincide).
+template <int KK>
+__device__ __forceinline__ void attn_wg_frags(uint32_t (&a)[KK][4], const float (&s)[2 * KK][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KK; kk++) attn_acc_to_a<2 * KK>(a[kk], s, kk);
+}
+
 #ifdef CORE_HAVE_WGMMA
 // o [64 x 128] += A (fragments a: KK k-steps of 16) . B, B a swizzled [16 KK][128] tile read MN-major (V for P V;
 // dO, Q, K in the backward). Issued and committed, not waited for.
@@ -47,7 +54,7 @@ __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_kernel(AttnArgs p) {
 #ifdef CORE_HAVE_WGMMA
     constexpr int D = 128, BM = ATTN_WG_BM, BN = ATTN_WG_BN, TILE = BN * D * (int)sizeof(bf16);
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    unsigned char *Qs = attn_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(attn_smem) & 1023)) & 1023);
+    unsigned char *Qs = wg_align_smem(attn_smem);
     unsigned char *Ks = Qs + BM * D * sizeof(bf16), *Vs = Ks + 2 * TILE; // K, V [2] tiles each
     uint32_t q_addr = (uint32_t)__cvta_generic_to_shared(Qs), k_addr = q_addr + BM * D * sizeof(bf16),
              v_addr = k_addr + 2 * TILE;
@@ -100,8 +107,7 @@ __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_kernel(AttnArgs p) {
         wg_wait<0>(); // P V
         wg_fence_acc(of);
         attn_rescale<D / 8>(o, alpha);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) attn_acc_to_a<BN / 8>(a[kk], s, kk);
+        attn_wg_frags<BN / 16>(a, s);
     }
     core_cp_async_wait<0>(); // the last V
     wg_fence_smem();

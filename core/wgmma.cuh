@@ -23,6 +23,11 @@ __host__ __device__ __forceinline__ uint32_t wg_tile_offset(int rows, int r, int
     return (uint32_t)(half * rows * 128 + r * 128 + ((c ^ (r & 7)) * 16));
 }
 
+// The first 1,024-byte boundary at or after p in shared memory (where swizzled tiles must start).
+__device__ __forceinline__ unsigned char *wg_align_smem(unsigned char *p) {
+    return p + ((1024 - ((uint32_t)__cvta_generic_to_shared(p) & 1023)) & 1023);
+}
+
 // A matrix descriptor: start address, leading and stride byte offsets, 128-byte swizzle (layout type 1).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr, uint32_t lead_bytes, uint32_t stride_bytes) {
     return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | (uint64_t)((lead_bytes >> 4) & 0x3FFF) << 16 |
