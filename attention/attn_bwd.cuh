@@ -248,7 +248,7 @@ template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, Dt
         return;
     }
     attn_delta<bf16, D>(p, B, st);
-    if (attn_use_wgmma(D, p.window)) {
+    if (attn_use_wgmma_bwd(D, p.window)) {
         attn_dkdv_wgmma(p, B, st);
         attn_dq_wgmma(p, B, st);
         return;

@@ -105,11 +105,12 @@ static inline AttnArgs attn_args(const AttnDims *a, int T) {
     return p;
 }
 
-// Launch a kernel with `smem` bytes of dynamic shared memory, raising the kernel's limit first.
-template <typename K>
-static inline void attn_launch(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t st, const AttnArgs &p) {
+// Launch a kernel (arguments: the AttnArgs and any more) with `smem` bytes of dynamic shared memory, raising the
+// kernel's limit first.
+template <typename K, typename... A>
+static inline void attn_launch(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t st, const A &...args) {
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<grid, threads, smem, st>>>(p);
+    kernel<<<grid, threads, smem, st>>>(args...);
     cudaCheckLast();
 }
 

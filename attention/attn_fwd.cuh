@@ -114,11 +114,16 @@ static inline void attn_fwd_mma(const AttnArgs &p, int B, cudaStream_t st) {
                 NW * 32, smem, st, p);
 }
 
+// The mma.sync forward at the configuration for this mask.
+template <int D> static inline void attn_fwd_mma_for_mask(const AttnArgs &p, int B, cudaStream_t st) {
+    if (p.window > 0 && p.window <= 256) attn_fwd_mma<D, ATTN_FWD_SWA_CFG>(p, B, st);
+    else attn_fwd_mma<D, ATTN_FWD_CFG>(p, B, st);
+}
+
 template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {
     if (dt == DT_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p);
-    else if (attn_use_wgmma(D, p.window)) attn_fwd_wgmma(p, B, st);
-    else if (p.window > 0 && p.window <= 256) attn_fwd_mma<D, ATTN_FWD_SWA_CFG>(p, B, st);
-    else attn_fwd_mma<D, ATTN_FWD_CFG>(p, B, st);
+    else if (attn_use_wgmma_fwd(D)) attn_fwd_wgmma(p, B, st);
+    else attn_fwd_mma_for_mask<D>(p, B, st);
 }
 
 // out = attention(q, k, v) after RoPE; lse [B,n_h,T] is written when non-NULL (training), skipped for inference.

@@ -1,7 +1,8 @@
 // core/wgmma.cuh: Hopper warpgroup matrix multiply (wgmma, sm_90a) for bf16 tiles in shared memory: the 128-byte
 // swizzled tile layout the instructions read, the matrix descriptors that point at it, and the m64n128k16 products
 // (fp32 accumulators in registers) with A from shared memory or from registers. Compiled only for sm_90a
-// (CORE_HAVE_WGMMA); a build for another GPU keeps the mma.sync kernels.
+// (CORE_HAVE_WGMMA); a build for another GPU keeps the mma.sync kernels. Also the Hopper copies that feed them: TMA
+// tile loads (one thread issues a tile, an mbarrier counts its bytes), named barriers, register reallocation.
 //
 // Layout (PTX ISA, "Shared memory matrix layout", 128B swizzle): a bf16 tile [rows][128] is stored as two halves of 64
 // columns, each half rows x 128 bytes; the 16-byte chunk c (0..7) of row r of a half sits at r*128 + ((c ^ r%8) * 16).
@@ -9,7 +10,11 @@
 #ifndef SDM_CORE_WGMMA_CUH
 #define SDM_CORE_WGMMA_CUH
 
+#include <cuda.h> // CUtensorMap (a type only: the driver function comes through the runtime)
+#include <cudaTypedefs.h>
 #include <stdint.h>
+
+#include "core/cuda_common.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || (!defined(__CUDA_ARCH__) && defined(SDM_SM90A))
 #define CORE_HAVE_WGMMA 1
@@ -122,6 +127,81 @@ __device__ __forceinline__ void wg_mma_rs_t(float (&d)[64], const uint32_t (&a)[
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
                    "+f"(d[63])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor memory access (TMA) and the barriers around it. A copy of a tile from global memory is issued by one
+// thread and completes on an mbarrier in shared memory (the barrier counts the bytes that land); warpgroups that take
+// turns signal each other on named barriers; a warpgroup that only issues copies hands its registers to the others.
+
+// An mbarrier at shared address bar that completes a phase after `count` arrivals (and the bytes expected of them).
+__device__ __forceinline__ void wg_bar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Barrier initialisations, visible to the copy engine and the other threads (before a __syncthreads).
+__device__ __forceinline__ void wg_bar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_bar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrive and expect `bytes` more bytes of copies before the phase completes.
+__device__ __forceinline__ void wg_bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Wait for the completion of the phase of parity `parity` (phases alternate 0, 1, 0, ...).
+__device__ __forceinline__ void wg_bar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+// The box at coordinates (c0, c1, c2, c3) of the 4-d tensor map tm into shared memory at smem, completing on bar.
+__device__ __forceinline__ void wg_tma_load4(uint32_t smem, const CUtensorMap *tm, int c0, int c1, int c2, int c3,
+                                             uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+                 "%5}], [%6];\n" ::"r"(smem),
+                 "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+// Named barrier `id` (1..15; 0 is __syncthreads) among `threads` threads: wait for all, or only count this warp in.
+__device__ __forceinline__ void wg_named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void wg_named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads));
+}
+// This warpgroup's registers a thread, lowered or raised to N (every warp of the warpgroup executes it).
+template <int N> __device__ __forceinline__ void wg_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void wg_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+#endif
+
+#ifdef CORE_HAVE_WGMMA
+// The tensor map of a bf16 [B][T][heads][128] tensor at base read in boxes of `rows` rows of one head and 64 columns
+// (one swizzled half, core/wgmma.cuh's layout), coordinates (column, head, row, sequence): rows past T read as 0.
+// cuTensorMapEncodeTiled is a driver function; the runtime hands out its address, so nothing links libcuda.
+static inline CUtensorMap wg_tensor_map(const void *base, int B, int T, int heads, int rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult q;
+        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void **)&encode, 12000,
+                                                   cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess) sdm_die("the driver has no cuTensorMapEncodeTiled (TMA)");
+    }
+    CUtensorMap m;
+    cuuint64_t dims[4] = {128, (cuuint64_t)heads, (cuuint64_t)T, (cuuint64_t)B};
+    cuuint64_t strides[3] = {128 * 2, (cuuint64_t)heads * 128 * 2, (cuuint64_t)T * heads * 128 * 2}; // bytes
+    cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1}, step[4] = {1, 1, 1, 1};
+    CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, (void *)base, dims, strides, box, step,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) sdm_die("cuTensorMapEncodeTiled: error %d (B %d, T %d, heads %d)", (int)r, B, T, heads);
+    return m;
 }
 #endif
 

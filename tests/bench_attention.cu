@@ -161,7 +161,7 @@ int main(void) {
             {"fwd 4 warps x 32 rows x 64 keys, 1/SM", attn_fwd_mma<128, 4, 64, 2, 1, true>},
             {"fwd 4 warps x 32 rows x 64 keys, 1/SM, no skip", attn_fwd_mma<128, 4, 64, 2, 1, false>},
             {"fwd 4 warps x 32 rows x 32 keys, 2/SM", attn_fwd_mma<128, 4, 32, 2, 2, true>},
-            {"fwd wgmma 2 warpgroups x 64 rows x 128 keys", attn_wgmma_available() ? attn_fwd_wgmma : NULL},
+            {"fwd wgmma, TMA producer, 2 warpgroups x 64 rows", attn_wgmma_available() ? attn_fwd_wgmma : NULL},
             {"delta", attn_delta<bf16, 128>},
             {"dkdv 4 warps x 64 queries, 2/SM", attn_dkdv_mma<128, 4, 64, 2, true>},
             {"dkdv 4 warps x 64 queries, 2/SM, no skip", attn_dkdv_mma<128, 4, 64, 2, false>},
