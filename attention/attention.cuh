@@ -6,11 +6,11 @@
 //   q, out, dq, dout [B,T,n_h,d_h];  k, v, dk, dv [B,T,n_kv,d_h];  lse [B,n_h,T] fp32 (natural log)
 //   KV cache [B,C,n_kv,d_h]: position pos of stream b lives in slot pos % C (C = w: a ring buffer for SWA layers;
 //   C >= the longest stream for full attention).
-// Element type: DT_BF16 (tensor cores, mma.sync m16n8k16, or on sm_90a builds the warpgroup products wgmma at
-// d_h = 128 for full attention and windows over 256; fp32 accumulation) or DT_FP32 (plain fp32 arithmetic, for
-// tight tests). Mask: key s visible from query p iff 0 <= p - s < w (w = 0: s <= p). GQA: query head j reads kv
-// head j / (n_h / n_kv) by indexing. Head dims 64 and 128. Nothing here uses floating-point atomics: every output
-// element is written by one thread, which sums its terms in a fixed order, so results are bitwise reproducible.
+// Element type: DT_BF16 (tensor cores, mma.sync m16n8k16, or on sm_90a builds the warpgroup products wgmma fed by
+// TMA at d_h = 128; fp32 accumulation) or DT_FP32 (plain fp32 arithmetic, for tight tests). Mask: key s visible
+// from query p iff 0 <= p - s < w (w = 0: s <= p). GQA: query head j reads kv head j / (n_h / n_kv) by indexing.
+// Head dims 64 and 128. Nothing here uses floating-point atomics: every output element is written by one thread,
+// which sums its terms in a fixed order, so results are bitwise reproducible.
 #ifndef SDM_ATTENTION_CUH
 #define SDM_ATTENTION_CUH
 

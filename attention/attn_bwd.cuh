@@ -1,8 +1,7 @@
 // attention/attn_bwd.cuh: the attention backward on the GPU (docs/MODEL.md#attention): attn_backward overwrites dq
 // [B,T,n_h,d_h], dk, dv [B,T,n_kv,d_h] from q, k, v, the forward's out and lse and dout, with delta = rowsum(dout *
 // out) [B,n_h,T] fp32 in the workspace. bf16: two tensor-core passes (dK/dV per key tile, dQ per query tile) so
-// every output has one owner (at d_h = 128 on sm_90a builds, full attention and windows over 256, the wgmma kernels
-// of attention/attn_bwd_wgmma.cuh); fp32: one warp per row. No atomics: bitwise reproducible.
+// every output has one owner (at d_h = 128 on sm_90a builds the wgmma kernels of attention/attn_bwd_wgmma.cuh); fp32: one warp per row. No atomics: bitwise reproducible.
 #ifndef SDM_ATTN_BWD_CUH
 #define SDM_ATTN_BWD_CUH
 
@@ -248,7 +247,7 @@ template <int D> static inline void attn_backward_d(const AttnArgs &p, int B, Dt
         return;
     }
     attn_delta<bf16, D>(p, B, st);
-    if (attn_use_wgmma_bwd(D, p.window)) {
+    if (attn_use_wgmma(D)) {
         attn_dkdv_wgmma(p, B, st);
         attn_dq_wgmma(p, B, st);
         return;

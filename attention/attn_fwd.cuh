@@ -122,7 +122,7 @@ template <int D> static inline void attn_fwd_mma_for_mask(const AttnArgs &p, int
 
 template <int D> static inline void attn_forward_d(const AttnArgs &p, int B, Dtype dt, cudaStream_t st) {
     if (dt == DT_FP32) attn_launch_rows(attn_fwd_rows_kernel<D>, B * p.T * p.nh, st, p);
-    else if (attn_use_wgmma_fwd(D)) attn_fwd_wgmma(p, B, st);
+    else if (attn_use_wgmma(D)) attn_fwd_wgmma(p, B, st);
     else attn_fwd_mma_for_mask<D>(p, B, st);
 }
 

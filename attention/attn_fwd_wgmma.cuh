@@ -13,17 +13,6 @@
 #define ATTN_WG_SMEM ((size_t)(ATTN_WG_BM + 4 * ATTN_WG_BN) * 128 * sizeof(bf16) + 1024)
 #define ATTN_WG_BARS 128 // the forward's nine mbarriers, after its tiles
 
-// rows [row0, row0+ROWS) of a [T, stride] bf16 matrix (128 columns) into a swizzled smem tile (core/wgmma.cuh); rows
-// >= T read as 0.
-template <int ROWS, int THREADS>
-__device__ __forceinline__ void attn_load_tile_sw(unsigned char *smem, const bf16 *g, int row0, int T, size_t stride) {
-    for (int c = threadIdx.x; c < ROWS * 16; c += THREADS) {
-        int r = c / 16, col = (c % 16) * 8, t = row0 + r;
-        bool ok = t < T;
-        core_cp_async16(smem + wg_tile_offset(ROWS, r, col), ok ? g + (size_t)t * stride + col : g, ok);
-    }
-}
-
 // A warp's accumulator of 16 x 16KK scores as the A fragments of KK k-steps of 16 (the layouts coincide).
 template <int KK>
 __device__ __forceinline__ void attn_wg_frags(uint32_t (&a)[KK][4], const float (&s)[2 * KK][4]) {
@@ -156,13 +145,9 @@ static inline bool attn_wgmma_available() {
 #endif
 }
 
-// Whether the bf16 passes at head width D and window w take the wgmma kernels. The forward: at d_h = 128, every
-// window (at w = 128 too it beats the mma.sync kernel's 64-row tiles, whose masks waste less). The backward: full
-// attention and windows over 256 (at w = 128 the mma.sync passes win). BENCHMARKS.md, attention.
-static inline bool attn_use_wgmma_fwd(int D) { return D == 128 && attn_wgmma_available(); }
-static inline bool attn_use_wgmma_bwd(int D, int window) {
-    return D == 128 && attn_wgmma_available() && (window == 0 || window > 256);
-}
+// Whether the bf16 passes at head width D take the wgmma kernels: at d_h = 128, every window (at w = 128 too they
+// beat the mma.sync kernels' 64-row tiles, whose masks waste less: BENCHMARKS.md, attention).
+static inline bool attn_use_wgmma(int D) { return D == 128 && attn_wgmma_available(); }
 
 static inline void attn_fwd_wgmma(const AttnArgs &p, int B, cudaStream_t st) {
 #ifdef CORE_HAVE_WGMMA

@@ -60,8 +60,6 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Shared memory written by ordinary stores or cp.async, made visible to the products (the async proxy).
-__device__ __forceinline__ void wg_fence_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keep the compiler from moving accesses of an accumulator across the asynchronous products.
 template <int R> __device__ __forceinline__ void wg_fence_acc(float (&d)[R]) {
 #pragma unroll

@@ -179,7 +179,7 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     double err[5] = {0, 0, -1, -1, -1}; // out, lse, dq, dk, dv (-1: not compared)
     check_forward(&a, c, dt, q, k, v, o1.out, o1.lse, name, tol, err);
     // at d_h = 128 an sm_90a build's forward is the wgmma kernel: the mma.sync kernel (other builds') checked too
-    if (dt == DT_BF16 && c->D == 128 && attn_use_wgmma_fwd(c->D)) {
+    if (dt == DT_BF16 && c->D == 128 && attn_use_wgmma(c->D)) {
         AttnArgs p = attn_args(&a, c->T);
         p.q = dq_in; p.k = dk_in; p.v = dv_in; p.out = o2.out; p.lse = o2.lse;
         poison(o2.out, nq * esize(dt)); poison(o2.lse, nl * sizeof(float));
@@ -210,26 +210,26 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
         snprintf(what, sizeof what, "%s: dv", name);
         err[4] = check_err(what, gdv, rdv, nk, 0.0, tol);
         free(gdq); free(gdk); free(gdv);
-        // the Hopper backward passes (sm_90a builds) on every d_h = 128 case, from the forward's out and lse
-        if (dt == DT_BF16 && c->D == 128 && attn_wgmma_available()) {
+        // at d_h = 128 an sm_90a build's backward is the wgmma passes: the mma.sync passes checked too
+        if (dt == DT_BF16 && c->D == 128 && attn_use_wgmma(c->D)) {
             AttnArgs p = attn_args(&a, c->T);
             p.q = dq_in; p.k = dk_in; p.v = dv_in; p.o = o1.out; p.dout = ddout; p.lse = o1.lse;
             p.dq = o2.dq; p.dk = o2.dk; p.dv = o2.dv; p.delta = (float *)ws;
             poison(o2.dq, nq * esize(dt)); poison(o2.dk, nk * esize(dt)); poison(o2.dv, nk * esize(dt));
             attn_delta<bf16, 128>(p, c->B, 0);
-            attn_dkdv_wgmma(p, c->B, 0);
-            attn_dq_wgmma(p, c->B, 0);
+            attn_dkdv_mma<128, ATTN_DKDV_CFG>(p, c->B, 0);
+            attn_dq_mma<128, ATTN_DQ_CFG>(p, c->B, 0);
             CK(cudaDeviceSynchronize());
-            double werr[3];
+            double merr[3];
             gdq = download(o2.dq, nq, dt); gdk = download(o2.dk, nk, dt); gdv = download(o2.dv, nk, dt);
-            snprintf(what, sizeof what, "%s wgmma: dq", name);
-            werr[0] = check_err(what, gdq, rdq, nq, floor_q, tol);
-            snprintf(what, sizeof what, "%s wgmma: dk", name);
-            werr[1] = check_err(what, gdk, rdk, nk, floor_k, tol);
-            snprintf(what, sizeof what, "%s wgmma: dv", name);
-            werr[2] = check_err(what, gdv, rdv, nk, 0.0, tol);
-            printf("| %s | %d | %d | %d/%d | %d | %d | wgmma backward | - | - | %.1e | %.1e | %.1e | - |\n",
-                   dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window, werr[0], werr[1], werr[2]);
+            snprintf(what, sizeof what, "%s mma.sync: dq", name);
+            merr[0] = check_err(what, gdq, rdq, nq, floor_q, tol);
+            snprintf(what, sizeof what, "%s mma.sync: dk", name);
+            merr[1] = check_err(what, gdk, rdk, nk, floor_k, tol);
+            snprintf(what, sizeof what, "%s mma.sync: dv", name);
+            merr[2] = check_err(what, gdv, rdv, nk, 0.0, tol);
+            printf("| %s | %d | %d | %d/%d | %d | %d | mma.sync backward | - | - | %.1e | %.1e | %.1e | - |\n",
+                   dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window, merr[0], merr[1], merr[2]);
             free(gdq); free(gdk); free(gdv);
         }
         free(rdq); free(rdk); free(rdv);
