@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p,
             int lane = threadIdx.x & 31;
             for (int i = 0; i < steps; i++) {
                 int j = g * group + i / per_head, m0 = (m_lo + i % per_head) * BM, buf = i & 1;
-                if (i >= 2) wg_bar_wait(empty(i), ((i >> 1) + 1) & 1);
+                wg_wait_released(empty(i), i);
                 for (int r = lane; r < BM; r += 32) {
                     size_t hrow = ((size_t)b * p.nh + j) * p.T + m0 + r;
                     bool ok = m0 + r < p.T;
@@ -85,18 +85,14 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p,
         }
         if (threadIdx.x != 256) return;
         wg_bar_expect(kv_full, 2 * BIG);
-        wg_tma_load4(k_addr, &tk, 0, g, n0, b, kv_full);
-        wg_tma_load4(k_addr + BN * 128, &tk, 64, g, n0, b, kv_full);
-        wg_tma_load4(v_addr, &tv, 0, g, n0, b, kv_full);
-        wg_tma_load4(v_addr + BN * 128, &tv, 64, g, n0, b, kv_full);
+        wg_tma_tile(k_addr, &tk, g, n0, b, BN, kv_full);
+        wg_tma_tile(v_addr, &tv, g, n0, b, BN, kv_full);
         for (int i = 0; i < steps; i++) {
             int j = g * group + i / per_head, m0 = (m_lo + i % per_head) * BM, buf = i & 1;
-            if (i >= 2) wg_bar_wait(empty(i), ((i >> 1) + 1) & 1);
+            wg_wait_released(empty(i), i);
             wg_bar_expect(full(i), 2 * SMALL);
-            wg_tma_load4(q_addr + buf * SMALL, &tq, 0, j, m0, b, full(i));
-            wg_tma_load4(q_addr + buf * SMALL + BM * 128, &tq, 64, j, m0, b, full(i));
-            wg_tma_load4(o_addr + buf * SMALL, &tdo, 0, j, m0, b, full(i));
-            wg_tma_load4(o_addr + buf * SMALL + BM * 128, &tdo, 64, j, m0, b, full(i));
+            wg_tma_tile(q_addr + buf * SMALL, &tq, j, m0, b, BM, full(i));
+            wg_tma_tile(o_addr + buf * SMALL, &tdo, j, m0, b, BM, full(i));
         }
         return;
     }
@@ -116,7 +112,7 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p,
 
     for (int i = 0; i < steps; i++) {
         int buf = i & 1, m0 = (m_lo + i % per_head) * BM;
-        wg_bar_wait(full(i), (i >> 1) & 1);
+        wg_wait_filled(full(i), i);
         bool any = attn_block_any(m0, BM, kw, 64, p.window, p.T); // uniform over the warpgroup
         float st[BM / 8][4], dpt[BM / 8][4];
         float(&stf)[32] = *reinterpret_cast<float(*)[32]>(&st);
@@ -176,18 +172,14 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p, c
         wg_setmaxnreg_dec<40>();
         if (threadIdx.x != 256) return;
         wg_bar_expect(qo_full, 2 * BIG);
-        wg_tma_load4(q_addr, &tq, 0, j, m0, b, qo_full);
-        wg_tma_load4(q_addr + BM * 128, &tq, 64, j, m0, b, qo_full);
-        wg_tma_load4(o_addr, &tdo, 0, j, m0, b, qo_full);
-        wg_tma_load4(o_addr + BM * 128, &tdo, 64, j, m0, b, qo_full);
+        wg_tma_tile(q_addr, &tq, j, m0, b, BM, qo_full);
+        wg_tma_tile(o_addr, &tdo, j, m0, b, BM, qo_full);
         for (int i = 0; i < N; i++) {
             int row = (n_lo + i) * BN, buf = i & 1;
-            if (i >= 2) wg_bar_wait(empty(i), ((i >> 1) + 1) & 1);
+            wg_wait_released(empty(i), i);
             wg_bar_expect(full(i), 2 * SMALL);
-            wg_tma_load4(k_addr + buf * SMALL, &tk, 0, g, row, b, full(i));
-            wg_tma_load4(k_addr + buf * SMALL + BN * 128, &tk, 64, g, row, b, full(i));
-            wg_tma_load4(v_addr + buf * SMALL, &tv, 0, g, row, b, full(i));
-            wg_tma_load4(v_addr + buf * SMALL + BN * 128, &tv, 64, g, row, b, full(i));
+            wg_tma_tile(k_addr + buf * SMALL, &tk, g, row, b, BN, full(i));
+            wg_tma_tile(v_addr + buf * SMALL, &tv, g, row, b, BN, full(i));
         }
         return;
     }
@@ -206,7 +198,7 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p, c
 
     for (int i = 0; i < N; i++) {
         int buf = i & 1, key0 = (n_lo + i) * BN;
-        wg_bar_wait(full(i), (i >> 1) & 1);
+        wg_wait_filled(full(i), i);
         bool any = attn_block_any(w0, 64, key0, BN, p.window, p.T);
         float s[BN / 8][4], dp[BN / 8][4];
         float(&sf)[32] = *reinterpret_cast<float(*)[32]>(&s);

@@ -72,15 +72,14 @@ __global__ void __launch_bounds__(384, 1) attn_fwd_wgmma_kernel(AttnArgs p, cons
         if (threadIdx.x != 256) return;
         auto tile = [&](uint32_t smem, const CUtensorMap *tm, int head, int row, int rows, uint32_t bar) {
             wg_bar_expect(bar, rows * D * sizeof(bf16));
-            wg_tma_load4(smem, tm, 0, head, row, b, bar);
-            wg_tma_load4(smem + rows * 128, tm, 64, head, row, b, bar);
+            wg_tma_tile(smem, tm, head, row, b, rows, bar);
         };
         tile(q_addr, &tq, j, m0, BM, q_full);
         for (int i = 0; i < N; i++) {
             int row = (n_lo + i) * BN;
-            if (i >= 2) wg_bar_wait(k_empty(i), ((i >> 1) + 1) & 1); // K_{i-2} read
+            wg_wait_released(k_empty(i), i); // K_{i-2} read
             tile(k_addr + (i & 1) * TILE, &tk, g, row, BN, k_full(i));
-            if (i >= 2) wg_bar_wait(v_empty(i), ((i >> 1) + 1) & 1);
+            wg_wait_released(v_empty(i), i);
             tile(v_addr + (i & 1) * TILE, &tv, g, row, BN, v_full(i));
         }
         return;
@@ -100,8 +99,8 @@ __global__ void __launch_bounds__(384, 1) attn_fwd_wgmma_kernel(AttnArgs p, cons
 
     for (int i = 0; i < N; i++) {
         int key0 = (n_lo + i) * BN;
-        wg_bar_wait(k_full(i), (i >> 1) & 1);
-        if (i > 0) wg_bar_wait(v_full(i - 1), ((i - 1) >> 1) & 1);
+        wg_wait_filled(k_full(i), i);
+        if (i > 0) wg_wait_filled(v_full(i - 1), i - 1);
         float s[BN / 8][4];
         float(&sf)[64] = *reinterpret_cast<float(*)[64]>(&s);
         wg_named_sync(1 + wg, 256); // this warpgroup's turn
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(384, 1) attn_fwd_wgmma_kernel(AttnArgs p, cons
         attn_wg_frags<BN / 16>(a, s);
     }
     if (wg == 0) wg_named_sync(1, 256); // warpgroup 1's last turn: no arrival is left on barrier 1
-    wg_bar_wait(v_full(N - 1), ((N - 1) >> 1) & 1);
+    wg_wait_filled(v_full(N - 1), N - 1);
     attn_wg_acc<BN / 16>(of, a, v_addr + ((N - 1) & 1) * TILE);
     wg_wait<0>();
     wg_fence_acc(of);

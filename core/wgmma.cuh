@@ -155,6 +155,13 @@ __device__ __forceinline__ void wg_bar_wait(uint32_t bar, int parity) {
                  "r"(parity)
                  : "memory");
 }
+// Double buffers on mbarriers: use i of a buffer (i = 0, 1, 2, ...) is buffer i % 2, and completes phase i / 2 of
+// its barriers. Before the producer refills buffer i % 2 for use i, the consumers have released use i - 2:
+__device__ __forceinline__ void wg_wait_released(uint32_t empty, int i) {
+    if (i >= 2) wg_bar_wait(empty, ((i >> 1) + 1) & 1);
+}
+// and before the consumers read use i, its copies have landed.
+__device__ __forceinline__ void wg_wait_filled(uint32_t full, int i) { wg_bar_wait(full, (i >> 1) & 1); }
 // The box at coordinates (c0, c1, c2, c3) of the 4-d tensor map tm into shared memory at smem, completing on bar.
 __device__ __forceinline__ void wg_tma_load4(uint32_t smem, const CUtensorMap *tm, int c0, int c1, int c2, int c3,
                                              uint32_t bar) {
@@ -162,6 +169,12 @@ __device__ __forceinline__ void wg_tma_load4(uint32_t smem, const CUtensorMap *t
                  "%5}], [%6];\n" ::"r"(smem),
                  "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
                  : "memory");
+}
+// Both 64-column halves of the [rows][128] tile at (row, head, sequence b) of tm into the swizzled tile at smem.
+__device__ __forceinline__ void wg_tma_tile(uint32_t smem, const CUtensorMap *tm, int head, int row, int b, int rows,
+                                            uint32_t bar) {
+    wg_tma_load4(smem, tm, 0, head, row, b, bar);
+    wg_tma_load4(smem + rows * 128, tm, WG_HALF_COLS, head, row, b, bar);
 }
 // Named barrier `id` (1..15; 0 is __syncthreads) among `threads` threads: wait for all, or only count this warp in.
 __device__ __forceinline__ void wg_named_sync(int id, int threads) {
