@@ -169,8 +169,8 @@ int main(void) {
             {"dq 4 warps x 64 keys, 2/SM", attn_dq_mma<128, 4, 64, 2, true>},
             {"dq 4 warps x 64 keys, 2/SM, no skip", attn_dq_mma<128, 4, 64, 2, false>},
             {"dq 4 warps x 32 keys, 2/SM", attn_dq_mma<128, 4, 32, 2, true>},
-            {"dkdv wgmma 2 warpgroups x 64 keys", attn_wgmma_available() ? attn_dkdv_wgmma : NULL},
-            {"dq wgmma 2 warpgroups x 64 queries", attn_wgmma_available() ? attn_dq_wgmma : NULL},
+            {"dkdv wgmma, TMA producer, 2 warpgroups x 64 keys", attn_wgmma_available() ? attn_dkdv_wgmma : NULL},
+            {"dq wgmma, TMA producer, 2 warpgroups x 64 queries", attn_wgmma_available() ? attn_dq_wgmma : NULL},
         };
         // each forward variant's output must match the default's (the GPU tests check the default against the CPU)
         float *ref_out = download_f(bb.out, n);
