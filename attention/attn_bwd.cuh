@@ -1,7 +1,8 @@
 // attention/attn_bwd.cuh: the attention backward on the GPU (docs/MODEL.md#attention): attn_backward overwrites dq
 // [B,T,n_h,d_h], dk, dv [B,T,n_kv,d_h] from q, k, v, the forward's out and lse and dout, with delta = rowsum(dout *
 // out) [B,n_h,T] fp32 in the workspace. bf16: two tensor-core passes (dK/dV per key tile, dQ per query tile) so
-// every output has one owner (at d_h = 128 on sm_90a builds the wgmma kernels of attention/attn_bwd_wgmma.cuh); fp32: one warp per row. No atomics: bitwise reproducible.
+// every output has one owner (at d_h = 128 on sm_90a builds the wgmma kernels of attention/attn_bwd_wgmma.cuh);
+// fp32: one warp per row. No atomics: bitwise reproducible.
 #ifndef SDM_ATTN_BWD_CUH
 #define SDM_ATTN_BWD_CUH
 

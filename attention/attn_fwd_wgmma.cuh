@@ -9,9 +9,9 @@
 
 #define ATTN_WG_BM 128 // queries a CTA: two warpgroups of 64 rows
 #define ATTN_WG_BN 128 // keys a tile
-// dynamic shared memory: Q [BM][128], K and V [2][BN][128] bf16 in the swizzled layout, and room to align them
-#define ATTN_WG_SMEM ((size_t)(ATTN_WG_BM + 4 * ATTN_WG_BN) * 128 * sizeof(bf16) + 1024)
-#define ATTN_WG_BARS 128 // the forward's nine mbarriers, after its tiles
+// dynamic shared memory: Q [BM][128], K and V [2][BN][128] bf16 in the swizzled layout, room to align them and the
+// mbarriers after them
+#define ATTN_WG_SMEM ((size_t)(ATTN_WG_BM + 4 * ATTN_WG_BN) * 128 * sizeof(bf16) + 1152)
 
 // A warp's accumulator of 16 x 16KK scores as the A fragments of KK k-steps of 16 (the layouts coincide).
 template <int KK>
@@ -110,9 +110,12 @@ __global__ void __launch_bounds__(384, 1) attn_fwd_wgmma_kernel(AttnArgs p, cons
             wg_mma_ss(sf, wg_desc_kmajor(q_addr, BM, wg * 64, ks), wg_desc_kmajor(k_addr + (i & 1) * TILE, BN, 0, ks),
                       ks > 0);
         wg_commit();
-        if (i > 0) attn_wg_acc<BN / 16>(of, a, v_addr + ((i - 1) & 1) * TILE);
-        if (i > 0) wg_wait<1>(); // S
-        else wg_wait<0>();
+        if (i > 0) {
+            attn_wg_acc<BN / 16>(of, a, v_addr + ((i - 1) & 1) * TILE);
+            wg_wait<1>(); // S
+        } else {
+            wg_wait<0>();
+        }
         // the other's turn; arriving before the wait above would make ptxas serialise the products
         wg_named_arrive(2 - wg, 256);
         wg_fence_acc(sf);
@@ -153,7 +156,7 @@ static inline void attn_fwd_wgmma(const AttnArgs &p, int B, cudaStream_t st) {
     CUtensorMap tq = wg_tensor_map(p.q, B, p.T, p.nh, ATTN_WG_BM), tk = wg_tensor_map(p.k, B, p.T, p.nkv, ATTN_WG_BN),
                 tv = wg_tensor_map(p.v, B, p.T, p.nkv, ATTN_WG_BN);
     attn_launch(attn_fwd_wgmma_kernel, dim3((p.T + ATTN_WG_BM - 1) / ATTN_WG_BM, p.nh, B), 384,
-                ATTN_WG_SMEM + ATTN_WG_BARS, st, p, tq, tk, tv);
+                ATTN_WG_SMEM, st, p, tq, tk, tv);
 #else
     (void)p, (void)B, (void)st;
     sdm_die("attn_fwd_wgmma: this build has no sm_90a kernels");

@@ -152,6 +152,22 @@ static void check_forward(const AttnDims *a, const CoreCase *c, Dtype dt, const 
     free(out); free(lse_f); free(lse); free(ref_o); free(got_o); free(ref_l); free(got_l);
 }
 
+// A backward's dq, dk, dv (device, in o) against the CPU's: relative errors into err[0..2]; floor_q, floor_k: the
+// error floors of dq and dk (test_core says when they are not zero).
+static void check_backward(const CoreOutputs *o, Dtype dt, size_t nq, size_t nk, const double *rdq, const double *rdk,
+                           const double *rdv, double floor_q, double floor_k, const char *name, double tol,
+                           double *err) {
+    double *gdq = download(o->dq, nq, dt), *gdk = download(o->dk, nk, dt), *gdv = download(o->dv, nk, dt);
+    char what[240];
+    snprintf(what, sizeof what, "%s: dq", name);
+    err[0] = check_err(what, gdq, rdq, nq, floor_q, tol);
+    snprintf(what, sizeof what, "%s: dk", name);
+    err[1] = check_err(what, gdk, rdk, nk, floor_k, tol);
+    snprintf(what, sizeof what, "%s: dv", name);
+    err[2] = check_err(what, gdv, rdv, nk, 0.0, tol);
+    free(gdq); free(gdk); free(gdv);
+}
+
 static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     AttnDims a = dims_of(c);
     size_t nq = (size_t)c->B * c->T * c->nh * c->D, nk = (size_t)c->B * c->T * c->nkv * c->D,
@@ -173,7 +189,6 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
     char name[160];
     snprintf(name, sizeof name, "%s B%d T%d h%d/%d d%d w%d", dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window);
     double tol = tol_of(dt);
-    char what[200];
 
     // forward: out and lse
     double err[5] = {0, 0, -1, -1, -1}; // out, lse, dq, dk, dv (-1: not compared)
@@ -198,18 +213,11 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
         double *rdq = (double *)sdm_malloc(nq * sizeof(double)), *rdk = (double *)sdm_malloc(nk * sizeof(double));
         double *rdv = (double *)sdm_malloc(nk * sizeof(double));
         attn_core_backward_ref(&a, c->B, c->T, q, k, v, dout, rdq, rdk, rdv);
-        double *gdq = download(o1.dq, nq, dt), *gdk = download(o1.dk, nk, dt), *gdv = download(o1.dv, nk, dt);
         double dv_rms = norm(rdv, nk) / sqrt((double)nk);
         int self_only = c->window == 1 || c->T == 1;
         double floor_q = self_only ? dv_rms * sqrt((double)nq) : 0.0,
                floor_k = self_only ? dv_rms * sqrt((double)nk) : 0.0;
-        snprintf(what, sizeof what, "%s: dq", name);
-        err[2] = check_err(what, gdq, rdq, nq, floor_q, tol);
-        snprintf(what, sizeof what, "%s: dk", name);
-        err[3] = check_err(what, gdk, rdk, nk, floor_k, tol);
-        snprintf(what, sizeof what, "%s: dv", name);
-        err[4] = check_err(what, gdv, rdv, nk, 0.0, tol);
-        free(gdq); free(gdk); free(gdv);
+        check_backward(&o1, dt, nq, nk, rdq, rdk, rdv, floor_q, floor_k, name, tol, err + 2);
         // at d_h = 128 an sm_90a build's backward is the wgmma passes: the mma.sync passes checked too
         if (dt == DT_BF16 && c->D == 128 && attn_use_wgmma(c->D)) {
             AttnArgs p = attn_args(&a, c->T);
@@ -221,16 +229,11 @@ static void test_core(const CoreCase *c, Dtype dt, uint64_t seed) {
             attn_dq_mma<128, ATTN_DQ_CFG>(p, c->B, 0);
             CK(cudaDeviceSynchronize());
             double merr[3];
-            gdq = download(o2.dq, nq, dt); gdk = download(o2.dk, nk, dt); gdv = download(o2.dv, nk, dt);
-            snprintf(what, sizeof what, "%s mma.sync: dq", name);
-            merr[0] = check_err(what, gdq, rdq, nq, floor_q, tol);
-            snprintf(what, sizeof what, "%s mma.sync: dk", name);
-            merr[1] = check_err(what, gdk, rdk, nk, floor_k, tol);
-            snprintf(what, sizeof what, "%s mma.sync: dv", name);
-            merr[2] = check_err(what, gdv, rdv, nk, 0.0, tol);
+            char mname[200];
+            snprintf(mname, sizeof mname, "%s mma.sync", name);
+            check_backward(&o2, dt, nq, nk, rdq, rdk, rdv, floor_q, floor_k, mname, tol, merr);
             printf("| %s | %d | %d | %d/%d | %d | %d | mma.sync backward | - | - | %.1e | %.1e | %.1e | - |\n",
                    dt_name(dt), c->B, c->T, c->nh, c->nkv, c->D, c->window, merr[0], merr[1], merr[2]);
-            free(gdq); free(gdk); free(gdv);
         }
         free(rdq); free(rdk); free(rdv);
     }
