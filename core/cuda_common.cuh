@@ -200,55 +200,34 @@ template <int N> __device__ __forceinline__ void core_cp_async_wait() {
 // A hint that the 128-byte line holding p be fetched into L2 (no register written, no fault on a valid address).
 __device__ __forceinline__ void core_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// An attribute of the current device (a process drives one GPU, so callers ask once).
-static inline int core_device_attr(cudaDeviceAttr a) {
-    int dev, v;
-    cudaCheck(cudaGetDevice(&dev));
-    cudaCheck(cudaDeviceGetAttribute(&v, a, dev));
-    return v;
-}
+// Streaming multiprocessors of the current device (asked once: a process drives one GPU).
 static inline int core_sm_count(void) {
-    static int sms = core_device_attr(cudaDevAttrMultiProcessorCount);
+    static int sms = 0;
+    if (!sms) {
+        int dev;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
     return sms;
-}
-static inline int core_cc_major(void) {
-    static int major = core_device_attr(cudaDevAttrComputeCapabilityMajor);
-    return major;
 }
 
 static int g_pdl = 1; // launch_pdl uses programmatic dependent launch (infer_sdm --no-pdl turns it off to compare)
 
-// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above), the blocks
-// in thread-block clusters of `cluster` along x (sm_90; grid.x a multiple of it) where cluster > 1.
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when allowed (see above).
 template <typename... Params, typename... Args>
-static inline void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                      int cluster, Args... args) {
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (g_pdl && s != 0) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = cluster;
-        attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
-        n++;
-    }
+static inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                              Args... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
+    cfg.attrs = &attr;
+    cfg.numAttrs = g_pdl && s != 0 ? 1 : 0;
     cudaCheck(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
-}
-
-template <typename... Params, typename... Args>
-static inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                              Args... args) {
-    launch_pdl_cluster(kernel, grid, block, smem, s, 1, args...);
 }
 
 #endif

@@ -81,9 +81,8 @@ static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, c
     sdm_infer_shape(I, n, 1);
     sdm_layer_address(&I->L, p, x, st, norm);
     SdmOpInputs in = sdm_layer_op_inputs(&I->L);
-    SdmReadoutArgs ra = sdm_layer_readout_args(&I->L, p);
-    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st, &ra, I->L.r); // the readout in the op's launch
-    sdm_layer_output_product(&I->L, p, y, st);
+    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
+    sdm_layer_output(&I->L, p, y, st);
 }
 
 // Stream `to`'s bank = stream `from`'s (a generator compacting its active streams).

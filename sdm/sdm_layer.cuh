@@ -327,19 +327,14 @@ static inline void sdm_layer_address(SdmLayer *L, const SdmLayerParams *p, const
     sdm_layer_mark(L, SDM_EV_F_TOPK, st);
 }
 
-// y [B,T,D] = Wo · L->r + bo (r: the readout's output).
-static inline void sdm_layer_output_product(SdmLayer *L, const SdmLayerParams *p, void *y, cudaStream_t st) {
-    int BT = L->B * L->T, D = L->s.dim;
-    matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
-    sdm_layer_mark(L, SDM_EV_F_OUT, st);
-}
-
 // y [B,T,D] = Wo · readout(the op readings L->o) + bo.
 static inline void sdm_layer_output(SdmLayer *L, const SdmLayerParams *p, void *y, cudaStream_t st) {
     SdmReadoutArgs ra = sdm_layer_readout_args(L, p);
     sdm_readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st);
     sdm_layer_mark(L, SDM_EV_F_READOUT, st);
-    sdm_layer_output_product(L, p, y, st);
+    int BT = L->B * L->T, D = L->s.dim;
+    matmul_forward(y, L->ctype, D, L->r, p->w_out, p->b_out, L->ctype, BT, D, D, st);
+    sdm_layer_mark(L, SDM_EV_F_OUT, st);
 }
 
 // Training forward: y [B,T,D] = the layer of x [B,T,D] (both compute dtype); saves what the backward needs.

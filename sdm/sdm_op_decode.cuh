@@ -1,13 +1,11 @@
 // sdm/sdm_op_decode.cuh: the single-token decode step of the SDM op (docs/SDM.md#the-recurrence,
 // docs/SDM.md#decode-and-prefill): sdm_op_decode applies the recurrence (retrieval from the decayed rows, delta, write,
 // read after the write) to one token of each of the B*H streams, in place on the bank [B,H,N,d] (bf16 or fp32),
-// readings to out [B,1,H,d], or through the layer's readout (sdm/sdm_readout.cuh) to r. Inputs in the op's layout with
-// T = 1. No workspace.
+// readings to out [B,1,H,d]. Inputs in the op's layout with T = 1. No workspace.
 #ifndef SDM_SDM_OP_DECODE_CUH
 #define SDM_SDM_OP_DECODE_CUH
 
 #include "sdm/sdm_op_common.cuh"
-#include "sdm/sdm_readout.cuh"
 
 // ------------------------------------------------------------------------------------------------------------------
 // Decode: one token per stream, grid (ceil(d / (32 V)), S), SDM_DECODE_WARPS warps per block. Lane l of every warp
@@ -64,10 +62,9 @@ template <int C, typename T> __device__ __forceinline__ T sdm_decode_pick(const 
     return v;
 }
 
-// RO: the readings go through the readout (ra) into rr, the blocks of a stream one cluster; else they go to out.
-template <typename Tb, bool RO>
-__global__ void __launch_bounds__(32 * SDM_DECODE_WARPS)
-    sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank, float *out, SdmReadoutArgs ra, void *rr) {
+template <typename Tb>
+__global__ void __launch_bounds__(32 * SDM_DECODE_WARPS) sdm_decode_kernel(SdmOpShape sh, SdmOpInputs in, Tb *bank,
+                                                                          float *out) {
     constexpr int V = SdmBankVec<Tb>::V, E = SDM_DECODE_HELD, NW = SDM_DECODE_WARPS, C = NW * E / 32;
     static_assert(NW * E % 32 == 0, "held entries fill whole lists of 32");
     __shared__ SdmDecodeSmem<V> sm;
@@ -196,29 +193,19 @@ __global__ void __launch_bounds__(32 * SDM_DECODE_WARPS)
         }
     }
     float ot = sdm_decode_column_sum<V>(sm, o); // sm.part is free: its last readers passed the barrier above
-    const bool has = t < 32 * V && tcol < sh.d;
-    if constexpr (RO) sdm_readout_cluster_row(ra, s, has, tcol, ot, rr);
-    else if (has) out[(size_t)s * sh.d + tcol] = ot;
+    if (t < 32 * V && tcol < sh.d) out[(size_t)s * sh.d + tcol] = ot;
 }
 
-// ra: the readings also through the readout (sdm/sdm_readout.cuh), r [B,1,H,d] = readout(out): in the op's launch
-// where a stream's blocks fit a cluster (sm_90; 8 blocks: d <= 2048 bf16, 1024 fp32), which then leaves out unwritten;
-// else by the readout's kernel after it. The same bits either way.
-static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream,
-                          const SdmReadoutArgs *ra = NULL, void *r = NULL) {
+static void sdm_op_decode(const SdmOpShape *s, const SdmOpInputs *in, void *bank, float *out, cudaStream_t stream) {
     sdm_op_require(s);
     if (s->T != 1) sdm_die("sdm_op_decode: T must be 1 (got %d)", s->T);
-    const int blocks = ceil_div(s->d, 32 * (s->bank_fp32 ? SdmBankVec<float>::V : SdmBankVec<__nv_bfloat16>::V));
-    const bool fused = ra && blocks <= 8 && core_cc_major() >= 9;
-    const SdmReadoutArgs a = ra ? *ra : SdmReadoutArgs{};
-    dim3 grid(blocks, s->B * s->H), block(32 * SDM_DECODE_WARPS);
+    dim3 block(32 * SDM_DECODE_WARPS);
     if (s->bank_fp32)
-        launch_pdl_cluster(fused ? sdm_decode_kernel<float, true> : sdm_decode_kernel<float, false>, grid, block, 0,
-                           stream, fused ? blocks : 1, *s, *in, (float *)bank, out, a, r);
+        launch_pdl(sdm_decode_kernel<float>, dim3(ceil_div(s->d, 32 * 4), s->B * s->H), block, 0, stream, *s, *in,
+                   (float *)bank, out);
     else
-        launch_pdl_cluster(fused ? sdm_decode_kernel<__nv_bfloat16, true> : sdm_decode_kernel<__nv_bfloat16, false>,
-                           grid, block, 0, stream, fused ? blocks : 1, *s, *in, (__nv_bfloat16 *)bank, out, a, r);
-    if (ra && !fused) sdm_readout_forward(ra, out, r, NULL, NULL, stream);
+        launch_pdl(sdm_decode_kernel<__nv_bfloat16>, dim3(ceil_div(s->d, 32 * 8), s->B * s->H), block, 0, stream, *s,
+                   *in, (__nv_bfloat16 *)bank, out);
 }
 
 #endif

@@ -5,8 +5,6 @@
 #ifndef SDM_SDM_READOUT_CUH
 #define SDM_SDM_READOUT_CUH
 
-#include <cooperative_groups.h>
-
 #include "core/cuda_common.cuh"
 #include "core/matmul.cuh"
 #include "sdm/sdm_common.cuh"
@@ -41,15 +39,13 @@ __device__ __forceinline__ float sdm_f4get(const float4 &v, int j) {
 }
 
 // The LayerNorm statistics of a row by one warp, lane L holding the row's float4 column groups L + 32 i in x[i]
-// (zeros past d / 4): the lane's sums over i < d / 4 in order, then the butterfly (biased variance). Groups past the
-// row add nothing, so any NV that covers d gives the same bits.
+// (zeros past d / 4): the lane's sums over i in order, then the butterfly (biased variance).
 template <int NV>
 __device__ __forceinline__ void sdm_ln_stats(const float4 *x, int lane, int d4, int d, float eps, float *mean,
                                              float *rstd) {
     float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < NV; i++)
-        if (lane + 32 * i < d4) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
+    for (int i = 0; i < NV; i++) sum += (x[i].x + x[i].y) + (x[i].z + x[i].w);
     *mean = core_warp_sum(sum) / d;
     float q = 0.0f;
 #pragma unroll
@@ -59,90 +55,51 @@ __device__ __forceinline__ void sdm_ln_stats(const float4 *x, int lane, int d4, 
     *rstd = 1.0f / sqrtf(core_warp_sum(q) / d + eps);
 }
 
-// A column c of row p's LayerNorm weight and bias and gate input (1, 0, 0 where the readout has none of them).
-typedef struct {
-    float w, b, zg;
-} SdmReadoutCol;
-
-__device__ __forceinline__ SdmReadoutCol sdm_readout_col(const SdmReadoutArgs &ra, int p, int c) {
-    size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
-    SdmReadoutCol k;
-    k.w = ra.ln ? dtype_load(ra.ln_w, c, ra.fp32) : 1.0f;
-    k.b = ra.ln ? dtype_load(ra.ln_b, c, ra.fp32) : 0.0f;
-    k.zg = ra.gate ? dtype_load(ra.z, zrow + c, ra.fp32) : 0.0f;
-    return k;
-}
-
-// r of the reading x in column k of a row with LayerNorm statistics (mean, rstd): the affine step is one fma for every
-// element (the warp-per-row kernel this replaced fused it for some elements and not others, so its fp32 outputs
-// differed from these by an ulp in about a quarter of the elements; its bf16 outputs matched).
-__device__ __forceinline__ float sdm_readout_value(const SdmReadoutArgs &ra, SdmReadoutCol k, float x, float2 stats) {
-    if (ra.ln) x = fmaf((x - stats.x) * stats.y, k.w, k.b);
-    if (ra.gate) x *= sdm_sigmoid(k.zg);
-    return x;
-}
-
-// By warp 0 of a block: *stats = row p's LayerNorm statistics (mean 0, rstd 1 without the LayerNorm) from its float4
-// groups xs[0, d / 4) in shared memory, lane L taking the groups L + 32 i, and into ln_mean[p], ln_rstd[p] where given.
-template <int NV>
-__device__ __forceinline__ void sdm_readout_row_stats(const SdmReadoutArgs &ra, const float4 *xs, int p,
-                                                      float *ln_mean, float *ln_rstd, float2 *stats) {
-    const int lane = threadIdx.x & 31, d4 = ra.d / 4;
-    float mean = 0.0f, rstd = 1.0f;
-    if (ra.ln) {
-        float4 xl[NV];
-#pragma unroll
-        for (int g = 0; g < NV; g++) xl[g] = lane + 32 * g < d4 ? xs[lane + 32 * g] : make_float4(0.f, 0.f, 0.f, 0.f);
-        sdm_ln_stats<NV>(xl, lane, d4, ra.d, ra.eps, &mean, &rstd);
-        if (lane == 0 && ln_mean) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
-    }
-    if (lane == 0) *stats = make_float2(mean, rstd);
-}
-
 // Forward, one block of 32 NV threads per row p: thread (warp i, lane L) owns the float4 column group L + 32 i, the
 // group that lane L of one warp per row holds in its i-th register, so warp 0 forms the LayerNorm statistics from the
 // groups in shared memory with that warp's arithmetic (sdm_ln_stats). Every load of the row (readings, LayerNorm
 // weight and bias, gate) is issued before any is used: one memory latency, where one warp walking the row's 32 groups
-// in turn waited on its scalar weight and gate loads (8 us for decode's two rows). ln_mean, ln_rstd: NULL or [P].
+// in turn waited on its scalar weight and gate loads (8 us for decode's two rows). The LayerNorm's affine step is one
+// fma for every element (the warp-per-row kernel's compiled code fused it for some elements and not others, so its
+// fp32 outputs differ from these by an ulp in about a quarter of the elements; its bf16 outputs matched).
 template <int NV>
 __global__ void __launch_bounds__(32 * NV)
     sdm_readout_forward_kernel(SdmReadoutArgs ra, const float *o, void *r, float *ln_mean, float *ln_rstd) {
     __shared__ float4 xs[32 * NV];
     __shared__ float2 stats;
     pdl_enter();
-    const int p = blockIdx.x, c4 = threadIdx.x, d4 = ra.d / 4;
+    const int p = blockIdx.x, i = threadIdx.x >> 5, lane = threadIdx.x & 31, c4 = threadIdx.x, d4 = ra.d / 4;
     const bool in = c4 < d4;
+    size_t zrow = (size_t)(p / ra.H) * ra.ldz + ra.col_g + (size_t)(p % ra.H) * ra.d;
     float4 x = in ? sdm_ld4(o + (size_t)p * ra.d + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    SdmReadoutCol k[4];
-    for (int j = 0; j < 4; j++) k[j] = in ? sdm_readout_col(ra, p, 4 * c4 + j) : SdmReadoutCol{1.0f, 0.0f, 0.0f};
+    float w[4], b[4], zg[4];
+    for (int j = 0; j < 4; j++) {
+        int c = 4 * c4 + j;
+        w[j] = in && ra.ln ? dtype_load(ra.ln_w, c, ra.fp32) : 1.0f;
+        b[j] = in && ra.ln ? dtype_load(ra.ln_b, c, ra.fp32) : 0.0f;
+        zg[j] = in && ra.gate ? dtype_load(ra.z, zrow + c, ra.fp32) : 0.0f;
+    }
     xs[c4] = x;
     __syncthreads();
-    if (threadIdx.x < 32) sdm_readout_row_stats<NV>(ra, xs, p, ln_mean, ln_rstd, &stats);
+    if (i == 0) {
+        float mean = 0.0f, rstd = 1.0f;
+        if (ra.ln) {
+            float4 xl[NV];
+#pragma unroll
+            for (int g = 0; g < NV; g++) xl[g] = xs[lane + 32 * g];
+            sdm_ln_stats<NV>(xl, lane, d4, ra.d, ra.eps, &mean, &rstd);
+            if (lane == 0) { ln_mean[p] = mean; ln_rstd[p] = rstd; }
+        }
+        if (lane == 0) stats = make_float2(mean, rstd);
+    }
     __syncthreads();
     if (!in) return;
-    for (int j = 0; j < 4; j++)
-        dtype_store(r, (size_t)p * ra.d + 4 * c4 + j, sdm_readout_value(ra, k[j], sdm_f4get(x, j), stats), ra.fp32);
-}
-
-// The readout of row p by the blocks of a thread-block cluster that hold its columns between them (the SDM op's decode
-// step, sdm/sdm_op_decode.cuh, one stream's readings in one launch with the op): a thread with `has` holds the reading
-// x of column c, no two threads the same column. Each block gathers the whole row into its shared memory (stores to
-// every block's, one cluster barrier), its warp 0 forms the statistics as the forward kernel's does and each thread
-// writes r of its column: the forward kernel's bits, without its launch. Every thread of every block calls it (sm_90).
-__device__ __forceinline__ void sdm_readout_cluster_row(const SdmReadoutArgs &ra, int p, bool has, int c, float x,
-                                                        void *r) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __shared__ float4 row[SDM_RO_MAX_D / 4];
-    __shared__ float2 stats;
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    SdmReadoutCol k = has ? sdm_readout_col(ra, p, c) : SdmReadoutCol{1.0f, 0.0f, 0.0f};
-    if (has)
-        for (unsigned b = 0; b < cluster.num_blocks(); b++) cluster.map_shared_rank((float *)row, b)[c] = x;
-    cluster.sync(); // every block's stores are in every block's row; none touches another's memory after it
-    if (threadIdx.x < 32) sdm_readout_row_stats<SDM_RO_MAX_D / 128>(ra, row, p, NULL, NULL, &stats);
-    __syncthreads();
-    if (has) dtype_store(r, (size_t)p * ra.d + c, sdm_readout_value(ra, k, x, stats), ra.fp32);
-#endif
+    for (int j = 0; j < 4; j++) {
+        float y = sdm_f4get(x, j);
+        if (ra.ln) y = fmaf((y - stats.x) * stats.y, w[j], b[j]);
+        if (ra.gate) y *= sdm_sigmoid(zg[j]);
+        dtype_store(r, (size_t)p * ra.d + 4 * c4 + j, y, ra.fp32);
+    }
 }
 
 // From dr [P,d] (gradient of r, fp32): dout [P,d] (gradient of the op readings; may alias dr: each element is

@@ -281,15 +281,6 @@ static void bench_decode(int B, double target_us) {
            (weights + rows) / HBM_TBPS / 1e6, weights / 1e6, rows / 1e6, HBM_TBPS);
     CHECK(med > 0.0f, "decode batch %d: no time measured", B);
     SdmLayer *L = &I.L;
-    float apart = decode_graph_us(st, [&](int i) { // the same step with the readout in a launch of its own
-        const SdmLayerParams *pi = &p[i % DECODE_COPIES];
-        sdm_infer_shape(&I, B, 1);
-        sdm_layer_address(L, pi, (const char *)x + (size_t)i * B * D * 2, st);
-        SdmOpInputs in = sdm_layer_op_inputs(L);
-        sdm_op_decode(&L->op, &in, I.banks, L->o, st);
-        sdm_layer_output(L, pi, y, st);
-    }).median;
-    printf("   the same step with the readout in a launch of its own: median %.1f us\n", apart);
     const void *x0 = x;
     float t_in = decode_graph_us(st, [&](int i) {
         const SdmLayerParams *pi = &p[i % DECODE_COPIES];
@@ -299,7 +290,6 @@ static void bench_decode(int B, double target_us) {
     SdmOpInputs in = sdm_layer_op_inputs(L);
     float t_op = decode_graph_us(st, [&](int) { sdm_op_decode(&L->op, &in, I.banks, L->o, st); }).median;
     SdmReadoutArgs ra = sdm_layer_readout_args(L, &p[0]);
-    float t_opro = decode_graph_us(st, [&](int) { sdm_op_decode(&L->op, &in, I.banks, L->o, st, &ra, L->r); }).median;
     float t_ro =
         decode_graph_us(st, [&](int) { sdm_readout_forward(&ra, L->o, L->r, L->ln_mean, L->ln_rstd, st); }).median;
     float t_out = decode_graph_us(st, [&](int i) {
@@ -307,7 +297,7 @@ static void bench_decode(int B, double target_us) {
         matmul_forward(y, L->ctype, D, L->r, pi->w_out, pi->b_out, L->ctype, B, D, D, st);
     }).median;
     printf("   parts alone (us): input product %.1f, addressing (gates, top-k) %.1f, memory op %.1f, readout %.1f, "
-           "memory op with the readout %.1f, output product %.1f\n", t_in, t_addr, t_op, t_ro, t_opro, t_out);
+           "output product %.1f\n", t_in, t_addr, t_op, t_ro, t_out);
     cudaCheck(cudaStreamDestroy(st));
     for (int c = 0; c < DECODE_COPIES; c++) free_layer_params(&p[c], bias[c]);
     cudaCheck(cudaFree(x));
