@@ -102,7 +102,9 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // grad`, flagship op, uniform slots, bf16 G): two groups of 8 columns a lane loaded ahead at three blocks an SM, 22.3
 // -> 23.2 ms on an H100 and 16.6 -> 18.1 on the H200; each entry's whole rows copied into shared memory by bulk
 // copies, the warp's next entry's in flight (0fc6426), 16.6 -> 18.9 ms on the H200 (BENCHMARKS.md).
+#ifndef SDM_BSCATTER_BLOCKS
 #define SDM_BSCATTER_BLOCKS 4
+#endif
 
 // 8 consecutive values of a T row as loaded (16 bytes of bf16, 32 of fp32), unpacked to fp32 at use.
 template <typename T> struct SdmRaw8 {
