@@ -84,6 +84,8 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dkdv_wgmma_kernel(AttnArgs p,
             return;
         }
         if (threadIdx.x != 256) return;
+        // Both tiles' bytes in one expect: each barrier counts one arrival of this thread and expect_tx arrives,
+        // so an expect per tile could let the first tile's bytes complete the phase before the second is counted.
         wg_bar_expect(kv_full, 2 * BIG);
         wg_tma_tile(k_addr, &tk, g, n0, b, BN, kv_full);
         wg_tma_tile(v_addr, &tv, g, n0, b, BN, kv_full);
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(384, 1) attn_bwd_dq_wgmma_kernel(AttnArgs p, c
     if (warp >= 8) {
         wg_setmaxnreg_dec<40>();
         if (threadIdx.x != 256) return;
-        wg_bar_expect(qo_full, 2 * BIG);
+        wg_bar_expect(qo_full, 2 * BIG); // both tiles in one expect, as in the dK, dV kernel's producer
         wg_tma_tile(q_addr, &tq, j, m0, b, BM, qo_full);
         wg_tma_tile(o_addr, &tdo, j, m0, b, BM, qo_full);
         for (int i = 0; i < N; i++) {
