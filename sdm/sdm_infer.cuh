@@ -18,16 +18,7 @@ typedef struct {
     int streams, rows;  // rows = max(max_tokens, streams)
     void *banks;        // [streams, H, N, d] bank dtype: each stream's memory
     size_t saved_bytes; // size of L.saved, the prefill op's scratch
-    cudaStream_t side;  // a decode step's output-gate product (sdm_infer_decode), forked and joined by the events
-    cudaEvent_t fork, join;
 } SdmInferState;
-
-// A decode step runs the output gate's columns of the input product on the state's second stream (1, the default)
-// or after the other columns on the caller's stream (0; SDM_GATE_BESIDE=0 builds it, the tests compare the two).
-#ifndef SDM_GATE_BESIDE
-#define SDM_GATE_BESIDE 1
-#endif
-static int g_sdm_gate_beside = SDM_GATE_BESIDE;
 
 // State for `streams` streams and prompts of up to max_tokens tokens; call sdm_infer_reset before use.
 static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, Dtype ctype) {
@@ -40,17 +31,11 @@ static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int 
     I.saved_bytes = sdm_op_saved_bytes(&I.L.op);
     I.L.saved = device_alloc(MEM_SCRATCH, I.saved_bytes);
     I.banks = device_alloc(MEM_SDM_SAVED, (size_t)streams * sdm_bank_bytes(s));
-    cudaCheck(cudaStreamCreateWithFlags(&I.side, cudaStreamNonBlocking));
-    cudaCheck(cudaEventCreateWithFlags(&I.fork, cudaEventDisableTiming));
-    cudaCheck(cudaEventCreateWithFlags(&I.join, cudaEventDisableTiming));
     return I;
 }
 
 static inline void sdm_infer_destroy(SdmInferState *I) {
     device_free(I->banks);
-    cudaCheck(cudaEventDestroy(I->fork));
-    cudaCheck(cudaEventDestroy(I->join));
-    cudaCheck(cudaStreamDestroy(I->side));
     sdm_layer_destroy(&I->L);
     memset(I, 0, sizeof *I);
 }
@@ -88,46 +73,16 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
     sdm_layer_output(&I->L, p, y, st);
 }
 
-// Columns [c0, c1) of a decode step's input product z = x · w_inᵀ + b (norm: x's input norm, or NULL) by `kernel`.
-static inline void sdm_infer_input_cols(SdmInferState *I, const SdmLayerParams *p, const void *x,
-                                        const ResidualNorm *norm, MatmulKernel kernel, int c0, int c1,
-                                        cudaStream_t st) {
-    SdmLayer *L = &I->L;
-    const int D = L->s.dim;
-    const size_t es = dtype_size(L->ctype);
-    MatmulParts P = {1, {(const char *)p->w_in + (size_t)c0 * D * es}, {(char *)L->z + c0 * es},
-                     {(const char *)L->b_packed + c0 * es}, {c1 - c0}, {L->ldz}};
-    if (norm) P.norm = *norm;
-    matmul_parts_run(kernel, &P, L->ctype, x, L->ctype, L->B * L->T, D, st);
-}
-
 // Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D]; norm: x's input norm
 // (core/matmul_small_m.cuh MatmulParts.norm; x its buffer, read by the input product alone) or NULL.
-// The output gate's columns of the input product (a third of its weights: D of 2HK + 2D + 2H) are read by the
-// readout alone, so where a kernel of our own takes the product they run on a second stream, beside the addressing
-// and the op (the addressing's few blocks leave the bus idle), and the chain of dependent kernels a token waits for
-// reads two thirds of the weights. That kernel gives each column the bits of the whole product (core/matmul.cuh).
 static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, const ResidualNorm *norm,
                                     void *y, int n, cudaStream_t st) {
     if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
     sdm_infer_shape(I, n, 1);
-    SdmLayer *L = &I->L;
-    MatmulKernel kernel = matmul_small_m_kernel(L->ctype, n, L->n_in, L->s.dim, 1, (uintptr_t)x | (uintptr_t)p->w_in);
-    const bool beside = g_sdm_gate_beside && L->s.output_gate && kernel != MATMUL_KERNEL_LT;
-    if (beside) {
-        sdm_infer_input_cols(I, p, x, norm, kernel, 0, L->col_g, st);
-        cudaCheck(cudaEventRecord(I->fork, st));
-        cudaCheck(cudaStreamWaitEvent(I->side, I->fork, 0));
-        sdm_infer_input_cols(I, p, x, NULL, kernel, L->col_g, L->n_in, I->side);
-        cudaCheck(cudaEventRecord(I->join, I->side));
-        sdm_layer_select(L, p, st);
-    } else {
-        sdm_layer_address(L, p, x, st, norm);
-    }
-    SdmOpInputs in = sdm_layer_op_inputs(L);
-    sdm_op_decode(&L->op, &in, I->banks, L->o, st);
-    if (beside) cudaCheck(cudaStreamWaitEvent(st, I->join, 0));
-    sdm_layer_output(L, p, y, st);
+    sdm_layer_address(&I->L, p, x, st, norm);
+    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
+    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
+    sdm_layer_output(&I->L, p, y, st);
 }
 
 // Stream `to`'s bank = stream `from`'s (a generator compacting its active streams).
