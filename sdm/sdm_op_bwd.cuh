@@ -101,7 +101,9 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // the compiler's 78-92 registers at three blocks). More row bytes in flight a warp lost on both GPUs (`bench_sdm_op 3
 // grad`, flagship op, uniform slots, bf16 G): two groups of 8 columns a lane loaded ahead at three blocks an SM, 22.3
 // -> 23.2 ms on an H100 and 16.6 -> 18.1 on the H200; each entry's whole rows copied into shared memory by bulk
-// copies, the warp's next entry's in flight (0fc6426), 16.6 -> 18.9 ms on the H200 (BENCHMARKS.md).
+// copies, the warp's next entry's in flight (0fc6426), 16.6 -> 18.9 ms on the H200 (BENCHMARKS.md). An A/B knob:
+// five blocks (48 registers, 52-64 bytes spilled) lost on uniform slots on an H100 (29.2 -> 31.4 ms) and won with
+// hot slots and in the step at initialisation (op backward 84.3 -> 81.2 ms); not yet timed on the H200.
 #ifndef SDM_BSCATTER_BLOCKS
 #define SDM_BSCATTER_BLOCKS 4
 #endif
