@@ -806,7 +806,10 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
         grid += SDM_MIN(a.side_groups, core_sm_count()); // a block an SM streams the weights at the bus's rate
         smem = SDM_MAX(smem, (size_t)MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES);
     }
-    if (smem > 48 * 1024)
+    // the limit counts the kernel's static shared memory too (the side product's partial sums)
+    cudaFuncAttributes fa;
+    cudaCheck(cudaFuncGetAttributes(&fa, kernel));
+    if (smem + fa.sharedSizeBytes > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     launch_pdl(kernel, grid, block ? SDM_TOPK_THREADS : 32 * a.warps, smem, s, a);
     if (side && side->n && !block) // the warp kernel's blocks are all busy: the product on its own, after it
