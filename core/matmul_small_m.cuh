@@ -137,8 +137,8 @@ __device__ __forceinline__ void matmul_part_store(const MatmulParts &P, int p, i
 // advance (g, k) to the tile after it. One commit group a call, empty past the last group, so that a wait for the
 // group issued STAGES - 1 calls ago means "this tile".
 template <typename T, int R, MatmulOut OP>
-__device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulParts &P, int groups, int K, int &g,
-                                                  int &k) {
+__device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulParts &P, int groups, int blocks, int K,
+                                                  int &g, int &k) {
     constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, C = matmul_block_cols(OP, R);
     if (g < groups) {
         int b = g;
@@ -154,35 +154,41 @@ __device__ __forceinline__ void matmul_gemv_issue(uint4 *stage, const MatmulPart
         k += STEP;
         if (k - (int)threadIdx.x * VEC >= K) { // the group's last stride: the next tile starts the block's next group
             k = threadIdx.x * VEC;
-            g += gridDim.x;
+            g += blocks;
         }
     }
     core_cp_async_commit();
 }
 
-// Block b takes groups b, b + G, ... of `groups` (G = gridDim.x); group g takes output columns [g' C, g' C + C) of
-// the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)).
+// The barrier of a GEMV block's MATMUL_GEMV_THREADS threads (named barrier 1), so that a kernel of more threads can
+// run the block in its first MATMUL_GEMV_THREADS (the SDM addressing's launch, sdm/sdm_topk.cuh).
+__device__ __forceinline__ void matmul_gemv_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(MATMUL_GEMV_THREADS) : "memory");
+}
+
+// GEMV block `block` of `blocks` (threads 0..MATMUL_GEMV_THREADS-1; `stages`: MATMUL_GEMV_STAGES *
+// MATMUL_GEMV_STAGE_BYTES of shared memory) takes groups block, block + blocks, ... of `groups`; group g takes output
+// columns [g' C, g' C + C) of the part it falls in (g' = its index within that part; C = matmul_block_cols(OP, R)).
 template <typename T, typename TY, int M, MatmulOut OP>
-__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
-                                                                         int groups) {
+__device__ __forceinline__ void matmul_gemv_block(const MatmulParts &P, const T *x, int K, int groups, int block,
+                                                  int blocks, uint4 *stages) {
     constexpr int VEC = 16 / sizeof(T), STEP = MATMUL_GEMV_THREADS * VEC, R = MATMUL_GEMV_ROWS,
                   WARPS = MATMUL_GEMV_THREADS / 32, S = MATMUL_GEMV_STAGES, TILE = R * MATMUL_GEMV_THREADS;
     constexpr int C = matmul_block_cols(OP, R);
     __shared__ float part[WARPS][R * M];
-    extern __shared__ __align__(16) uint4 stages[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k0 = threadIdx.x * VEC;
-    int ig = blockIdx.x, ik = k0; // the next tile to issue
+    int ig = block, ik = k0; // the next tile to issue
 #pragma unroll
     for (int i = 0; i < S - 1; i++) // before pdl_wait: W is constant in a step
-        matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, K, ig, ik);
+        matmul_gemv_issue<T, R, OP>(stages + i * TILE, P, groups, blocks, K, ig, ik);
     pdl_enter();
     float acc[R][M] = {};
     int k = k0;
-    for (int g = blockIdx.x, i = 0; g < groups; i++) {
+    for (int g = block, i = 0; g < groups; i++) {
         // refill the stage read one tile ago: only this thread reads or writes its slots, so program order keeps its
         // reads of them before the new copies; the compiler barrier keeps the reads where they are
         asm volatile("" ::: "memory");
-        matmul_gemv_issue<T, R, OP>(stages + (i + S - 1) % S * TILE, P, groups, K, ig, ik);
+        matmul_gemv_issue<T, R, OP>(stages + (i + S - 1) % S * TILE, P, groups, blocks, K, ig, ik);
         core_cp_async_wait<S - 1>(); // this tile's copies have landed
         if (k < K) {
             float wv[R][VEC], xv[VEC];
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                 if (lane == 0) part[warp][r * M + m] = v;
                 acc[r][m] = 0.f;
             }
-        __syncthreads();
+        matmul_gemv_sync();
         int b = g;
         const int p = matmul_block_part(P, C, b), n0 = b * C, r = threadIdx.x / M, m = threadIdx.x % M;
         if (threadIdx.x < C * M && n0 + r < P.N[p]) {
@@ -219,10 +225,17 @@ __global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(Matmul
                 for (int j = 0; j < WARPS; j++) s3 += part[j][(r + C) * M + m];
             matmul_part_store<TY, OP>(P, p, m, n0 + r, s, s3);
         }
-        __syncthreads(); // part is written again at the next group's end
-        g += gridDim.x;
+        matmul_gemv_sync(); // part is written again at the next group's end
+        g += blocks;
         k = k0;
     }
+}
+
+template <typename T, typename TY, int M, MatmulOut OP>
+__global__ void __launch_bounds__(MATMUL_GEMV_THREADS) matmul_gemv_kernel(MatmulParts P, const T *x, int K,
+                                                                         int groups) {
+    extern __shared__ __align__(16) uint4 stages[];
+    matmul_gemv_block<T, TY, M, OP>(P, x, K, groups, blockIdx.x, gridDim.x, stages);
 }
 
 // Tests: at most this many GEMV or MMA pipe blocks when non-zero, so that every shape has blocks taking several

@@ -20,6 +20,13 @@ typedef struct {
     size_t saved_bytes; // size of L.saved, the prefill op's scratch
 } SdmInferState;
 
+// A one-stream bf16 decode step runs the output gate's columns of the input product in the addressing's launch (1,
+// the default), or with the other columns (0; SDM_GATE_FUSED=0 builds it; the tests compare the two).
+#ifndef SDM_GATE_FUSED
+#define SDM_GATE_FUSED 1
+#endif
+static int g_sdm_gate_fused = SDM_GATE_FUSED;
+
 // State for `streams` streams and prompts of up to max_tokens tokens; call sdm_infer_reset before use.
 static inline SdmInferState sdm_infer_create(const SdmDims *s, int streams, int max_tokens, Dtype ctype) {
     SdmInferState I;
@@ -75,14 +82,31 @@ static inline void sdm_infer_prefill(SdmInferState *I, const SdmLayerParams *p, 
 
 // Decode step of streams 0..n-1: y [n, D] = the layer of one new token per stream x [n, D]; norm: x's input norm
 // (core/matmul_small_m.cuh MatmulParts.norm; x its buffer, read by the input product alone) or NULL.
+// The output gate's columns of the input product (a third of its weights: D of 2HK + 2D + 2H) are read by the
+// readout alone. Where the GEMV takes the product (one bf16 row), they run in the addressing's launch, in blocks of
+// their own beside its few blocks (one a problem), so that the chain of dependent kernels a token waits for reads
+// two thirds of the weights; the same GEMV code, so the same bits.
 static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, const void *x, const ResidualNorm *norm,
                                     void *y, int n, cudaStream_t st) {
     if (n < 1 || n > I->streams) sdm_die("SDM inference: a decode step of %d of %d streams", n, I->streams);
     sdm_infer_shape(I, n, 1);
-    sdm_layer_address(&I->L, p, x, st, norm);
-    SdmOpInputs in = sdm_layer_op_inputs(&I->L);
-    sdm_op_decode(&I->L.op, &in, I->banks, I->L.o, st);
-    sdm_layer_output(&I->L, p, y, st);
+    SdmLayer *L = &I->L;
+    const int D = L->s.dim;
+    const bool fuse = g_sdm_gate_fused && L->s.output_gate && L->ctype == DT_BF16 &&
+                      matmul_small_m_kernel(DT_BF16, n, L->n_in, D, 1, (uintptr_t)x | (uintptr_t)p->w_in) ==
+                          MATMUL_KERNEL_GEMV;
+    if (fuse) {
+        const size_t g0 = (size_t)L->col_g * 2; // bytes before the gate's columns (bf16)
+        matmul_forward(L->z, DT_BF16, L->ldz, x, p->w_in, L->b_packed, DT_BF16, 1, L->col_g, D, st, norm);
+        SdmTopkSide side = {1, (const char *)p->w_in + g0 * D, x, (const char *)L->b_packed + g0, (char *)L->z + g0,
+                            L->n_in - L->col_g, D};
+        sdm_layer_select(L, p, st, &side);
+    } else {
+        sdm_layer_address(L, p, x, st, norm);
+    }
+    SdmOpInputs in = sdm_layer_op_inputs(L);
+    sdm_op_decode(&L->op, &in, I->banks, L->o, st);
+    sdm_layer_output(L, p, y, st);
 }
 
 // Stream `to`'s bank = stream `from`'s (a generator compacting its active streams).

@@ -305,14 +305,15 @@ static inline void sdm_layer_pack_biases(SdmLayer *L, const SdmLayerParams *p, c
 }
 
 // The gates, values and both top-k selections with their weights from the fused projection L->z, for the
-// L->B * L->T tokens (one launch at decode: sdm/sdm_topk.cuh).
-static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st) {
+// L->B * L->T tokens (one launch at decode: sdm/sdm_topk.cuh), with the product `side` (or NULL) in that launch.
+static inline void sdm_layer_select(SdmLayer *L, const SdmLayerParams *p, cudaStream_t st,
+                                    const SdmTopkSide *side = NULL) {
     const SdmDims *s = &L->s;
     SdmGates gates = {p->A_log, p->dt_bias, L->col_v, L->col_a, L->col_c, s->dim, L->v, L->g, L->beta};
     SdmTopkJob jobs[2] = {
         {&L->tw, L->col_zk, {L->wslot, L->kappa, NULL, L->gamma, L->g, s->key_weighted_decay, s->write_scale}},
         {&L->tr, L->col_zq, {L->rslot, L->rho, NULL, NULL, NULL, 0, s->read_scale}}};
-    sdm_topk_forward(jobs, 2, L->z, L->ctype, L->ldz, s->heads, L->B * L->T * s->heads, &gates, st);
+    sdm_topk_forward(jobs, 2, L->z, L->ctype, L->ldz, s->heads, L->B * L->T * s->heads, &gates, st, side);
 }
 
 // z = x W_inᵀ + b (the fused projection, biases packed by sdm_layer_pack_biases), then sdm_layer_select, for the

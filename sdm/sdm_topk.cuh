@@ -13,6 +13,7 @@
 #define SDM_SDM_TOPK_CUH
 
 #include "core/cuda_common.cuh"
+#include "core/matmul.cuh"
 #include "sdm/sdm_common.cuh"
 #include "sdm/sdm_dims.h"
 
@@ -124,7 +125,21 @@ typedef struct {
     int warps;              // warp kernel: problems per block, and the bytes of shared memory of each
     size_t warp_smem;
     SdmGates gates;         // gates.g != NULL: the block kernel's write problems (job 0) form the gates
+    // A product the addressing does not read, in its launch (SdmTopkSide): the block kernel's blocks from side_block0
+    // on are the blocks of a one-row bf16 GEMV (core/matmul_small_m.cuh) of side on side_x [side_K].
+    MatmulParts side;
+    const void *side_x;
+    int side_K, side_groups, side_block0;
 } SdmTopkArgs;
+
+// That product (sdm_topk_forward): y [1, N] = x [1, K] · W[N, K]ᵀ + bias, bf16 rows of 16-byte multiples at 16-byte
+// addresses (a GEMV's); n = 0: none.
+typedef struct {
+    int n;
+    const void *w, *x, *bias;
+    void *y;
+    int N, K;
+} SdmTopkSide;
 
 static inline int sdm_next_pow2(int n) { int p = 1; while (p < n) p <<= 1; return p; }
 
@@ -586,6 +601,13 @@ __global__ void __launch_bounds__(SDM_TOPK_THREADS, E <= 8 ? 2 : 1)
 sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
     extern __shared__ __align__(16) unsigned char sdm_topk_bsmem[];
     static_assert(SDM_MAX_FACTORS < SDM_TOPK_THREADS / 32, "a warp per factor and one more");
+    if ((int)blockIdx.x >= a.side_block0) { // a block of the side product, in its first MATMUL_GEMV_THREADS threads
+        if (threadIdx.x < MATMUL_GEMV_THREADS)
+            matmul_gemv_block<__nv_bfloat16, __nv_bfloat16, 1, MATMUL_OUT_PLAIN>(
+                a.side, (const __nv_bfloat16 *)a.side_x, a.side_K, a.side_groups, blockIdx.x - a.side_block0,
+                gridDim.x - a.side_block0, (uint4 *)sdm_topk_bsmem);
+        return;
+    }
     const int job = blockIdx.x / a.P, p = blockIdx.x % a.P, tok = p / a.H, h = p % a.H;
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = SDM_TOPK_THREADS / 32;
     const SdmTopkPlan &pl = a.pl[job];
@@ -741,12 +763,12 @@ sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
 
 // Gates and values (gates not NULL; job 0's gamma then takes its g) and n_jobs (1 or 2) selections over the same P
 // problems: the block kernel for P <= SDM_TOPK_BLOCK_MAX_P (its job-0 blocks form the gates too: one launch), else
-// sdm_unpack_kernel and the warp kernel. jobs[0].pl->path forces a kernel (tests, benches).
+// sdm_unpack_kernel and the warp kernel. jobs[0].pl->path forces a kernel (tests, benches). side (NULL or n = 0:
+// none): a product in the same launch, in blocks of its own after the block kernel's (else launched after it).
 static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const void *z, Dtype zt, int ldz, int H,
-                                    int P, const SdmGates *gates, cudaStream_t s) {
+                                    int P, const SdmGates *gates, cudaStream_t s, const SdmTopkSide *side = NULL) {
     if (n_jobs < 1 || n_jobs > SDM_TOPK_JOBS) sdm_die("top-k: %d jobs in one launch (1..%d)", n_jobs, SDM_TOPK_JOBS);
-    SdmTopkArgs a;
-    memset(&a, 0, sizeof a);
+    SdmTopkArgs a = {};
     int block_ok = 1, path = jobs[0].pl->path, sort_max = 0;
     size_t block_smem = 0;
     a.warps = SDM_TOPK_WARPS_MAX;
@@ -774,9 +796,24 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
     void (*kernel)(SdmTopkArgs) = !block ? sdm_topk_forward_kernel
                                   : sort_max <= 256 ? sdm_topk_block_kernel<8> : sdm_topk_block_kernel<32>;
     size_t smem = block ? block_smem : a.warp_smem * a.warps;
-    if (smem > 48 * 1024)
+    int grid = n_jobs * a.per_job;
+    a.side_block0 = grid;
+    if (side && side->n && block) {
+        a.side = (MatmulParts){1, {side->w}, {side->y}, {side->bias}, {side->N}, {side->N}};
+        a.side_x = side->x;
+        a.side_K = side->K;
+        a.side_groups = (int)matmul_parts_blocks(&a.side, MATMUL_GEMV_ROWS);
+        grid += SDM_MIN(a.side_groups, core_sm_count()); // a block an SM streams the weights at the bus's rate
+        smem = SDM_MAX(smem, (size_t)MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES);
+    }
+    // the limit counts the kernel's static shared memory too (the side product's partial sums)
+    cudaFuncAttributes fa;
+    cudaCheck(cudaFuncGetAttributes(&fa, kernel));
+    if (smem + fa.sharedSizeBytes > 48 * 1024)
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    launch_pdl(kernel, n_jobs * a.per_job, block ? SDM_TOPK_THREADS : 32 * a.warps, smem, s, a);
+    launch_pdl(kernel, grid, block ? SDM_TOPK_THREADS : 32 * a.warps, smem, s, a);
+    if (side && side->n && !block) // the warp kernel's blocks are all busy: the product on its own, after it
+        matmul_forward(side->y, DT_BF16, side->N, side->x, side->w, side->bias, DT_BF16, 1, side->N, side->K, s);
 }
 
 // =================================================================================================================

@@ -395,8 +395,9 @@ __device__ __forceinline__ void persist_barrier(unsigned *count, unsigned gen, i
 // stage s are done.
 __device__ __forceinline__ void persist_issue(uint4 *buf, const PersistStage *st, int &s, int &g, int &k) {
     while (s < PERSIST_STAGES && g >= st[s].groups) s++, g = blockIdx.x, k = threadIdx.x * 8;
-    if (s < PERSIST_STAGES) matmul_gemv_issue<bf16, MATMUL_GEMV_ROWS, MATMUL_OUT_PLAIN>(buf, st[s].P, st[s].groups,
-                                                                                         st[s].K, g, k);
+    if (s < PERSIST_STAGES)
+        matmul_gemv_issue<bf16, MATMUL_GEMV_ROWS, MATMUL_OUT_PLAIN>(buf, st[s].P, st[s].groups, gridDim.x, st[s].K, g,
+                                                                    k);
     else core_cp_async_commit();
 }
 

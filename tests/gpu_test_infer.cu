@@ -16,7 +16,7 @@
 //       a step launched ahead of reading the ids of the one before the tokens of one step at a time;
 //   (h) a prefill of P tokens leaves the SDM bank and KV caches of a prefill of 1 token + P - 1 decode steps;
 //   (i) programmatic dependent launch changes no bit: decode logits (fp32, bf16) and graph generation with it and
-//       without it.
+//       without it; nor does the SDM decode's output-gate product in the addressing's launch (sdm/sdm_infer.cuh).
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -679,7 +679,9 @@ static void check_prefill_state(const float *host) {
 // ---------------------------------------------------------------------------------------------------------------
 // (i) programmatic dependent launch (core/cuda_common.cuh): the same kernels, each waiting for the one before inside
 // the grid instead of at launch, so the same bits. A kernel that touched a buffer before pdl_wait would read a value
-// of the previous step or a half-written row and change the logits.
+// of the previous step or a half-written row and change the logits. The same for a one-stream bf16 decode step's
+// output-gate columns in the addressing's launch (g_sdm_gate_fused): the same GEMV code on the same columns, so the
+// same bits; columns it missed would keep the gate of the step before.
 
 #define PDL_STEPS (T_SEQ - 9)
 
@@ -696,7 +698,18 @@ static void two_stream_logits(GpuInferState *I, const int *tokens, float *out) {
     }
 }
 
-static void check_pdl(const float *host) {
+// Logits rows of one stream (a prompt of 5 tokens, then PDL_STEPS teacher-forced decode steps) into
+// out [PDL_STEPS + 1][Vp], on a fresh one-stream state.
+static void one_stream_logits(GpuInferState *I, const int *tokens, float *out) {
+    size_t row = (size_t)I->g->Vp;
+    gpu_infer_reset(I, -1);
+    memcpy(out, gpu_infer_prefill(I, 0, tokens, 5), 4 * row);
+    for (int i = 0; i < PDL_STEPS; i++)
+        memcpy(out + (size_t)(i + 1) * row, gpu_infer_decode(I, &tokens[5 + i]), 4 * row);
+}
+
+// Decode logits (two streams, and one), and graph generation, with *flag = 1 and 0 (left at 1): the same bits.
+static void check_switch(const float *host, int *flag, const char *what) {
     for (int fp32 = 1; fp32 >= 0; fp32--) {
         Config cfg;
         ModelDesc *m = (ModelDesc *)sdm_malloc(sizeof(ModelDesc));
@@ -704,30 +717,35 @@ static void check_pdl(const float *host) {
         GpuModel g;
         gpu_model_create(&g, m, 1, 1, fp32 ? DT_FP32 : DT_BF16, 1, 0, NULL);
         gpu_model_set_params(&g, host);
-        GpuInferState I;
+        GpuInferState I, I1;
         gpu_infer_create(&I, &g, 2, T_SEQ);
+        gpu_infer_create(&I1, &g, 1, T_SEQ);
         int tokens[2 * T_SEQ];
         random_tokens(tokens, 2 * T_SEQ, m->vocab, 5);
-        size_t n = (size_t)(PDL_STEPS + 1) * 2 * g.Vp;
+        size_t n = (size_t)(PDL_STEPS + 1) * 3 * g.Vp; // two streams' rows, then one stream's
         float *with = (float *)sdm_malloc(4 * n), *without = (float *)sdm_malloc(4 * n);
+        *flag = 1;
         two_stream_logits(&I, tokens, with);
-        g_pdl = 0;
+        one_stream_logits(&I1, tokens, with + n / 3 * 2);
+        *flag = 0;
         two_stream_logits(&I, tokens, without);
+        one_stream_logits(&I1, tokens, without + n / 3 * 2);
         static int out[2][GEN_REQUESTS][T_SEQ];
         GenRequest gen_without[GEN_REQUESTS], gen_with[GEN_REQUESTS];
         const SamplingParams sp = {1.0, 0.0, 20};
         generate_requests(&I, tokens, &sp, 1, 1, out[0], gen_without);
-        g_pdl = 1;
-        gpu_infer_drop_graphs(&I); // captured without the attribute
+        *flag = 1;
+        gpu_infer_drop_graphs(&I); // captured with the switch off
         generate_requests(&I, tokens, &sp, 1, 1, out[1], gen_with);
         int same = memcmp(with, without, 4 * n) == 0, same_gen = same_requests(gen_with, gen_without);
-        printf("(i) [%s] with and without programmatic dependent launch: decode logits %s, graph generation %s\n",
-               fp32 ? "fp32" : "bf16", same ? "same bits" : "DIFFER", same_gen ? "equal" : "DIFFERS");
-        CHECK(same, "[%s] decode logits change with programmatic dependent launch", fp32 ? "fp32" : "bf16");
-        CHECK(same_gen, "[%s] graph generation changes with programmatic dependent launch", fp32 ? "fp32" : "bf16");
+        printf("(i) [%s] with and without %s: decode logits %s, graph generation %s\n", fp32 ? "fp32" : "bf16", what,
+               same ? "same bits" : "DIFFER", same_gen ? "equal" : "DIFFERS");
+        CHECK(same, "[%s] decode logits change with %s", fp32 ? "fp32" : "bf16", what);
+        CHECK(same_gen, "[%s] graph generation changes with %s", fp32 ? "fp32" : "bf16", what);
         free(with);
         free(without);
         gpu_infer_destroy(&I);
+        gpu_infer_destroy(&I1);
         gpu_model_destroy(&g);
         free(m);
     }
@@ -757,7 +775,8 @@ int main(void) {
     check_sampler();
     check_graphs_and_batches(host);
     check_prefill_state(host);
-    check_pdl(host);
+    check_switch(host, &g_pdl, "programmatic dependent launch");
+    check_switch(host, &g_sdm_gate_fused, "the output gate's product in the addressing's launch");
     free(host);
     free(m);
     return test_summary();
