@@ -30,6 +30,9 @@ source_digest() {
 }
 [ "$what" = --source-digest ] && { source_digest; exit; }
 out=${OUT:-gpu_logs}; mkdir -p "$out"
+# every log of the call in one archive too, whose name sorts first: a tool that brings back only a few files of
+# $OUT (the device tool here: eight) then brings back all of them
+trap 'tar -czf "$out/all_logs.tar.gz" --exclude=all_logs.tar.gz -C "$out" . 2>/dev/null' EXIT
 jobs=$(nproc 2>/dev/null || echo 4)
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
