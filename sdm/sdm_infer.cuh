@@ -99,7 +99,7 @@ static inline void sdm_infer_decode(SdmInferState *I, const SdmLayerParams *p, c
     if (fuse) {
         const size_t g0 = (size_t)L->col_g * 2; // bytes before the gate's columns (bf16)
         matmul_forward(L->z, DT_BF16, L->ldz, x, p->w_in, L->b_packed, DT_BF16, 1, L->col_g, D, st, norm);
-        SdmTopkSide side = {1, (const char *)p->w_in + g0 * D, x, (const char *)L->b_packed + g0, (char *)L->z + g0,
+        SdmTopkSide side = {(const char *)p->w_in + g0 * D, x, (const char *)L->b_packed + g0, (char *)L->z + g0,
                             L->n_in - L->col_g, D};
         sdm_layer_select(L, p, st, &side);
     } else {

@@ -133,9 +133,8 @@ typedef struct {
 } SdmTopkArgs;
 
 // That product (sdm_topk_forward): y [1, N] = x [1, K] · W[N, K]ᵀ + bias, bf16 rows of 16-byte multiples at 16-byte
-// addresses (a GEMV's); n = 0: none.
+// addresses (a GEMV's).
 typedef struct {
-    int n;
     const void *w, *x, *bias;
     void *y;
     int N, K;
@@ -763,8 +762,8 @@ sdm_topk_block_kernel(const __grid_constant__ SdmTopkArgs a) {
 
 // Gates and values (gates not NULL; job 0's gamma then takes its g) and n_jobs (1 or 2) selections over the same P
 // problems: the block kernel for P <= SDM_TOPK_BLOCK_MAX_P (its job-0 blocks form the gates too: one launch), else
-// sdm_unpack_kernel and the warp kernel. jobs[0].pl->path forces a kernel (tests, benches). side (NULL or n = 0:
-// none): a product in the same launch, in blocks of its own after the block kernel's (else launched after it).
+// sdm_unpack_kernel and the warp kernel. jobs[0].pl->path forces a kernel (tests, benches). side (NULL: none): a
+// product in the same launch, in blocks of its own after the block kernel's (else launched after it).
 static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const void *z, Dtype zt, int ldz, int H,
                                     int P, const SdmGates *gates, cudaStream_t s, const SdmTopkSide *side = NULL) {
     if (n_jobs < 1 || n_jobs > SDM_TOPK_JOBS) sdm_die("top-k: %d jobs in one launch (1..%d)", n_jobs, SDM_TOPK_JOBS);
@@ -798,7 +797,7 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
     size_t smem = block ? block_smem : a.warp_smem * a.warps;
     int grid = n_jobs * a.per_job;
     a.side_block0 = grid;
-    if (side && side->n && block) {
+    if (side && block) {
         a.side = (MatmulParts){1, {side->w}, {side->y}, {side->bias}, {side->N}, {side->N}};
         a.side_x = side->x;
         a.side_K = side->K;
@@ -806,13 +805,10 @@ static inline void sdm_topk_forward(const SdmTopkJob *jobs, int n_jobs, const vo
         grid += SDM_MIN(a.side_groups, core_sm_count()); // a block an SM streams the weights at the bus's rate
         smem = SDM_MAX(smem, (size_t)MATMUL_GEMV_STAGES * MATMUL_GEMV_STAGE_BYTES);
     }
-    // the limit counts the kernel's static shared memory too (the side product's partial sums)
-    cudaFuncAttributes fa;
-    cudaCheck(cudaFuncGetAttributes(&fa, kernel));
-    if (smem + fa.sharedSizeBytes > 48 * 1024)
-        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // always: past 48 KB the limit counts the kernel's static shared memory too (the side product's partial sums)
+    cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     launch_pdl(kernel, grid, block ? SDM_TOPK_THREADS : 32 * a.warps, smem, s, a);
-    if (side && side->n && !block) // the warp kernel's blocks are all busy: the product on its own, after it
+    if (side && !block) // the warp kernel's blocks are all busy: the product on its own, after it
         matmul_forward(side->y, DT_BF16, side->N, side->x, side->w, side->bias, DT_BF16, 1, side->N, side->K, s);
 }
 
