@@ -29,9 +29,6 @@ typedef struct {
     int ready;
     cublasLtHandle_t handle;
     void *workspace;      // cuBLASLt workspace [MATMUL_WORKSPACE_BYTES]
-    int side_ready;
-    cudaStream_t side;    // matmul_side_stream(), or 0
-    void *side_workspace; // its own workspace: two products in flight must not share one
     float *col_partials;  // bias_backward scratch [n_partials]
     size_t n_partials;
 } MatmulContext;
@@ -45,23 +42,9 @@ static inline void matmul_init(void) {
     g_matmul.workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
 }
 
-// A stream for products that run beside another stream's work (the training backward's weight gradients), with a
-// workspace of its own; created on first use (a dry run of the ledger records the workspace and creates no stream).
-static inline cudaStream_t matmul_side_stream(void) {
-    matmul_init();
-    if (!g_matmul.side_ready) {
-        g_matmul.side_ready = 1;
-        g_matmul.side_workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
-        if (!g_mem.dry_run) cudaCheck(cudaStreamCreateWithFlags(&g_matmul.side, cudaStreamNonBlocking));
-    }
-    return g_matmul.side;
-}
-
 static inline void matmul_destroy(void) {
     if (!g_matmul.ready) return;
     if (g_matmul.handle) cublasCheck(cublasLtDestroy(g_matmul.handle));
-    if (g_matmul.side) cudaCheck(cudaStreamDestroy(g_matmul.side));
-    device_free(g_matmul.side_workspace);
     device_free(g_matmul.workspace);
     device_free(g_matmul.col_partials);
     memset(&g_matmul, 0, sizeof(g_matmul));
@@ -123,9 +106,8 @@ static inline int matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda
         sdm_die("matmul: no cuBLASLt algorithm for m=%d n=%d k=%d (lda %d ldb %d ldd %d)", m, n, k, lda, ldb, ldd);
     if (found > rank) {
         const float alpha = 1.0f;
-        void *ws = stream && stream == g_matmul.side ? g_matmul.side_workspace : g_matmul.workspace;
         cublasCheck(cublasLtMatmul(g_matmul.handle, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur[rank].algo,
-                                   ws, MATMUL_WORKSPACE_BYTES, stream));
+                                   g_matmul.workspace, MATMUL_WORKSPACE_BYTES, stream));
         if (info) matmul_lt_algo_info(&heur[rank].algo, info, info_size);
     }
     cublasCheck(cublasLtMatmulPreferenceDestroy(pref));

@@ -130,8 +130,6 @@ typedef struct {
     SdmLayer *sdm;                    // [L], used for SDM layers
     AttnLayer *attn;                  // [L], used for attention layers
     Profiler *prof;                   // NULL: not profiled (gpu_model_set_profiler)
-    cudaStream_t dw_side;             // the backward's W1|W3 weight gradients (gm_ffn_w13_grad), or 0: none
-    cudaEvent_t dw_fork, dw_done;     // its inputs ready on the step's stream; its product done
     SdmLayerTemps sdm_tmp;            // the SDM layers' temporaries, one set for all of them
     AttnLayerBwd attn_bw;             // the attention layers' backward temporaries, sized for the largest layer
 } GpuModel;
@@ -276,13 +274,6 @@ static inline void gm_grads_destroy(GpuModel *g) {
 #define GM_RECOMPUTE 1     // distributed.selective_act_ckpt: norms, SwiGLU, attention gate, SDM readout
 #define GM_RECOMPUTE_FFN 2 // distributed.recompute_ffn: the FFN's W1|W3 product
 
-// The backward's FFN W1|W3 weight gradient on a stream of its own (1), beside the rest of its block's backward
-// (the mixer's: an SDM layer's bandwidth-bound memory op leaves the tensor cores idle), or on the step's stream (0;
-// an A/B knob). The same product on the same inputs either way: the same bits.
-#ifndef GM_DW_SIDE
-#define GM_DW_SIDE 1
-#endif
-
 // The model for micro-batches of B x T tokens, parameters padded to `world` shards, recomputing in the backward what
 // the GM_RECOMPUTE flags of `recompute` say; zero2: this rank's communicator when it keeps only its shard of the
 // gradients (ZeRO-2, zero2->world == world), NULL for whole gradients. In a dry run of the ledger (g_mem.dry_run) only
@@ -351,13 +342,6 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
         if (m->kind[l] == LAYER_SDM) any_sdm = 1;
         else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, g->recompute));
     }
-    if (GM_DW_SIDE) {
-        g->dw_side = matmul_side_stream(); // its workspace in the ledger; no stream in a dry run
-        if (!g_mem.dry_run) {
-            cudaCheck(cudaEventCreateWithFlags(&g->dw_fork, cudaEventDisableTiming));
-            cudaCheck(cudaEventCreateWithFlags(&g->dw_done, cudaEventDisableTiming));
-        }
-    }
     if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, g->recompute);
     if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max);
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
@@ -379,8 +363,6 @@ static inline void gpu_model_destroy(GpuModel *g) {
     free(g->attn);
     free(g->weights.block);
     gm_grads_destroy(g);
-    if (g->dw_fork) cudaCheck(cudaEventDestroy(g->dw_fork));
-    if (g->dw_done) cudaCheck(cudaEventDestroy(g->dw_done));
     embedding_backward_plan_destroy(&g->emb_plan);
     void *bufs[] = {g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
                     g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses, g->loss, g->tokens, g->targets, g->pred,
@@ -573,22 +555,6 @@ static inline void gpu_model_plan_backward(GpuModel *g, const int *tokens, int *
     embedding_backward_plan_fill(&g->emb_plan, tokens, plan);
 }
 
-// d W1|W3 (+=) of block l from the gradient of its product, ab = d(a|b) [n, 2F], and its input x [n, D]: on
-// g->dw_side, forked from st here, where there is one and the step is not profiled (the profile times its parts one
-// after another on st); returns whether it forked (then st waits for g->dw_done before ab or x is written again).
-static inline int gm_ffn_w13_grad(GpuModel *g, const GmBlockGrads *dl, const void *ab, const void *x,
-                                  cudaStream_t st) {
-    const int side = g->dw_side && !g->prof;
-    if (side) {
-        cudaCheck(cudaEventRecord(g->dw_fork, st));
-        cudaCheck(cudaStreamWaitEvent(g->dw_side, g->dw_fork, 0));
-    }
-    matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * g->F, x, g->ctype, g->n, 2 * g->F, g->D, 1,
-                           side ? g->dw_side : st);
-    if (side) cudaCheck(cudaEventRecord(g->dw_done, g->dw_side));
-    return side;
-}
-
 // Accumulate (+=) every parameter gradient after gpu_model_forward with dscale != 0, on stream st; plan: that
 // forward's tokens' (gpu_model_plan_backward), copied on st like the forward's inputs. With ZeRO-2 the gradients are
 // computed in the buckets and added, summed over ranks, to this rank's shard g->grads, complete when st reaches the
@@ -620,7 +586,8 @@ static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t
         gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0, st);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, st); // ab becomes d(W1|W3 product)
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F), st);
-        const int side = gm_ffn_w13_grad(g, dl, ab, gm_recomputed_at(g, g->xffn, l, D), st);
+        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F,
+                               D, 1, st);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, st);
         gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0, st);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
@@ -635,7 +602,6 @@ static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
                          g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, st);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
-        if (side) cudaCheck(cudaStreamWaitEvent(st, g->dw_done, 0)); // before ab, xffn are written again
         gm_segment_reduce(g, l + 1, st);
     }
     embedding_backward_plan_upload(&g->emb_plan, plan, st);
