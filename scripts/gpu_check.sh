@@ -3,7 +3,8 @@
 # under $OUT (or ./gpu_logs), and print a short table last.
 #   scripts/gpu_check.sh [tests|bench|all|model|decode] [extra make args]
 #   [RUNS=2] scripts/gpu_check.sh decode-ab INFER...   decode of infer_sdm builds, interleaved RUNS times, one checkpoint
-#   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds, interleaved;
+#   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds and the mean
+#                                                      of 8 unprofiled graph steps, interleaved;
 #                                                      KEYS: extra config keys, comma-separated (a:sdm.grad_bank_dtype=fp32)
 #   [RUNS=2] scripts/gpu_check.sh op-ab BENCH...     `bench_sdm_op 3 grad` of builds, interleaved: the op's kernels
 #   (no builds named: the default build and every `make variant` build of that program, build/variants/; `tests` also
@@ -125,10 +126,13 @@ if [ "$what" = step-ab ]; then
             log="$out/step_${j}_$(basename "$bin")_$i.log"
             rm -rf /tmp/sdm_step_ab
             echo "== $v, run $i"
-            "$bin" -c configs/sdm_flagship.cfg steps=8 logging.profile=5 checkpoint.dump_every=0 $keys ${extra//,/ } \
+            "$bin" -c configs/sdm_flagship.cfg steps=16 logging.profile=5 checkpoint.dump_every=0 $keys ${extra//,/ } \
                 run_dir=/tmp/sdm_step_ab >"$log" 2>&1 || echo "exit $?"
-            grep -E '^step +[5-8]/' "$log"
             sed -n '/^  part/,/total/p' "$log"
+            # steps 1-7 run eager (3-7 timed part by part), step 8 captures the graph: 9-16 are the step as trained
+            grep -E '^step +(9|1[0-6])/' "$log" | sed 's/.*| \([0-9.]*\) ms\/step.*/\1/' |
+                awk '{s += $1; n++} END {if (n) printf "graph steps 9-16: mean %.1f ms/step (%d steps)\n", s / n, n}'
+            grep -E '^step +16/' "$log"
         done
     done
     exit
