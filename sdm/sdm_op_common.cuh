@@ -235,6 +235,10 @@ __device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, 
 #ifndef SDM_GE
 #define SDM_GE 2 // entries whose rows a warp loads together (an A/B knob; 3 lost on an H100: 9.82 against 9.68 ms)
 #endif
+static_assert(32 % SDM_GE == 0, "SDM_GE divides a warp's 32 slots loaded ahead");
+#ifndef SDM_SLOTS_AHEAD
+#define SDM_SLOTS_AHEAD 1 // A/B knob: 0 loads each entry's slot and weight just before its rows
+#endif
 
 // part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
 // the calling warp's partial row); `snap` stores each row's snapshot; with dot_row (d floats, any memory) also
@@ -252,7 +256,17 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 #pragma unroll
         for (int u = 0; u < SDM_GQ; u++)
             for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+        // the slots and weights of the warp's next 32 entries, one a lane, loaded before their rows are needed: a
+        // row's load then waits on a shuffle, not on a dependent global load (-1 past n and for padding)
+        int ahead_sl = -1;
+        float ahead_g = 0.f;
         for (int k0 = warp; k0 < n; k0 += SDM_GE * SDM_ROW_WARPS) {
+            const int lead = (k0 - warp) / SDM_ROW_WARPS; // the entry k0's index among the warp's entries
+            if (SDM_SLOTS_AHEAD && lead % 32 == 0) {
+                int ka = k0 + lane * SDM_ROW_WARPS;
+                ahead_sl = ka < n ? slots[e0 + ka] : -1;
+                ahead_g = ahead_sl >= 0 ? gath[e0 + ka] : 0.f;
+            }
             int k[SDM_GE], sl[SDM_GE];
             float g[SDM_GE], pd[SDM_GE];
 #pragma unroll
@@ -260,8 +274,13 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
             uint4 raw[SDM_GE][SDM_GQ];
 #pragma unroll
             for (int j = 0; j < SDM_GE; j++) {
-                sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
-                g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+                if (SDM_SLOTS_AHEAD) {
+                    sl[j] = __shfl_sync(0xffffffffu, ahead_sl, (lead + j) % 32); // warp-uniform
+                    g[j] = __shfl_sync(0xffffffffu, ahead_g, (lead + j) % 32);
+                } else {
+                    sl[j] = k[j] < n ? slots[e0 + k[j]] : -1; // -1 also for padding: warp-uniform
+                    g[j] = sl[j] >= 0 ? gath[e0 + k[j]] : 0.f;
+                }
 #pragma unroll
                 for (int u = 0; u < SDM_GQ; u++) {
                     int col = ((q0 + u) * 32 + lane) * V;
