@@ -236,8 +236,11 @@ __device__ __forceinline__ size_t sdm_tok_off(const SdmOpArgs &a, int s, int t, 
 #define SDM_GE 2 // entries whose rows a warp loads together (an A/B knob; 3 lost on an H100: 9.82 against 9.68 ms)
 #endif
 static_assert(32 % SDM_GE == 0, "SDM_GE divides a warp's 32 slots loaded ahead");
+// The gathers' slots and weights loaded 32 entries a warp ahead (1) or each just before its rows (0, an A/B knob).
+// H100 flagship step, graph steps in two runs: 417.4 / 417.6 against 419.7 / 419.4 ms (op forward -1.3 ms, backward
+// -0.7), the same losses; not yet timed on the H200.
 #ifndef SDM_SLOTS_AHEAD
-#define SDM_SLOTS_AHEAD 1 // A/B knob: 0 loads each entry's slot and weight just before its rows
+#define SDM_SLOTS_AHEAD 1
 #endif
 
 // part[col] = sum over the entries k = warp, warp + warps, ... of gath[k] * row(slot[k])[col] (whole rows; `part` is
