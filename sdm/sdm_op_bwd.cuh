@@ -103,7 +103,8 @@ __device__ __forceinline__ void sdm_read_chain_sum(const SdmOpArgs &a, const flo
 // -> 23.2 ms on an H100 and 16.6 -> 18.1 on the H200; each entry's whole rows copied into shared memory by bulk
 // copies, the warp's next entry's in flight (0fc6426), 16.6 -> 18.9 ms on the H200 (BENCHMARKS.md). An A/B knob:
 // five blocks (48 registers, 52-64 bytes spilled) lost on uniform slots on an H100 (29.2 -> 31.4 ms) and won with
-// hot slots and in the step at initialisation (op backward 84.3 -> 81.2 ms); not yet timed on the H200.
+// hot slots and in the step at initialisation (op backward 84.3 -> 81.2 ms); on the H200 the step's op backward
+// 78.3 -> 76.6 ms, the step as trained -1.6 ms (uniform slots not timed there).
 #ifndef SDM_BSCATTER_BLOCKS
 #define SDM_BSCATTER_BLOCKS 4
 #endif
