@@ -155,6 +155,18 @@ __device__ __forceinline__ void wg_bar_wait(uint32_t bar, int parity) {
                  "r"(parity)
                  : "memory");
 }
+// `bytes` contiguous bytes (a multiple of 16, both ends 16-byte aligned) from global memory into shared memory at
+// smem, completing on bar: a row of a gather, one instruction and no registers for its bytes in flight.
+__device__ __forceinline__ void wg_bulk_load(uint32_t smem, const void *src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// This thread's shared-memory reads and writes (and those ordered before them by a barrier) before its next copies
+// into shared memory: a buffer read by the warp is refilled only after.
+__device__ __forceinline__ void wg_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Double buffers on mbarriers: use i of a buffer (i = 0, 1, 2, ...) is buffer i % 2, and completes phase i / 2 of
 // its barriers. Before the producer refills buffer i % 2 for use i, the consumers have released use i - 2:
 __device__ __forceinline__ void wg_wait_released(uint32_t empty, int i) {
