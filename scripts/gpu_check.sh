@@ -6,7 +6,8 @@
 #   [RUNS=1] scripts/gpu_check.sh step-ab TRAIN[:KEYS]...   the flagship step profile of train_sdm builds and the mean
 #                                                      of 8 unprofiled graph steps, interleaved;
 #                                                      KEYS: extra config keys, comma-separated (a:sdm.grad_bank_dtype=fp32)
-#   [RUNS=2] scripts/gpu_check.sh op-ab BENCH...     `bench_sdm_op 3 grad` of builds, interleaved: the op's kernels
+#   [RUNS=2] [OP_ARGS='3 grad'] scripts/gpu_check.sh op-ab BENCH...   `bench_sdm_op $OP_ARGS` of builds, interleaved:
+#                                                      the op's kernels
 #   (no builds named: the default build and every `make variant` build of that program, build/variants/; `tests` also
 #   runs every `make variant` build of a GPU test, reported apart from the sum)
 # With build/gpu_pack.tar.xz (scripts/gpu_pack.sh) the binaries come from the pack and the build is a no-op.
@@ -110,7 +111,7 @@ if [ "$what" = op-ab ]; then
     for i in $(seq "${RUNS:-2}"); do
         for v in "${builds[@]}"; do
             echo "== $v, run $i"
-            "$v" 3 grad 2>&1 | tee "$out/op_$(basename "$v")_$i.log" | grep -E '^shape|^  backward|^  forward \(|parts'
+            "$v" ${OP_ARGS:-3 grad} 2>&1 | tee "$out/op_$(basename "$v")_$i.log" | grep -E '^shape|^  backward|^  forward \(|parts'
         done
     done
     exit

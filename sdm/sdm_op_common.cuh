@@ -14,6 +14,7 @@
 #include <limits.h>
 
 #include "core/cuda_common.cuh"
+#include "core/wgmma.cuh"
 #include "sdm/sdm_op.h"
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -323,15 +324,142 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
     }
 }
 
-// Sums the warps' partial rows in warp order into part[0..d) (the block's total).
-__device__ __forceinline__ void sdm_sum_partials(float *part, int d) {
+// The forward's gather of rows over the bank by bulk copies (sdm_gather_rows_bulk) with this many rows in flight a
+// warp, or 0: sdm_gather_whole_rows (an A/B knob).
+#ifndef SDM_GATHER_STAGES
+#define SDM_GATHER_STAGES 0
+#endif
+static_assert(SDM_GATHER_STAGES >= 0 && SDM_GATHER_STAGES <= 12, "8 warps' rings of 2 KB rows in a block's smem");
+#ifdef CORE_HAVE_WGMMA // bulk copies need sm_90
+#define SDM_GATHER_BULK_STAGES SDM_GATHER_STAGES
+#else
+#define SDM_GATHER_BULK_STAGES 0
+#endif
+
+#ifdef CORE_HAVE_WGMMA
+// sdm_gather_whole_rows for rows of at most 32 SDM_GQ V values (one pass), with the same sums in the same order (the
+// same bits), but each of the warp's entries' rows comes into the warp's ring `stage` of STAGES rows of d Tb by a bulk
+// copy that lane 0 issues STAGES entries ahead, completing on the stage's mbarrier (`bars`: STAGES of them, 8 bytes
+// apart, shared memory): the row bytes in flight are bounded by shared memory, not by registers. The rows must be 16
+// bytes aligned (d Tb a multiple of 16 bytes). part: d floats of the warp's sum (may alias `stage`: written last).
+template <typename Tb, int STAGES>
+__device__ __forceinline__ void sdm_gather_rows_bulk(const SdmOpArgs &a, const Tb *M, const int *slots,
+                                                     const float *gath, size_t e0, int n, Tb *stage, uint32_t bars,
+                                                     float *part, bool snap, const float *dot_row, float *dots) {
+    constexpr int V = SdmBankVec<Tb>::V;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
+    const int nw = n > warp ? (n - warp + SDM_ROW_WARPS - 1) / SDM_ROW_WARPS : 0; // entries warp + i warps, i < nw
+    const uint32_t row_bytes = (uint32_t)(a.d * sizeof(Tb)), stage_s = (uint32_t)__cvta_generic_to_shared(stage);
+    if (lane < STAGES) wg_bar_init(bars + 8 * lane, 1);
+    wg_bar_init_fence();
+    __syncwarp();
+    // the slots of the warp's entries 32 at a time, one a lane: the copies' (issued STAGES entries ahead) and the
+    // sums' (with the weights)
+    int copy_sl = -1, sum_sl = -1;
+    float sum_g = 0.f;
+    auto issue = [&](int i) { // entry i's copy into stage i % STAGES; a padding entry only completes its phase
+        if (i % 32 == 0) copy_sl = i + lane < nw ? slots[e0 + warp + (size_t)(i + lane) * SDM_ROW_WARPS] : -1;
+        int sl = __shfl_sync(0xffffffffu, copy_sl, i % 32);
+        if (lane != 0 || i >= nw) return;
+        uint32_t bar = bars + 8 * (i % STAGES);
+        if (sl < 0) { wg_bar_arrive(bar); return; }
+        wg_bar_expect(bar, row_bytes);
+        wg_bulk_load(stage_s + (i % STAGES) * row_bytes, M + (size_t)sl * a.d, row_bytes, bar);
+    };
+    for (int i = 0; i < STAGES; i++) issue(i);
+    float acc[SDM_GQ][V];
+#pragma unroll
+    for (int u = 0; u < SDM_GQ; u++)
+        for (int i = 0; i < V; i++) acc[u][i] = 0.f;
+    for (int i = 0; i < nw; i++) {
+        if (i % 32 == 0) {
+            size_t e = e0 + warp + (size_t)(i + lane) * SDM_ROW_WARPS;
+            sum_sl = i + lane < nw ? slots[e] : -1;
+            sum_g = sum_sl >= 0 ? gath[e] : 0.f;
+        }
+        const int sl = __shfl_sync(0xffffffffu, sum_sl, i % 32); // warp-uniform
+        const float g = __shfl_sync(0xffffffffu, sum_g, i % 32);
+        wg_bar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
+        const size_t e = e0 + warp + (size_t)i * SDM_ROW_WARPS;
+        float pd = 0.f;
+        if (sl >= 0) {
+            const Tb *row = stage + (size_t)(i % STAGES) * a.d;
+#pragma unroll
+            for (int u = 0; u < SDM_GQ; u++) {
+                int col = (u * 32 + lane) * V;
+                if (u >= nq) continue;
+                bool on = col < a.d;
+                float x[V];
+                if (on) {
+                    SdmBankVec<Tb>::load(row + col, x);
+                    for (int k = 0; k < V; k++) acc[u][k] = fmaf(g, x[k], acc[u][k]);
+                    if (dot_row)
+                        for (int k = 0; k < V; k++) pd = fmaf(dot_row[col + k], x[k], pd);
+                }
+                if (snap) sdm_snap_store<V>(a.snap, e, col, x, on, SDM_SNAP_SCALE_COLS / V);
+            }
+        }
+        if (dot_row) { // as sdm_gather_whole_rows's one pass writes it
+            float p = core_warp_sum(pd);
+            if (lane == 0) dots[e] = 0.f + p;
+        }
+        __syncwarp(); // the warp has read stage i % STAGES: refill it
+        if (lane == 0) wg_fence_proxy_async();
+        issue(i + STAGES);
+    }
+    __syncwarp(); // every lane past its last read of the ring before `part` (which may alias it) is written
+#pragma unroll
+    for (int u = 0; u < SDM_GQ; u++) {
+        int col = (u * 32 + lane) * V;
+        if (u < nq && col < a.d)
+            for (int k = 0; k < V; k++) part[col + k] = acc[u][k];
+    }
+}
+#endif
+
+// Sums the warps' partial rows (warp w's at part + w stride) in warp order into part[0..d) (the block's total).
+__device__ __forceinline__ void sdm_sum_partials(float *part, int d, int stride) {
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float x = part[i];
-        for (int w = 1; w < SDM_ROW_WARPS; w++) x += part[w * d + i];
+        for (int w = 1; w < SDM_ROW_WARPS; w++) x += part[w * stride + i];
         part[i] = x;
     }
     __syncthreads();
+}
+__device__ __forceinline__ void sdm_sum_partials(float *part, int d) { sdm_sum_partials(part, d, d); }
+
+// The row kernels' gather of n entries from e0 into the block's summed row: the rows in registers (STAGES = 0,
+// sdm_gather_whole_rows) or by bulk copies (sdm_gather_rows_bulk, sdm_gather_bulk_fits). `work`: shared memory of
+// sdm_gather_work_bytes, the warps' partial rows or their rings (a partial row at its ring's start); `bars`: STAGES
+// mbarriers a warp (shared memory). Returns the block's sum (work[0..d)); the arguments as sdm_gather_whole_rows's.
+template <typename Tb, int STAGES> __host__ __device__ __forceinline__ int sdm_gather_work_stride(int d) {
+    return STAGES ? (int)(STAGES * d * sizeof(Tb) / sizeof(float)) : d; // floats from a warp's work to the next's
+}
+template <typename Tb, int STAGES> static inline size_t sdm_gather_work_bytes(int d) {
+    return (size_t)SDM_ROW_WARPS * sdm_gather_work_stride<Tb, STAGES>(d) * sizeof(float);
+}
+// Whether the bulk-copy gather takes rows of d Tb: one pass of registers, a ring at least a partial row.
+template <typename Tb> static inline bool sdm_gather_bulk_fits(int d) {
+    return SDM_GATHER_BULK_STAGES > 0 && d <= 32 * SDM_GQ * SdmBankVec<Tb>::V &&
+           SDM_GATHER_BULK_STAGES * sizeof(Tb) >= sizeof(float);
+}
+template <typename Tb, int STAGES>
+__device__ __forceinline__ float *sdm_gather_block_sum(const SdmOpArgs &a, const Tb *M, const int *slots,
+                                                       const float *gath, size_t e0, int n, float *work,
+                                                       uint32_t bars, bool snap, const float *dot_row = NULL,
+                                                       float *dots = NULL) {
+    const int stride = sdm_gather_work_stride<Tb, STAGES>(a.d);
+    float *own = work + threadIdx.x / 32 * stride;
+#ifdef CORE_HAVE_WGMMA
+    if constexpr (STAGES > 0)
+        sdm_gather_rows_bulk<Tb, STAGES>(a, M, slots, gath, e0, n, (Tb *)own, bars + threadIdx.x / 32 * 8 * STAGES,
+                                         own, snap, dot_row, dots);
+    else
+#endif
+        sdm_gather_whole_rows<Tb>(a, M, slots, gath, e0, n, own, snap, dot_row, dots);
+    sdm_sum_partials(work, a.d, stride);
+    return work;
 }
 
 // ------------------------------------------------------------------------------------------------------------------

@@ -30,37 +30,40 @@ __device__ __forceinline__ float *sdm_delta_row(const SdmOpArgs &a, int s, int c
                       : a.cdelta + ((size_t)s * a.C + t) * a.d;
 }
 
-// Block (t, s, z) of the grid (C, S, 2), SDM_ROW_THREADS threads, `part` SDM_ROW_WARPS * d floats of shared memory:
-// z = 0 gathers token t's write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams
-// still fill the GPU.
-template <typename Tb>
+// Block (t, s, z) of the grid (C, S, 2), SDM_ROW_THREADS threads, `work` and `bars` of sdm_gather_block_sum: z = 0
+// gathers token t's write rows (R0, the snapshots; U and X), 1 its read rows (E), so a prefill's two streams still
+// fill the GPU.
+template <typename Tb, int STAGES>
 __device__ __forceinline__ void sdm_fgather_block(const SdmOpArgs &a, const float *v, const Tb *bank, int c, dim3 blk,
-                                                  float *part) {
-    const int t = blk.x, s = blk.y, d = a.d, tp = c * a.C + t, warp = threadIdx.x / 32;
+                                                  float *work, uint32_t bars) {
+    const int t = blk.x, s = blk.y, d = a.d, tp = c * a.C + t;
     const size_t tok = (size_t)s * a.Tp + tp, crow = ((size_t)s * a.C + t) * d;
     const Tb *M = bank + (size_t)s * a.N * d;
     if (blk.z == 1) {
-        sdm_gather_whole_rows<Tb>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, part + warp * d, false);
-        sdm_sum_partials(part, d);
-        for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = part[i];
+        const float *e = sdm_gather_block_sum<Tb, STAGES>(a, M, a.r_slot, a.r_gath, tok * a.R, a.R, work, bars, false);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) a.ce[crow + i] = e[i];
         return;
     }
-    sdm_gather_whole_rows<Tb>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, part + warp * d, a.training != 0);
-    sdm_sum_partials(part, d);
+    const float *r0 =
+        sdm_gather_block_sum<Tb, STAGES>(a, M, a.w_slot, a.w_gath, tok * a.W, a.W, work, bars, a.training != 0);
     float bt = a.beta[tok];
     for (int i = threadIdx.x; i < d; i += blockDim.x) { // U = V - R0 (saved), X = beta U
-        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - part[i];
+        float u = (tp < a.T ? v[sdm_tok_off(a, s, tp, d) + i] : 0.f) - r0[i];
         if (a.training) a.u[tok * d + i] = u;
         a.cx[crow + i] = bt * u;
     }
 }
 
-template <typename Tb>
+// STAGES: sdm_gather_block_sum's (0, or SDM_GATHER_STAGES where sdm_gather_bulk_fits); dynamic smem
+// sdm_gather_work_bytes.
+template <typename Tb, int STAGES>
 __global__ void __launch_bounds__(SDM_ROW_THREADS)
     sdm_fgather_kernel(SdmOpArgs a, const float *v, const Tb *bank, int c) {
-    extern __shared__ float sdm_fgather_part[]; // [warps][d]
+    extern __shared__ __align__(128) float sdm_fgather_work[];
+    __shared__ __align__(8) uint64_t bars[SDM_ROW_WARPS * (STAGES ? STAGES : 1)];
     pdl_enter();
-    sdm_fgather_block<Tb>(a, v, bank, c, blockIdx, sdm_fgather_part);
+    sdm_fgather_block<Tb, STAGES>(a, v, bank, c, blockIdx, sdm_fgather_work,
+                                  (uint32_t)__cvta_generic_to_shared(bars));
 }
 
 // Block (column block, s) of the grid (d/DB, S), SDM_ROW_THREADS threads, `tiles` of sdm_op_tile_smem bytes of shared
@@ -168,15 +171,25 @@ static inline SdmFwdGrids sdm_fwd_grids(const SdmOpArgs &a) {
 
 static inline int sdm_grid_blocks(dim3 g) { return (int)(g.x * g.y * g.z); }
 
+// Chunk c's gather on `grid` (sdm_fwd_grids): the rows by bulk copies where sdm_gather_bulk_fits, else in registers.
+template <typename Tb>
+static void sdm_op_launch_fgather(const SdmOpArgs &a, dim3 grid, const float *v, const Tb *bank, int c,
+                                  cudaStream_t stream) {
+    const bool bulk = sdm_gather_bulk_fits<Tb>(a.d);
+    auto gather = bulk ? sdm_fgather_kernel<Tb, SDM_GATHER_BULK_STAGES> : sdm_fgather_kernel<Tb, 0>;
+    size_t smem = bulk ? sdm_gather_work_bytes<Tb, SDM_GATHER_BULK_STAGES>(a.d) : sdm_gather_work_bytes<Tb, 0>(a.d);
+    cudaCheck(cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    launch_pdl(gather, grid, SDM_ROW_THREADS, smem, stream, a, v, bank, c);
+}
+
 // One chunk of the forward for every stream: gather, solve, scatter; with programmatic dependent launch
 // (core/cuda_common.cuh) on a stream of its own, such as a prefill's, each launch overlaps the tail of the one before.
 template <typename Tb>
 static void sdm_op_forward_chunk(const SdmOpArgs &a, const SdmFwdGrids &g, const float *v, void *bank, float *out,
                                  int c, cudaStream_t stream) {
-    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
-    cudaCheck(cudaFuncSetAttribute(sdm_fgather_kernel<Tb>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rs));
+    size_t ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    launch_pdl(sdm_fgather_kernel<Tb>, g.gather, SDM_ROW_THREADS, rs, stream, a, v, (const Tb *)bank, c);
+    sdm_op_launch_fgather<Tb>(a, g.gather, v, (const Tb *)bank, c, stream);
     launch_pdl(sdm_fsolve_kernel, g.solve, SDM_ROW_THREADS, ts, stream, a, out, c, sdm_op_solve_staged(a));
     launch_pdl(sdm_fscatter_kernel<Tb>, g.scatter, SDM_ROW_THREADS, 0, stream, a, (Tb *)bank, c);
 }
@@ -208,7 +221,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 2)
     extern __shared__ float sdm_persist_smem[];
     cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     for (int c = 0; c < a.nc; c++) {
-        sdm_virtual_blocks(g.gather, true, [&](dim3 b) { sdm_fgather_block<Tb>(a, v, bank, c, b, sdm_persist_smem); });
+        sdm_virtual_blocks(g.gather, true,
+                           [&](dim3 b) { sdm_fgather_block<Tb, 0>(a, v, bank, c, b, sdm_persist_smem, 0); });
         grid.sync();
         sdm_virtual_blocks(g.solve, true, [&](dim3 b) { sdm_fsolve_block<2>(a, out, c, staged, b, sdm_persist_smem); });
         grid.sync();

@@ -3,7 +3,8 @@
 // int4 snapshots, and with concentrated slots (every token draws its slots from a hot set of 256 or of W slots: each
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
 // these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128; `grad`: the
-// flagship shape, uniform and hot-256 slots, with the bank gradient G in fp32 then in bf16, sdm.grad_bank_dtype).
+// flagship shape, uniform and hot-256 slots, with the bank gradient G in fp32 then in bf16, sdm.grad_bank_dtype;
+// `flagship`: the flagship's case alone, uniform slots and a bf16 G).
 // Prefills are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative
 // launch for the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
@@ -146,13 +147,11 @@ static void bench_grad_parts(const SdmOpArgs &a, void *bank, Tg *G, const float 
 static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, const float *dout, const SdmOpGrads *g,
                         void *saved, void *scratch, int reps) {
     SdmOpArgs a = sdm_op_args(s, saved, scratch);
-    size_t rs = sdm_op_row_smem(a), ts = sdm_op_tile_smem(a);
+    size_t ts = sdm_op_tile_smem(a);
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     SdmFwdGrids fgr = sdm_fwd_grids(a);
     float fg = time_ms(reps, [&] {
-        for (int c = 0; c < a.nc; c++)
-            sdm_fgather_kernel<__nv_bfloat16>
-                <<<fgr.gather, SDM_ROW_THREADS, rs>>>(a, in->v, (const __nv_bfloat16 *)bank, c);
+        for (int c = 0; c < a.nc; c++) sdm_op_launch_fgather(a, fgr.gather, in->v, (const __nv_bfloat16 *)bank, c, 0);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)
@@ -295,6 +294,10 @@ int main(int argc, char **argv) {
     printf("GPU %s, %d SMs; byte floors at %.1f TB/s\n", p.name, p.multiProcessorCount, HBM_BYTES_PER_S / 1e12);
     if (argc > 2 && !strcmp(argv[2], "prefill")) { // one flagship stream's prompt (S = 2) at three chunk sizes
         for (int C = 32; C <= 128; C *= 2) bench_train(1, 4096, 2, 65536, 1024, 64, 64, C, SDM_SNAP_NONE, reps);
+        return 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "flagship")) { // the flagship's case alone: uniform slots, G in bf16
+        bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 0, 1);
         return 0;
     }
     if (argc > 2 && !strcmp(argv[2], "grad")) { // the flagship backward with G in fp32, then in bf16
