@@ -24,26 +24,24 @@
 
 // Per (stream, token) of chunk c, from G (Tg: float or bf16) before the chunk's update: the write-path gradient of
 // delta, wsum_t = sum_i pi kappa G[i] (the warps' partial rows summed in warp order), and omega = <delta_t, G[i]> per
-// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem sdm_token_smem: delta_t [d], then the work of
-// sdm_gather_block_sum (STAGES: its).
-template <typename Tg, int STAGES>
+// write entry. Grid (C, S), SDM_ROW_THREADS threads, dynamic smem (1 + SDM_ROW_WARPS) d floats. (Its rows by bulk
+// copies, as fgather's: faster alone at B = 8, 4.58 -> 4.27 ms, slower in the flagship step at B = 4, whose 512
+// blocks at three an SM leave a second wave a third full: op backward 83.1 -> 86.3 ms on an H100.)
+template <typename Tg>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
-    extern __shared__ __align__(128) float sdm_tok_smem[];
-    __shared__ __align__(8) uint64_t bars[SDM_ROW_WARPS * (STAGES ? STAGES : 1)];
-    const int t = blockIdx.x, s = blockIdx.y, d = a.d;
+    extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
+    const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
-    float *drow = sdm_tok_smem;
+    float *drow = sdm_tok_smem, *part = drow + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) drow[i] = a.delta[tok * d + i];
     __syncthreads();
-    const float *sum = sdm_gather_block_sum<Tg, STAGES>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W,
-                                                        a.W, drow + d, (uint32_t)__cvta_generic_to_shared(bars), false,
-                                                        drow, a.omega);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = sum[i];
+    sdm_gather_whole_rows<Tg>(a, G + (size_t)s * a.N * d, a.w_slot, a.w_scat, tok * a.W, a.W, part + warp * d, false,
+                              drow, a.omega);
+    sdm_sum_partials(part, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.wsum[((size_t)s * a.C + t) * d + i] = part[i];
 }
 
-template <typename Tg, int STAGES> static inline size_t sdm_token_smem(int d) {
-    return d * sizeof(float) + sdm_gather_work_bytes<Tg, STAGES>(d);
-}
+static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) * d * sizeof(float); }
 
 // Per (stream, DB columns) for chunk c: dDelta = S^T dO + wsum, dX = Linv^T dDelta (saved; dv = beta dX), and
 // dR0 = -beta dX into the per-chunk buffer cx. Grid (d/DB, S), 256 threads, dynamic smem (sdm_op_tile_smem): dO,
@@ -417,11 +415,9 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
 // The backward's launches (separate so the benchmark can time them one by one).
 template <typename Tg>
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
-    const bool bulk = sdm_gather_bulk_fits<Tg>(a.d);
-    auto token = bulk ? sdm_token_kernel<Tg, SDM_GATHER_BULK_STAGES> : sdm_token_kernel<Tg, 0>;
-    size_t smem = bulk ? sdm_token_smem<Tg, SDM_GATHER_BULK_STAGES>(a.d) : sdm_token_smem<Tg, 0>(a.d);
-    cudaCheck(cudaFuncSetAttribute(token, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    token<<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    size_t smem = sdm_token_smem(a.d);
+    cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
     cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {

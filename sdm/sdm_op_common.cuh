@@ -324,8 +324,11 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
     }
 }
 
-// The forward's gather of rows over the bank by bulk copies (sdm_gather_rows_bulk) with this many rows in flight a
-// warp, or 0: sdm_gather_whole_rows (an A/B knob).
+// The forward's gather over the bank (fgather) by bulk copies (sdm_gather_rows_bulk) with this many rows in flight a
+// warp, or 0: its rows in registers (sdm_gather_whole_rows), an A/B knob. H100, `bench_sdm_op 3 flagship` (B = 8):
+// fgather 10.19 ms with registers, 9.72 with 4 stages, 11.01 with 8; in the flagship step (int4 snapshots, B = 4) the
+// op forward 50.3 -> 47.6 ms with 4 stages, the same losses. Off until timed on an H200 and run through every GPU test
+// as the default (gpu_test_sdm_op passed with it: 907 checks, the persistent forward = the launches bit for bit).
 #ifndef SDM_GATHER_STAGES
 #define SDM_GATHER_STAGES 0
 #endif
@@ -345,7 +348,7 @@ static_assert(SDM_GATHER_STAGES >= 0 && SDM_GATHER_STAGES <= 12, "8 warps' rings
 template <typename Tb, int STAGES>
 __device__ __forceinline__ void sdm_gather_rows_bulk(const SdmOpArgs &a, const Tb *M, const int *slots,
                                                      const float *gath, size_t e0, int n, Tb *stage, uint32_t bars,
-                                                     float *part, bool snap, const float *dot_row, float *dots) {
+                                                     float *part, bool snap) {
     constexpr int V = SdmBankVec<Tb>::V;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nq = (a.d + 32 * V - 1) / (32 * V);
     const int nw = n > warp ? (n - warp + SDM_ROW_WARPS - 1) / SDM_ROW_WARPS : 0; // entries warp + i warps, i < nw
@@ -381,7 +384,6 @@ __device__ __forceinline__ void sdm_gather_rows_bulk(const SdmOpArgs &a, const T
         const float g = __shfl_sync(0xffffffffu, sum_g, i % 32);
         wg_bar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
         const size_t e = e0 + warp + (size_t)i * SDM_ROW_WARPS;
-        float pd = 0.f;
         if (sl >= 0) {
             const Tb *row = stage + (size_t)(i % STAGES) * a.d;
 #pragma unroll
@@ -393,15 +395,9 @@ __device__ __forceinline__ void sdm_gather_rows_bulk(const SdmOpArgs &a, const T
                 if (on) {
                     SdmBankVec<Tb>::load(row + col, x);
                     for (int k = 0; k < V; k++) acc[u][k] = fmaf(g, x[k], acc[u][k]);
-                    if (dot_row)
-                        for (int k = 0; k < V; k++) pd = fmaf(dot_row[col + k], x[k], pd);
                 }
                 if (snap) sdm_snap_store<V>(a.snap, e, col, x, on, SDM_SNAP_SCALE_COLS / V);
             }
-        }
-        if (dot_row) { // as sdm_gather_whole_rows's one pass writes it
-            float p = core_warp_sum(pd);
-            if (lane == 0) dots[e] = 0.f + p;
         }
         __syncwarp(); // the warp has read stage i % STAGES: refill it
         if (lane == 0) wg_fence_proxy_async();
@@ -447,17 +443,16 @@ template <typename Tb> static inline bool sdm_gather_bulk_fits(int d) {
 template <typename Tb, int STAGES>
 __device__ __forceinline__ float *sdm_gather_block_sum(const SdmOpArgs &a, const Tb *M, const int *slots,
                                                        const float *gath, size_t e0, int n, float *work,
-                                                       uint32_t bars, bool snap, const float *dot_row = NULL,
-                                                       float *dots = NULL) {
+                                                       uint32_t bars, bool snap) {
     const int stride = sdm_gather_work_stride<Tb, STAGES>(a.d);
     float *own = work + threadIdx.x / 32 * stride;
 #ifdef CORE_HAVE_WGMMA
     if constexpr (STAGES > 0)
         sdm_gather_rows_bulk<Tb, STAGES>(a, M, slots, gath, e0, n, (Tb *)own, bars + threadIdx.x / 32 * 8 * STAGES,
-                                         own, snap, dot_row, dots);
+                                         own, snap);
     else
 #endif
-        sdm_gather_whole_rows<Tb>(a, M, slots, gath, e0, n, own, snap, dot_row, dots);
+        sdm_gather_whole_rows<Tb>(a, M, slots, gath, e0, n, own, snap);
     sdm_sum_partials(work, a.d, stride);
     return work;
 }
