@@ -22,8 +22,8 @@
 //       bank: in = initial bank, out = final bank. s->training = 1: saves into `saved` (sdm_op_saved_bytes) what
 //       sdm_op_backward needs (per-chunk WY quantities, Delta, V - R0, snapshots of the touched rows).
 //       s->training = 0 (prefill): `saved` is plain scratch of sdm_op_saved_bytes (smaller: no snapshots, no saves).
-//       s->fwd_path: the chunk loop as three launches per chunk or as one persistent cooperative launch (by
-//       default for a prefill of few streams); the same bits either way.
+//       s->fwd_path: the chunk loop as three launches per chunk (the gather's rows in registers or by bulk copies)
+//       or as one persistent cooperative launch (by default for a prefill of few streams); the same bits every way.
 //   void sdm_op_backward(const SdmOpShape *s, const SdmOpInputs *in, const void *bank, const float *dout,
 //                        const float *dbank_final, const SdmOpGrads *g, void *saved, void *scratch,
 //                        cudaStream_t stream);
@@ -67,6 +67,8 @@ typedef enum {
     SDM_FWD_AUTO,       // the op chooses (sdm_fwd_persistent_blocks in sdm/sdm_op_fwd.cuh)
     SDM_FWD_LAUNCHES,   // three launches per chunk
     SDM_FWD_PERSISTENT, // one cooperative launch for every chunk (dies where the GPU cannot run it)
+    SDM_FWD_LAUNCHES_BULK, // three launches per chunk, the gather's rows by bulk copies (sm_90 and rows of at most
+                           // 2 KB; elsewhere as SDM_FWD_LAUNCHES)
 } SdmFwdPath;
 
 typedef struct {
@@ -117,7 +119,7 @@ static inline const char *sdm_op_check(const SdmOpShape *s) {
     if ((long long)s->B * s->H * s->N * s->d >= (1ll << 40)) return "bank larger than 2^40 elements";
     if (s->snapshot == SDM_SNAP_BF16 && !s->bank_fp32) return "bf16 snapshots need an fp32 bank (use none)";
     if (s->snapshot < SDM_SNAP_NONE || s->snapshot > SDM_SNAP_INT4) return "unknown snapshot mode";
-    if (s->fwd_path < SDM_FWD_AUTO || s->fwd_path > SDM_FWD_PERSISTENT) return "unknown forward path";
+    if (s->fwd_path < SDM_FWD_AUTO || s->fwd_path > SDM_FWD_LAUNCHES_BULK) return "unknown forward path";
     if (s->fwd_max_blocks < 0) return "fwd_max_blocks must be >= 0";
     return NULL;
 }

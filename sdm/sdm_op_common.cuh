@@ -324,13 +324,16 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
     }
 }
 
-// The forward's gather over the bank (fgather) by bulk copies (sdm_gather_rows_bulk) with this many rows in flight a
-// warp, or 0: its rows in registers (sdm_gather_whole_rows), an A/B knob. H100, `bench_sdm_op 3 flagship` (B = 8):
-// fgather 10.19 ms with registers, 9.72 with 4 stages, 11.01 with 8; in the flagship step (int4 snapshots, B = 4) the
-// op forward 50.3 -> 47.6 ms with 4 stages, the same losses. Off until timed on an H200 and run through every GPU test
-// as the default (gpu_test_sdm_op passed with it: 907 checks, the persistent forward = the launches bit for bit).
+// The forward's gather over the bank (fgather) by bulk copies (sdm_gather_rows_bulk), SDM_GATHER_STAGES rows in
+// flight a warp: SDM_FWD_LAUNCHES_BULK, and the default of the launches where SDM_GATHER_BULK is 1 (an A/B knob; 0:
+// the rows in registers, sdm_gather_whole_rows). H100, `bench_sdm_op 3 flagship` (B = 8): fgather 10.19 ms with
+// registers, 9.72 with 4 stages, 11.01 with 8; in the flagship step (int4 snapshots, B = 4) the op forward 50.3 ->
+// 47.6 ms with 4 stages, the same losses. Off by default until timed on an H200.
 #ifndef SDM_GATHER_STAGES
-#define SDM_GATHER_STAGES 0
+#define SDM_GATHER_STAGES 4
+#endif
+#ifndef SDM_GATHER_BULK
+#define SDM_GATHER_BULK 0
 #endif
 static_assert(SDM_GATHER_STAGES >= 0 && SDM_GATHER_STAGES <= 12, "8 warps' rings of 2 KB rows in a block's smem");
 #ifdef CORE_HAVE_WGMMA // bulk copies need sm_90

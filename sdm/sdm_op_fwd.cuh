@@ -171,11 +171,12 @@ static inline SdmFwdGrids sdm_fwd_grids(const SdmOpArgs &a) {
 
 static inline int sdm_grid_blocks(dim3 g) { return (int)(g.x * g.y * g.z); }
 
-// Chunk c's gather on `grid` (sdm_fwd_grids): the rows by bulk copies where sdm_gather_bulk_fits, else in registers.
+// Chunk c's gather on `grid` (sdm_fwd_grids): the rows by bulk copies when asked and sdm_gather_bulk_fits, else in
+// registers.
 template <typename Tb>
-static void sdm_op_launch_fgather(const SdmOpArgs &a, dim3 grid, const float *v, const Tb *bank, int c,
+static void sdm_op_launch_fgather(const SdmOpArgs &a, dim3 grid, const float *v, const Tb *bank, int c, bool bulk,
                                   cudaStream_t stream) {
-    const bool bulk = sdm_gather_bulk_fits<Tb>(a.d);
+    bulk = bulk && sdm_gather_bulk_fits<Tb>(a.d);
     auto gather = bulk ? sdm_fgather_kernel<Tb, SDM_GATHER_BULK_STAGES> : sdm_fgather_kernel<Tb, 0>;
     size_t smem = bulk ? sdm_gather_work_bytes<Tb, SDM_GATHER_BULK_STAGES>(a.d) : sdm_gather_work_bytes<Tb, 0>(a.d);
     cudaCheck(cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -186,10 +187,10 @@ static void sdm_op_launch_fgather(const SdmOpArgs &a, dim3 grid, const float *v,
 // (core/cuda_common.cuh) on a stream of its own, such as a prefill's, each launch overlaps the tail of the one before.
 template <typename Tb>
 static void sdm_op_forward_chunk(const SdmOpArgs &a, const SdmFwdGrids &g, const float *v, void *bank, float *out,
-                                 int c, cudaStream_t stream) {
+                                 int c, bool bulk, cudaStream_t stream) {
     size_t ts = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_fsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ts));
-    sdm_op_launch_fgather<Tb>(a, g.gather, v, (const Tb *)bank, c, stream);
+    sdm_op_launch_fgather<Tb>(a, g.gather, v, (const Tb *)bank, c, bulk, stream);
     launch_pdl(sdm_fsolve_kernel, g.solve, SDM_ROW_THREADS, ts, stream, a, out, c, sdm_op_solve_staged(a));
     launch_pdl(sdm_fscatter_kernel<Tb>, g.scatter, SDM_ROW_THREADS, 0, stream, a, (Tb *)bank, c);
 }
@@ -256,7 +257,9 @@ template <typename Tb> static int sdm_fwd_coresident(size_t smem) {
 // and there a persistent block would walk several virtual blocks a phase in turn (at B = 8: no faster, slower with
 // hot slots).
 template <typename Tb> static int sdm_fwd_persistent_blocks(const SdmOpShape *s, const SdmOpArgs &a) {
-    if (s->fwd_path == SDM_FWD_LAUNCHES || (s->fwd_path == SDM_FWD_AUTO && s->training)) return 0;
+    if (s->fwd_path == SDM_FWD_LAUNCHES || s->fwd_path == SDM_FWD_LAUNCHES_BULK ||
+        (s->fwd_path == SDM_FWD_AUTO && s->training))
+        return 0;
     SdmFwdGrids g = sdm_fwd_grids(a);
     int fit = sdm_fwd_coresident<Tb>(sdm_fwd_persistent_smem(a));
     if (s->fwd_path == SDM_FWD_AUTO && sdm_grid_blocks(g.gather) > fit) return 0;
@@ -274,7 +277,8 @@ static void sdm_op_forward_chunks(const SdmOpShape *s, const SdmOpArgs &a, const
     SdmFwdGrids g = sdm_fwd_grids(a);
     int blocks = sdm_fwd_persistent_blocks<Tb>(s, a);
     if (!blocks) {
-        for (int c = 0; c < a.nc; c++) sdm_op_forward_chunk<Tb>(a, g, v, bank, out, c, stream);
+        bool bulk = s->fwd_path == SDM_FWD_LAUNCHES_BULK || (s->fwd_path == SDM_FWD_AUTO && SDM_GATHER_BULK);
+        for (int c = 0; c < a.nc; c++) sdm_op_forward_chunk<Tb>(a, g, v, bank, out, c, bulk, stream);
         return;
     }
     cudaLaunchAttribute attr;

@@ -151,7 +151,8 @@ static void bench_parts(const SdmOpShape *s, const SdmOpInputs *in, void *bank, 
     float p1 = time_ms(reps, [&] { sdm_op_phase1(a, in, 0); });
     SdmFwdGrids fgr = sdm_fwd_grids(a);
     float fg = time_ms(reps, [&] {
-        for (int c = 0; c < a.nc; c++) sdm_op_launch_fgather(a, fgr.gather, in->v, (const __nv_bfloat16 *)bank, c, 0);
+        for (int c = 0; c < a.nc; c++)
+            sdm_op_launch_fgather(a, fgr.gather, in->v, (const __nv_bfloat16 *)bank, c, SDM_GATHER_BULK, 0);
     });
     float fs = time_ms(reps, [&] {
         for (int c = 0; c < a.nc; c++)

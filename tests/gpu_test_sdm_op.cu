@@ -722,13 +722,18 @@ static void test_chunk_invariance_and_determinism(int repeat) {
     free_result(&base); free_result(&ref); free_result(&again); free(rb); free_case(&c);
 }
 
-// Shape s with the forward's chunk loop as three launches per chunk, then persistent on all the blocks that fit and on
-// 3 blocks (each walks many virtual blocks of every phase): the persistent runs must give the launches' bits, in
-// training every output and gradient (the backward reads what the forward saved), in a prefill readings and bank.
-// Returns the persistent run on all blocks.
+// Shape s with the forward's chunk loop as three launches per chunk, then with the gather's rows by bulk copies, then
+// persistent on all the blocks that fit and on 3 blocks (each walks many virtual blocks of every phase): every run
+// must give the launches' bits, in training every output and gradient (the backward reads what the forward saved), in
+// a prefill readings and bank. Returns the persistent run on all blocks.
 static Result run_persistent_vs_launches(const Case *c, SdmOpShape s, double *rounded_bank, const char *name) {
     s.fwd_path = SDM_FWD_LAUNCHES;
     Result base = run_gpu_shape(c, &s, rounded_bank);
+    s.fwd_path = SDM_FWD_LAUNCHES_BULK;
+    Result bulk = run_gpu_shape(c, &s, rounded_bank);
+    int same_bulk = s.training ? bitwise_equal(c, &bulk, &base) : forward_equal(c, &bulk, &base);
+    CHECK(same_bulk, "%s: the gather by bulk copies differs from the rows in registers", name);
+    free_result(&bulk);
     s.fwd_path = SDM_FWD_PERSISTENT;
     Result all = run_gpu_shape(c, &s, rounded_bank);
     s.fwd_max_blocks = 3;
@@ -737,7 +742,8 @@ static Result run_persistent_vs_launches(const Case *c, SdmOpShape s, double *ro
     int same_few = s.training ? bitwise_equal(c, &few, &base) : forward_equal(c, &few, &base);
     CHECK(same_all, "%s: the persistent forward differs from the launches", name);
     CHECK(same_few, "%s: the persistent forward on 3 blocks differs from the launches", name);
-    printf("  %-58s persistent = launches: %s\n", name, same_all && same_few ? "same bits" : "DIFFERENT");
+    printf("  %-58s persistent = bulk = launches: %s\n", name,
+           same_all && same_few && same_bulk ? "same bits" : "DIFFERENT");
     free_result(&base); free_result(&few);
     return all;
 }
@@ -1009,7 +1015,7 @@ static void test_refusals(void) {
     s.d = 12; CHECK(sdm_op_check(&s) != NULL, "d = 12 accepted"); s.d = 64;
     s.C = 300; CHECK(sdm_op_check(&s) != NULL, "C = 300 accepted"); s.C = 64;
     s.W = 300; CHECK(sdm_op_check(&s) != NULL, "W > N accepted"); s.W = 8;
-    s.fwd_path = (SdmFwdPath)3; CHECK(sdm_op_check(&s) != NULL, "unknown forward path accepted");
+    s.fwd_path = (SdmFwdPath)4; CHECK(sdm_op_check(&s) != NULL, "unknown forward path accepted");
     s.fwd_path = SDM_FWD_AUTO;
     s.fwd_max_blocks = -1; CHECK(sdm_op_check(&s) != NULL, "fwd_max_blocks < 0 accepted"); s.fwd_max_blocks = 0;
     s.N = 1 << 16; s.T = 256; s.C = 256; s.W = s.R = 128;
