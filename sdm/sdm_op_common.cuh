@@ -428,7 +428,7 @@ __device__ __forceinline__ void sdm_sum_partials(float *part, int d, int stride)
 }
 __device__ __forceinline__ void sdm_sum_partials(float *part, int d) { sdm_sum_partials(part, d, d); }
 
-// The row kernels' gather of n entries from e0 into the block's summed row: the rows in registers (STAGES = 0,
+// fgather's gather of n entries from e0 into the block's summed row: the rows in registers (STAGES = 0,
 // sdm_gather_whole_rows) or by bulk copies (sdm_gather_rows_bulk, sdm_gather_bulk_fits). `work`: shared memory of
 // sdm_gather_work_bytes, the warps' partial rows or their rings (a partial row at its ring's start); `bars`: STAGES
 // mbarriers a warp (shared memory). Returns the block's sum (work[0..d)); the arguments as sdm_gather_whole_rows's.
