@@ -529,7 +529,6 @@ __device__ __forceinline__ int sdm_solve_mats(const SdmOpArgs &a, size_t cc, boo
     *Li = Ls;
     return ld;
 }
-static inline size_t sdm_op_row_smem(const SdmOpArgs &a) { return (size_t)SDM_ROW_WARPS * a.d * sizeof(float); }
 static inline dim3 sdm_op_entry_grid(const SdmOpArgs &a, int entries) {
     return dim3(ceil_div(entries, SDM_ROW_WARPS), a.S);
 }

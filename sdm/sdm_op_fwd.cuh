@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS, 2)
 }
 
 static inline size_t sdm_fwd_persistent_smem(const SdmOpArgs &a) {
-    return SDM_MAX(sdm_op_row_smem(a), sdm_op_tile_smem(a));
+    size_t gather = sdm_gather_work_bytes<float, 0>(a.d); // the gather body here keeps its rows in registers
+    return SDM_MAX(gather, sdm_op_tile_smem(a));
 }
 
 // Blocks of the persistent forward that fit on this GPU at once (its occupancy x SMs); 0 without cooperative launch.
