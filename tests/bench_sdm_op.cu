@@ -4,7 +4,9 @@
 // slot hit by ~16 or by all 64 tokens of a chunk, as learned product keys do; `hot` as the second argument runs only
 // these and the uniform case; `prefill`: one 4,096-token stream of the flagship layer at C = 32, 64, 128; `grad`: the
 // flagship shape, uniform and hot-256 slots, with the bank gradient G in fp32 then in bf16, sdm.grad_bank_dtype;
-// `flagship`: the flagship's case alone, uniform slots and a bf16 G).
+// `flagship`: the flagship's case alone, uniform slots and a bf16 G; `overlap`: the flagship step's op backward (B = 4)
+// beside the weight-gradient GEMMs of one group of its blocks on a second stream, to learn whether the step gains by
+// running them together).
 // Prefills are timed three ways: as the op chooses, with three launches per chunk, and persistent (one cooperative
 // launch for the chunk loop, docs/SDM.md#phases-on-the-gpu). Median of repeated runs (CUDA events) after a warm-up.
 // For each: time, the op's device memory, and the byte floor (bank rows that must move, over the 4.3 TB/s measured
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "core/cuda_common.cuh"
+#include "core/matmul.cuh"
 #include "core/rng.h"
 #include "sdm/sdm_op.cuh"
 #include "tests/rand_slots.h"
@@ -246,6 +249,79 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     free_inputs(&in);
 }
 
+// Whether the op's backward (bound by the latency of its row loads) and GEMMs (bound by the tensor cores) gain by
+// sharing the GPU: the flagship step's op backward (B = 4, uniform slots, bf16 G) on one stream, and on another the
+// weight-gradient GEMMs of one group of the flagship's blocks (three SWA blocks and the SDM block: q, k, v, o, and the
+// FFN's W2 and W1|W3 per block, n = 16,384 tokens, D = 2048, F = 5632), alone and together, with either stream at the
+// higher priority. Saved = alone summed - together.
+static void bench_overlap(int reps) {
+    const int B = 4, T = 4096, H = 2, N = 65536, d = 1024, W = 64, R = 64, n = B * T, D = 2048, F = 5632;
+    SdmOpShape s;
+    memset(&s, 0, sizeof(s));
+    s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = 64; s.bank_fp32 = 0;
+    s.snapshot = SDM_SNAP_NONE; s.training = 1; s.grad_bank_bf16 = 1;
+    Rng rng = rng_make(1234);
+    SdmOpInputs in = make_inputs(&rng, &s, 0);
+    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
+    void *bank = dev_bank(&rng, bank_n);
+    float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
+    cudaCheck(cudaMalloc(&out, tok * d * 4));
+    SdmOpGrads g;
+    cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
+    cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
+    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, bank_n * 2));
+    void *saved, *scratch;
+    cudaCheck(cudaMalloc(&saved, sdm_op_saved_bytes(&s)));
+    cudaCheck(cudaMalloc(&scratch, sdm_op_scratch_bytes(&s)));
+    sdm_op_forward(&s, &in, bank, out, saved, 0);
+    // the GEMMs' operands: dY [n, 2F] and X [n, F] bf16 (each GEMM reads its leading columns), dW fp32
+    matmul_init();
+    void *dy = dev_bank(&rng, (size_t)n * 2 * F), *x = dev_bank(&rng, (size_t)n * F);
+    float *dw;
+    cudaCheck(cudaMalloc(&dw, (size_t)2 * F * D * 4));
+    struct { int N, K; } gemms[] = {{D, D}, {D, D}, {D, D}, {D, D}, {D, F}, {2 * F, D}}; // dW [N, K] of one block
+    double flops = 0;
+    for (auto &m : gemms) flops += 4 * 2.0 * n * m.N * m.K;
+    int lo, hi;
+    cudaCheck(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    cudaStream_t st[2][2]; // [stream][0: normal priority, 1: high]
+    for (int i = 0; i < 2; i++)
+        for (int p = 0; p < 2; p++) cudaCheck(cudaStreamCreateWithPriority(&st[i][p], cudaStreamNonBlocking, p ? hi : lo));
+    cudaEvent_t fork, join;
+    cudaCheck(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    auto op = [&](cudaStream_t q) { sdm_op_backward(&s, &in, bank, dout, NULL, &g, saved, scratch, q); };
+    auto mm = [&](cudaStream_t q) {
+        for (int b = 0; b < 4; b++)
+            for (auto &m : gemms) matmul_backward_weight(dw, DT_FP32, dy, 2 * F, x, DT_BF16, n, m.N, m.K, 1, q);
+    };
+    auto both = [&](cudaStream_t a, cudaStream_t b) { // on the legacy stream's timeline: fork, both, join
+        cudaCheck(cudaEventRecord(fork, 0));
+        cudaCheck(cudaStreamWaitEvent(a, fork, 0)); cudaCheck(cudaStreamWaitEvent(b, fork, 0));
+        op(a);
+        mm(b);
+        cudaCheck(cudaEventRecord(join, a)); cudaCheck(cudaStreamWaitEvent(0, join, 0));
+        cudaCheck(cudaEventRecord(join, b)); cudaCheck(cudaStreamWaitEvent(0, join, 0));
+    };
+    float t_op = time_ms(reps, [&] { op(0); }), t_mm = time_ms(reps, [&] { mm(0); });
+    float t_eq = time_ms(reps, [&] { both(st[0][0], st[1][0]); });
+    float t_oph = time_ms(reps, [&] { both(st[0][1], st[1][0]); });
+    float t_mmh = time_ms(reps, [&] { both(st[0][0], st[1][1]); });
+    cudaCheckLast();
+    printf("overlap: the flagship step's op backward (B=%d) and one block group's weight-gradient GEMMs (%.2f TFLOP)\n"
+           "  op backward alone %.3f ms | GEMMs alone %.3f ms (%.0f TFLOP/s) | sum %.3f ms\n"
+           "  together: same priority %.3f ms (saved %.3f) | op first %.3f (saved %.3f) | GEMMs first %.3f (saved %.3f)\n",
+           B, flops / 1e12, t_op, t_mm, flops / t_mm / 1e9, t_op + t_mm, t_eq, t_op + t_mm - t_eq, t_oph,
+           t_op + t_mm - t_oph, t_mmh, t_op + t_mm - t_mmh);
+    for (int i = 0; i < 2; i++)
+        for (int p = 0; p < 2; p++) cudaCheck(cudaStreamDestroy(st[i][p]));
+    cudaCheck(cudaEventDestroy(fork)); cudaCheck(cudaEventDestroy(join));
+    cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch); cudaFree(dy); cudaFree(x);
+    cudaFree(dw); cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv);
+    cudaFree(g.dbank_init);
+    free_inputs(&in);
+}
+
 // Decode steps for a batch of B streams per head, timed as 100 steps of a captured CUDA graph.
 static void bench_decode(int B, int H, int N, int d, int W, int R) {
     SdmOpShape s;
@@ -299,6 +375,10 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && !strcmp(argv[2], "flagship")) { // the flagship's case alone: uniform slots, G in bf16
         bench_train(8, 4096, 2, 65536, 1024, 64, 64, 64, SDM_SNAP_NONE, reps, 0, 1);
+        return 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "overlap")) {
+        bench_overlap(reps);
         return 0;
     }
     if (argc > 2 && !strcmp(argv[2], "grad")) { // the flagship backward with G in fp32, then in bf16
