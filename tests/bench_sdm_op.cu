@@ -107,6 +107,44 @@ static void *dev_bank(Rng *rng, size_t n) { // bf16 bank, random values
     return d;
 }
 
+// What the op's forward and backward read and write at one shape: random inputs (slots uniform, or from a hot set
+// of `hot` slots), a random bf16 bank, dout, the gradients (G in fp32 or bf16 as the shape says), saved and scratch.
+struct OpBench {
+    SdmOpInputs in;
+    void *bank, *saved, *scratch;
+    float *out, *dout;
+    SdmOpGrads g;
+    size_t tok, bank_n, gbank_b, saved_b, scratch_b;
+};
+
+static OpBench op_bench_make(const SdmOpShape *s, int hot) {
+    OpBench o;
+    Rng rng = rng_make(1234);
+    o.in = make_inputs(&rng, s, hot);
+    o.tok = (size_t)s->B * s->T * s->H;
+    o.bank_n = (size_t)s->B * s->H * s->N * s->d;
+    o.gbank_b = o.bank_n * (s->grad_bank_bf16 ? 2 : 4);
+    o.bank = dev_bank(&rng, o.bank_n);
+    o.dout = dev_random(&rng, o.tok * s->d, -1.f, 1.f);
+    cudaCheck(cudaMalloc(&o.out, o.tok * s->d * 4));
+    size_t tw = o.tok * s->W * 4, tr = o.tok * s->R * 4;
+    cudaCheck(cudaMalloc(&o.g.dkappa, tw)); cudaCheck(cudaMalloc(&o.g.dgamma, tw)); cudaCheck(cudaMalloc(&o.g.drho, tr));
+    cudaCheck(cudaMalloc(&o.g.dbeta, o.tok * 4)); cudaCheck(cudaMalloc(&o.g.dv, o.tok * s->d * 4));
+    cudaCheck(cudaMalloc(&o.g.dbank_init, o.gbank_b));
+    o.saved_b = sdm_op_saved_bytes(s);
+    o.scratch_b = sdm_op_scratch_bytes(s);
+    cudaCheck(cudaMalloc(&o.saved, o.saved_b));
+    cudaCheck(cudaMalloc(&o.scratch, o.scratch_b));
+    return o;
+}
+
+static void op_bench_free(OpBench *o) {
+    cudaFree(o->bank); cudaFree(o->out); cudaFree(o->dout); cudaFree(o->saved); cudaFree(o->scratch);
+    cudaFree(o->g.dkappa); cudaFree(o->g.dgamma); cudaFree(o->g.drho); cudaFree(o->g.dbeta); cudaFree(o->g.dv);
+    cudaFree(o->g.dbank_init);
+    free_inputs(&o->in);
+}
+
 static float median(std::vector<float> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -190,23 +228,14 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     if (hot) snprintf(slots, sizeof(slots), "slots from a hot set of %d", hot);
     printf("shape B=%d T=%d H=%d N=%d d=%d W=%d R=%d C=%d (bf16 bank, %s snapshots, %s bank gradient, DB=%d, %s)\n",
            B, T, H, N, d, W, R, C, snap_names[snap], grad_bf16 ? "bf16" : "fp32", sdm_op_col_block(&s), slots);
-    Rng rng = rng_make(1234);
-    SdmOpInputs in = make_inputs(&rng, &s, hot);
-    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d, gbank_b = bank_n * (grad_bf16 ? 2 : 4);
-    void *bank = dev_bank(&rng, bank_n);
-    float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
-    cudaCheck(cudaMalloc(&out, tok * d * 4));
-    SdmOpGrads g;
-    cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
-    cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
-    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, gbank_b));
-    size_t saved_b = sdm_op_saved_bytes(&s), scratch_b = sdm_op_scratch_bytes(&s);
-    void *saved, *scratch;
-    cudaCheck(cudaMalloc(&saved, saved_b));
-    cudaCheck(cudaMalloc(&scratch, scratch_b));
+    OpBench o = op_bench_make(&s, hot);
+    SdmOpInputs &in = o.in;
+    void *bank = o.bank, *saved = o.saved, *scratch = o.scratch;
+    float *out = o.out, *dout = o.dout;
+    SdmOpGrads &g = o.g;
     printf("  memory: bank %.2f GiB, saved %.2f GiB, scratch %.2f GiB, dbank_init %.2f GiB, inputs+grads %.2f GiB\n",
-           gib(bank_n * 2), gib(saved_b), gib(scratch_b), gib(gbank_b),
-           gib(tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
+           gib(o.bank_n * 2), gib(o.saved_b), gib(o.scratch_b), gib(o.gbank_b),
+           gib(o.tok * (2 * d + 3 * W + 3 * R + 2) * 4 * 2));
     cudaEvent_t e0, e1, e2;
     cudaCheck(cudaEventCreate(&e0)); cudaCheck(cudaEventCreate(&e1)); cudaCheck(cudaEventCreate(&e2));
     std::vector<float> tf, tb;
@@ -232,7 +261,7 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     float tp = time_ms(reps, [&] { sdm_op_forward(&spp, &in, bank, out, saved, 0); });
     SdmOpArgs pa = sdm_op_args(&sp, saved, NULL);
     int auto_blocks = sdm_fwd_persistent_blocks<__nv_bfloat16>(&sp, pa);
-    double th_ = (double)tok, floor_p = th_ * (2.0 * W + R) * d * 2;
+    double th_ = (double)o.tok, floor_p = th_ * (2.0 * W + R) * d * 2;
     double floor_f = sdm_op_floor_bytes(&s, 0), floor_b = sdm_op_floor_bytes(&s, 1);
     report("forward (training)", median(tf), floor_f);
     report("backward", median(tb), floor_b);
@@ -244,9 +273,7 @@ static void bench_train(int B, int T, int H, int N, int d, int W, int R, int C, 
     snprintf(what, sizeof(what), "prefill, persistent (%d blocks)", sdm_fwd_persistent_blocks<__nv_bfloat16>(&spp, pa));
     report(what, tp, floor_p);
     bench_parts(&s, &in, bank, dout, &g, saved, scratch, reps);
-    cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch);
-    cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv); cudaFree(g.dbank_init);
-    free_inputs(&in);
+    op_bench_free(&o);
 }
 
 // Whether the op's backward (bound by the latency of its row loads) and GEMMs (bound by the tensor cores) gain by
@@ -260,20 +287,9 @@ static void bench_overlap(int reps) {
     memset(&s, 0, sizeof(s));
     s.B = B; s.T = T; s.H = H; s.N = N; s.d = d; s.W = W; s.R = R; s.C = 64; s.bank_fp32 = 0;
     s.snapshot = SDM_SNAP_NONE; s.training = 1; s.grad_bank_bf16 = 1;
-    Rng rng = rng_make(1234);
-    SdmOpInputs in = make_inputs(&rng, &s, 0);
-    size_t tok = (size_t)B * T * H, bank_n = (size_t)B * H * N * d;
-    void *bank = dev_bank(&rng, bank_n);
-    float *out, *dout = dev_random(&rng, tok * d, -1.f, 1.f);
-    cudaCheck(cudaMalloc(&out, tok * d * 4));
-    SdmOpGrads g;
-    cudaCheck(cudaMalloc(&g.dkappa, tok * W * 4)); cudaCheck(cudaMalloc(&g.dgamma, tok * W * 4));
-    cudaCheck(cudaMalloc(&g.drho, tok * R * 4)); cudaCheck(cudaMalloc(&g.dbeta, tok * 4));
-    cudaCheck(cudaMalloc(&g.dv, tok * d * 4)); cudaCheck(cudaMalloc(&g.dbank_init, bank_n * 2));
-    void *saved, *scratch;
-    cudaCheck(cudaMalloc(&saved, sdm_op_saved_bytes(&s)));
-    cudaCheck(cudaMalloc(&scratch, sdm_op_scratch_bytes(&s)));
-    sdm_op_forward(&s, &in, bank, out, saved, 0);
+    OpBench o = op_bench_make(&s, 0);
+    sdm_op_forward(&s, &o.in, o.bank, o.out, o.saved, 0);
+    Rng rng = rng_make(4321);
     // the GEMMs' operands: dY [n, 2F] and X [n, F] bf16 (each GEMM reads its leading columns), dW fp32
     matmul_init();
     void *dy = dev_bank(&rng, (size_t)n * 2 * F), *x = dev_bank(&rng, (size_t)n * F);
@@ -290,7 +306,7 @@ static void bench_overlap(int reps) {
     cudaEvent_t fork, join;
     cudaCheck(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     cudaCheck(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-    auto op = [&](cudaStream_t q) { sdm_op_backward(&s, &in, bank, dout, NULL, &g, saved, scratch, q); };
+    auto op = [&](cudaStream_t q) { sdm_op_backward(&s, &o.in, o.bank, o.dout, NULL, &o.g, o.saved, o.scratch, q); };
     auto mm = [&](cudaStream_t q) {
         for (int b = 0; b < 4; b++)
             for (auto &m : gemms) matmul_backward_weight(dw, DT_FP32, dy, 2 * F, x, DT_BF16, n, m.N, m.K, 1, q);
@@ -316,10 +332,8 @@ static void bench_overlap(int reps) {
     for (int i = 0; i < 2; i++)
         for (int p = 0; p < 2; p++) cudaCheck(cudaStreamDestroy(st[i][p]));
     cudaCheck(cudaEventDestroy(fork)); cudaCheck(cudaEventDestroy(join));
-    cudaFree(bank); cudaFree(out); cudaFree(dout); cudaFree(saved); cudaFree(scratch); cudaFree(dy); cudaFree(x);
-    cudaFree(dw); cudaFree(g.dkappa); cudaFree(g.dgamma); cudaFree(g.drho); cudaFree(g.dbeta); cudaFree(g.dv);
-    cudaFree(g.dbank_init);
-    free_inputs(&in);
+    cudaFree(dy); cudaFree(x); cudaFree(dw);
+    op_bench_free(&o);
 }
 
 // Decode steps for a batch of B streams per head, timed as 100 steps of a captured CUDA graph.
