@@ -134,7 +134,7 @@ typedef struct {
     AttnLayerBwd attn_bw;             // the attention layers' backward temporaries, sized for the largest layer
     // GM_SIDE_WGRAD: an SDM block's FFN weight gradients on a stream of their own, beside the memory op's backward
     cudaStream_t wg_stream;           // NULL: off
-    cudaEvent_t wg_fork, wg_ab, wg_join;
+    cudaEvent_t wg_fork, wg_join;
     void *dh_keep;                    // [n, D] d h[l+1], which the FFN's W2 gradient reads after dh has moved on
 } GpuModel;
 
@@ -357,8 +357,8 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
         g->dh_keep = device_alloc(MEM_SCRATCH, n * D * g->es);
         if (!g_mem.dry_run) {
             cudaCheck(cudaStreamCreateWithFlags(&g->wg_stream, cudaStreamNonBlocking));
-            cudaEvent_t *ev[3] = {&g->wg_fork, &g->wg_ab, &g->wg_join};
-            for (int i = 0; i < 3; i++) cudaCheck(cudaEventCreateWithFlags(ev[i], cudaEventDisableTiming));
+            cudaCheck(cudaEventCreateWithFlags(&g->wg_fork, cudaEventDisableTiming));
+            cudaCheck(cudaEventCreateWithFlags(&g->wg_join, cudaEventDisableTiming));
         }
         matmul_side_stream(g->wg_stream);
     }
@@ -379,8 +379,8 @@ static inline void gpu_model_destroy(GpuModel *g) {
     sdm_layer_temps_destroy(&g->sdm_tmp);
     attn_layer_bwd_destroy(&g->attn_bw);
     if (g->wg_stream) {
-        cudaEvent_t ev[3] = {g->wg_fork, g->wg_ab, g->wg_join};
-        for (int i = 0; i < 3; i++) cudaCheck(cudaEventDestroy(ev[i]));
+        cudaCheck(cudaEventDestroy(g->wg_fork));
+        cudaCheck(cudaEventDestroy(g->wg_join));
         cudaCheck(cudaStreamDestroy(g->wg_stream));
         matmul_side_stream_end();
     }
@@ -571,6 +571,29 @@ static inline void gm_segments_join(GpuModel *g, cudaStream_t st) {
     gm_mark(g, GM_PART_GRADS, PROF_NA, PROF_NA, st);
 }
 
+// Block l's FFN weight gradients: W2 from dh = d h[l+1], W1|W3 from ab = d(W1|W3 product), on st; or, for an SDM
+// block with GM_SIDE_WGRAD (on a stream of its own only: the legacy stream's step is the reference the tests compare
+// it with), on the side stream beside the mixer's backward, dh copied first (the FFN's norm backward moves it on).
+// Returns whether they went to the side stream: st must then wait for wg_join before the next block's recompute
+// overwrites their inputs.
+static inline bool gm_ffn_weight_grads(GpuModel *g, int l, const void *ab, cudaStream_t st) {
+    const GmBlockGrads *dl = &g->grad.block[l];
+    const int n = g->n, D = g->D, F = g->F;
+    const bool side = g->wg_stream && st && g->m->kind[l] == LAYER_SDM;
+    cudaStream_t ws = side ? g->wg_stream : st;
+    const void *dh = side ? g->dh_keep : g->dh;
+    if (side) {
+        cudaCheck(cudaMemcpyAsync(g->dh_keep, g->dh, (size_t)n * D * g->es, cudaMemcpyDeviceToDevice, st));
+        cudaCheck(cudaEventRecord(g->wg_fork, st));
+        cudaCheck(cudaStreamWaitEvent(ws, g->wg_fork, 0));
+    }
+    matmul_backward_weight(dl->ffn_w2, DT_FP32, dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F, 1, ws);
+    matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F, D,
+                           1, ws);
+    if (side) cudaCheck(cudaEventRecord(g->wg_join, ws));
+    return side;
+}
+
 // The plan gpu_model_backward reads, for the forward's host tokens [n]: the embedding backward's (core/layers.cuh),
 // built on the host into plan [gpu_model_plan_ints(g)] (host; pinned for a captured step, which copies it at every
 // replay), so no step computes on the host between its kernels.
@@ -605,32 +628,13 @@ static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_ffn_ab_at(g, l), *bb = (char *)ab + F * g->es;
         if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l, st);
-        // an SDM block's W2 and W1|W3 gradients on the side stream (on a stream of its own only: the legacy stream's
-        // step is the reference the tests compare it with), joined before the next block's recompute overwrites
-        // their inputs
-        const bool side = g->wg_stream && st && g->m->kind[l] == LAYER_SDM;
-        cudaStream_t wst = side ? g->wg_stream : st;
-        const void *dh_w2 = side ? g->dh_keep : g->dh;
-        if (side) {
-            cudaCheck(cudaMemcpyAsync(g->dh_keep, g->dh, (size_t)n * D * g->es, cudaMemcpyDeviceToDevice, st));
-            cudaCheck(cudaEventRecord(g->wg_fork, st));
-            cudaCheck(cudaStreamWaitEvent(wst, g->wg_fork, 0));
-        }
-        matmul_backward_weight(dl->ffn_w2, DT_FP32, dh_w2, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F,
-                               1, wst);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, st);
-        gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0, st);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0, st);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, st); // ab becomes d(W1|W3 product)
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F), st);
-        if (side) {
-            cudaCheck(cudaEventRecord(g->wg_ab, st));
-            cudaCheck(cudaStreamWaitEvent(wst, g->wg_ab, 0));
-        }
-        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F,
-                               D, 1, wst);
-        if (side) cudaCheck(cudaEventRecord(g->wg_join, wst));
+        const bool side = gm_ffn_weight_grads(g, l, ab, st);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, st);
-        gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0, st);
+        gm_mark(g, GM_PART_FFN, 2.0 * n * D * F + 4.0 * n * 2 * F * D, 0, st);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
                          g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, st);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
