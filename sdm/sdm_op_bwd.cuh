@@ -30,7 +30,6 @@
 template <typename Tg>
 __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_token_kernel(SdmOpArgs a, const Tg *G, int c) {
     extern __shared__ float sdm_tok_smem[]; // delta_t [d], then the warps' partial rows [SDM_ROW_WARPS][d]
-    pdl_enter();
     const int t = blockIdx.x, s = blockIdx.y, d = a.d, warp = threadIdx.x / 32;
     const size_t tok = (size_t)s * a.Tp + (size_t)c * a.C + t;
     float *drow = sdm_tok_smem, *part = drow + d;
@@ -50,7 +49,6 @@ static inline size_t sdm_token_smem(int d) { return (size_t)(1 + SDM_ROW_WARPS) 
 __global__ void __launch_bounds__(256) sdm_bsolve_kernel(SdmOpArgs a, const float *dout, float *dv, int c,
                                                          bool staged) {
     extern __shared__ float sdm_smem_tiles[];
-    pdl_enter();
     const int C = a.C, DB = a.DB, nvec = DB / 4, s = blockIdx.y, col0 = blockIdx.x * DB, items = C * nvec;
     float *Os = sdm_smem_tiles, *DDs = Os + C * DB;
     const size_t cc = ((size_t)s * a.nc + c) * C * C, tok0 = (size_t)s * a.Tp + (size_t)c * C;
@@ -162,7 +160,6 @@ template <> struct SdmM0Group<false> {
 template <typename Tg, bool BF16>
 __global__ void __launch_bounds__(SDM_ROW_THREADS, SDM_BSCATTER_BLOCKS)
     sdm_bscatter_kernel(SdmOpArgs a, const void *bank, int bank_fp32, Tg *G, const float *dout, int c) {
-    pdl_enter();
     const int s = blockIdx.y, i = blockIdx.x * SDM_ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
     const int CW = a.C * a.W;
     if (i >= CW + a.C * a.R) return;
@@ -415,27 +412,28 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
     }
 }
 
-// The backward's launches (separate so the benchmark can time them one by one), with programmatic dependent launch
-// on a stream of its own (core/cuda_common.cuh) as the forward's: each kernel triggers the next and then waits, so a
-// launch overlaps the tail of the one before.
+// The backward's launches (separate so the benchmark can time them one by one).
 template <typename Tg>
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);
     cudaCheck(cudaFuncSetAttribute(sdm_token_kernel<Tg>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    launch_pdl(sdm_token_kernel<Tg>, dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream, a, G, c);
+    sdm_token_kernel<Tg><<<dim3(a.C, a.S), SDM_ROW_THREADS, smem, stream>>>(a, G, c);
+    cudaCheckLast();
 }
 static inline void sdm_op_launch_bsolve(const SdmOpArgs &a, const float *dout, float *dv, int c, cudaStream_t stream) {
     size_t smem = sdm_op_tile_smem(a);
     cudaCheck(cudaFuncSetAttribute(sdm_bsolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    launch_pdl(sdm_bsolve_kernel, dim3(a.d / a.DB, a.S), 256, smem, stream, a, dout, dv, c, sdm_op_solve_staged(a));
+    sdm_bsolve_kernel<<<dim3(a.d / a.DB, a.S), 256, smem, stream>>>(a, dout, dv, c, sdm_op_solve_staged(a));
+    cudaCheckLast();
 }
 template <typename Tg>
 static inline void sdm_op_launch_bscatter(const SdmOpArgs &a, const void *bank, int bank_fp32, Tg *G, const float *dout,
                                           int c, cudaStream_t stream) {
     const dim3 grid = sdm_op_entry_grid(a, a.C * (a.W + a.R));
-    auto kernel = a.snap.mode == SDM_SNAP_NONE && !bank_fp32 ? sdm_bscatter_kernel<Tg, true>
-                                                             : sdm_bscatter_kernel<Tg, false>;
-    launch_pdl(kernel, grid, SDM_ROW_THREADS, 0, stream, a, bank, bank_fp32, G, dout, c);
+    if (a.snap.mode == SDM_SNAP_NONE && !bank_fp32)
+        sdm_bscatter_kernel<Tg, true><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
+    else sdm_bscatter_kernel<Tg, false><<<grid, SDM_ROW_THREADS, 0, stream>>>(a, bank, bank_fp32, G, dout, c);
+    cudaCheckLast();
 }
 static inline void sdm_op_launch_bwy(const SdmOpArgs &a, const float *dout, const SdmOpGrads *g, cudaStream_t stream) {
     const dim3 grid(a.nc, a.S);
