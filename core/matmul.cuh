@@ -29,8 +29,6 @@ typedef struct {
     int ready;
     cublasLtHandle_t handle;
     void *workspace;      // cuBLASLt workspace [MATMUL_WORKSPACE_BYTES]
-    cudaStream_t side;    // products on this stream use side_workspace (matmul_side_stream), so they may run
-    void *side_workspace; // beside the others
     float *col_partials;  // bias_backward scratch [n_partials]
     size_t n_partials;
 } MatmulContext;
@@ -44,20 +42,10 @@ static inline void matmul_init(void) {
     g_matmul.workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
 }
 
-// Products issued on `side` use a workspace of their own (allocated on the first call, in the ledger, also in a
-// dry run), so they may run beside products on other streams; matmul_side_stream_end: none any more.
-static inline void matmul_side_stream(cudaStream_t side) {
-    matmul_init();
-    if (!g_matmul.side_workspace) g_matmul.side_workspace = device_alloc(MEM_CUBLAS, MATMUL_WORKSPACE_BYTES);
-    g_matmul.side = side;
-}
-static inline void matmul_side_stream_end(void) { g_matmul.side = NULL; }
-
 static inline void matmul_destroy(void) {
     if (!g_matmul.ready) return;
     if (g_matmul.handle) cublasCheck(cublasLtDestroy(g_matmul.handle));
     device_free(g_matmul.workspace);
-    device_free(g_matmul.side_workspace);
     device_free(g_matmul.col_partials);
     memset(&g_matmul, 0, sizeof(g_matmul));
 }
@@ -118,9 +106,8 @@ static inline int matmul_lt(void *d, Dtype d_dt, int ldd, const void *a, int lda
         sdm_die("matmul: no cuBLASLt algorithm for m=%d n=%d k=%d (lda %d ldb %d ldd %d)", m, n, k, lda, ldb, ldd);
     if (found > rank) {
         const float alpha = 1.0f;
-        void *ws = stream && stream == g_matmul.side ? g_matmul.side_workspace : g_matmul.workspace;
         cublasCheck(cublasLtMatmul(g_matmul.handle, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur[rank].algo,
-                                   ws, MATMUL_WORKSPACE_BYTES, stream));
+                                   g_matmul.workspace, MATMUL_WORKSPACE_BYTES, stream));
         if (info) matmul_lt_algo_info(&heur[rank].algo, info, info_size);
     }
     cublasCheck(cublasLtMatmulPreferenceDestroy(pref));

@@ -132,17 +132,7 @@ typedef struct {
     Profiler *prof;                   // NULL: not profiled (gpu_model_set_profiler)
     SdmLayerTemps sdm_tmp;            // the SDM layers' temporaries, one set for all of them
     AttnLayerBwd attn_bw;             // the attention layers' backward temporaries, sized for the largest layer
-    // GM_SIDE_WGRAD: an SDM block's FFN weight gradients on a stream of their own, beside the memory op's backward
-    cudaStream_t wg_stream;           // NULL: off
-    cudaEvent_t wg_fork, wg_join;
-    void *dh_keep;                    // [n, D] d h[l+1], which the FFN's W2 gradient reads after dh has moved on
 } GpuModel;
-
-// An SDM block's FFN weight gradients (W2, W1|W3) on a stream of their own (an A/B: 1 on): the memory op's backward
-// is bound by the latency of its row loads, the products by the tensor cores, so they may share the GPU.
-#ifndef GM_SIDE_WGRAD
-#define GM_SIDE_WGRAD 0
-#endif
 
 // Where a tensor's values live, for the views: element p->offset of a flat array of es-byte elements ...
 static inline auto gm_in_flat(const void *base, size_t es) {
@@ -353,15 +343,6 @@ static inline void gpu_model_create(GpuModel *g, const ModelDesc *m, int B, int 
         else attn_max = attn_bwd_sizes_max(attn_max, attn_layer_bwd_sizes(&m->attn[l], B, T, ctype, g->recompute));
     }
     if (any_sdm) g->sdm_tmp = sdm_layer_temps_create(&m->sdm, B, T, ctype, g->recompute);
-    if (any_sdm && GM_SIDE_WGRAD) {
-        g->dh_keep = device_alloc(MEM_SCRATCH, n * D * g->es);
-        if (!g_mem.dry_run) {
-            cudaCheck(cudaStreamCreateWithFlags(&g->wg_stream, cudaStreamNonBlocking));
-            cudaCheck(cudaEventCreateWithFlags(&g->wg_fork, cudaEventDisableTiming));
-            cudaCheck(cudaEventCreateWithFlags(&g->wg_join, cudaEventDisableTiming));
-        }
-        matmul_side_stream(g->wg_stream);
-    }
     if (attn_max.q) g->attn_bw = attn_layer_bwd_create(attn_max);
     g->sdm = (SdmLayer *)sdm_calloc(L, sizeof(SdmLayer));
     g->attn = (AttnLayer *)sdm_calloc(L, sizeof(AttnLayer));
@@ -378,12 +359,6 @@ static inline void gpu_model_destroy(GpuModel *g) {
     }
     sdm_layer_temps_destroy(&g->sdm_tmp);
     attn_layer_bwd_destroy(&g->attn_bw);
-    if (g->wg_stream) {
-        cudaCheck(cudaEventDestroy(g->wg_fork));
-        cudaCheck(cudaEventDestroy(g->wg_join));
-        cudaCheck(cudaStreamDestroy(g->wg_stream));
-        matmul_side_stream_end();
-    }
     free(g->sdm);
     free(g->attn);
     free(g->weights.block);
@@ -391,7 +366,7 @@ static inline void gpu_model_destroy(GpuModel *g) {
     embedding_backward_plan_destroy(&g->emb_plan);
     void *bufs[] = {g->work, g->h, g->hmid, g->xmix, g->xffn, g->rstd_mix, g->rstd_ffn, g->ffn_ab,
                     g->ffn_h, g->xfinal, g->rstd_final, g->logits, g->losses, g->loss, g->tokens, g->targets, g->pred,
-                    g->branch, g->dh, g->dffn_h, g->norm_scratch, g->dh_keep};
+                    g->branch, g->dh, g->dffn_h, g->norm_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) device_free(bufs[i]);
 }
 
@@ -571,29 +546,6 @@ static inline void gm_segments_join(GpuModel *g, cudaStream_t st) {
     gm_mark(g, GM_PART_GRADS, PROF_NA, PROF_NA, st);
 }
 
-// Block l's FFN weight gradients: W2 from dh = d h[l+1], W1|W3 from ab = d(W1|W3 product), on st; or, for an SDM
-// block with GM_SIDE_WGRAD (on a stream of its own only: the legacy stream's step is the reference the tests compare
-// it with), on the side stream beside the mixer's backward, dh copied first (the FFN's norm backward moves it on).
-// Returns whether they went to the side stream: st must then wait for wg_join before the next block's recompute
-// overwrites their inputs.
-static inline bool gm_ffn_weight_grads(GpuModel *g, int l, const void *ab, cudaStream_t st) {
-    const GmBlockGrads *dl = &g->grad.block[l];
-    const int n = g->n, D = g->D, F = g->F;
-    const bool side = g->wg_stream && st && g->m->kind[l] == LAYER_SDM;
-    cudaStream_t ws = side ? g->wg_stream : st;
-    const void *dh = side ? g->dh_keep : g->dh;
-    if (side) {
-        cudaCheck(cudaMemcpyAsync(g->dh_keep, g->dh, (size_t)n * D * g->es, cudaMemcpyDeviceToDevice, st));
-        cudaCheck(cudaEventRecord(g->wg_fork, st));
-        cudaCheck(cudaStreamWaitEvent(ws, g->wg_fork, 0));
-    }
-    matmul_backward_weight(dl->ffn_w2, DT_FP32, dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F, 1, ws);
-    matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F, D,
-                           1, ws);
-    if (side) cudaCheck(cudaEventRecord(g->wg_join, ws));
-    return side;
-}
-
 // The plan gpu_model_backward reads, for the forward's host tokens [n]: the embedding backward's (core/layers.cuh),
 // built on the host into plan [gpu_model_plan_ints(g)] (host; pinned for a captured step, which copies it at every
 // replay), so no step computes on the host between its kernels.
@@ -628,13 +580,16 @@ static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t
         // FFN branch: dh = d h[l+1], also the residual part of d hmid[l]
         void *ab = gm_ffn_ab_at(g, l), *bb = (char *)ab + F * g->es;
         if (g->recompute || g->recompute_ffn) gm_recompute_ffn(g, l, st);
+        matmul_backward_weight(dl->ffn_w2, DT_FP32, g->dh, D, gm_recomputed_at(g, g->ffn_h, l, F), g->ctype, n, D, F,
+                               1, st);
         matmul_backward_input(g->dffn_h, g->ctype, g->dh, D, wl->ffn_w2, g->ctype, n, D, F, 0, st);
-        gm_mark(g, GM_PART_FFN, 2.0 * n * D * F, 0, st);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * D * F, 0, st);
         swiglu_backward(ab, bb, 2 * F, g->dffn_h, ab, bb, 2 * F, g->ctype, n, F, st); // ab becomes d(W1|W3 product)
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 5, n, F), st);
-        const bool side = gm_ffn_weight_grads(g, l, ab, st);
+        matmul_backward_weight(dl->ffn_w13, DT_FP32, ab, 2 * F, gm_recomputed_at(g, g->xffn, l, D), g->ctype, n, 2 * F,
+                               D, 1, st);
         matmul_backward_input(g->branch, g->ctype, ab, 2 * F, wl->ffn_w13, g->ctype, n, 2 * F, D, 0, st);
-        gm_mark(g, GM_PART_FFN, 2.0 * n * D * F + 4.0 * n * 2 * F * D, 0, st);
+        gm_mark(g, GM_PART_FFN, 4.0 * n * 2 * F * D, 0, st);
         rmsnorm_backward(g->dh, dl->ffn_norm, g->norm_scratch, g->branch, gm_at(g, g->hmid, l, D), wl->ffn_norm,
                          g->rstd_ffn + (size_t)l * n, g->ctype, n, D, 1, st);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
@@ -647,7 +602,6 @@ static inline void gpu_model_backward(GpuModel *g, const int *plan, cudaStream_t
         rmsnorm_backward(g->dh, dl->mixer_norm, g->norm_scratch, g->branch, gm_at(g, g->h, l, D), wl->mixer_norm,
                          g->rstd_mix + (size_t)l * n, g->ctype, n, D, 1, st);
         gm_mark(g, GM_PART_ELEM, 0, gm_bytes(g, 4, n, D), st);
-        if (side) cudaCheck(cudaStreamWaitEvent(st, g->wg_join, 0));
         gm_segment_reduce(g, l + 1, st);
     }
     embedding_backward_plan_upload(&g->emb_plan, plan, st);
