@@ -325,15 +325,16 @@ __device__ __forceinline__ void sdm_gather_whole_rows(const SdmOpArgs &a, const 
 }
 
 // The forward's gather over the bank (fgather) by bulk copies (sdm_gather_rows_bulk), SDM_GATHER_STAGES rows in
-// flight a warp: SDM_FWD_LAUNCHES_BULK, and the default of the launches where SDM_GATHER_BULK is 1 (an A/B knob; 0:
-// the rows in registers, sdm_gather_whole_rows). H100, `bench_sdm_op 3 flagship` (B = 8): fgather 10.19 ms with
-// registers, 9.72 with 4 stages, 11.01 with 8; in the flagship step (int4 snapshots, B = 4) the op forward 50.3 ->
-// 47.6 ms with 4 stages, the same losses. Off by default until timed on an H200.
+// flight a warp: SDM_FWD_LAUNCHES_BULK, and the default of the launches where SDM_GATHER_BULK is 1 (0: the rows in
+// registers, sdm_gather_whole_rows, as the persistent path and GPUs before sm_90 keep). H100, `bench_sdm_op 3
+// flagship` (B = 8): fgather 10.19 ms with registers, 9.72 with 4 stages, 11.01 with 8; in the flagship step (int4
+// snapshots, B = 4, step-ab) the op forward 50.0 -> 47.6 ms and the step 423.6 -> 420.4 ms with 4 stages, the same
+// losses. Not yet timed on an H200.
 #ifndef SDM_GATHER_STAGES
 #define SDM_GATHER_STAGES 4
 #endif
 #ifndef SDM_GATHER_BULK
-#define SDM_GATHER_BULK 0
+#define SDM_GATHER_BULK 1
 #endif
 static_assert(SDM_GATHER_STAGES >= 0 && SDM_GATHER_STAGES <= 12, "8 warps' rings of 2 KB rows in a block's smem");
 #ifdef CORE_HAVE_WGMMA // bulk copies need sm_90
