@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(SDM_BWY_THREADS, 2) sdm_bwy_kernel(SdmOpArgs a
     }
 }
 
-// The backward's launches (separate so the benchmark can time them one by one).
+// The backward's launches (separate so the benchmark can time them one by one). Plain launches: with programmatic
+// dependent launch, as the forward's chunk loop has, the flagship step's op backward took 91.8 ms against 84.2 on
+// an H100 (BENCHMARKS.md, thirty-fifth session).
 template <typename Tg>
 static inline void sdm_op_launch_token(const SdmOpArgs &a, const Tg *G, int c, cudaStream_t stream) {
     size_t smem = sdm_token_smem(a.d);

@@ -1,8 +1,8 @@
 // tests/bench_sdm_layer.cu: forward + backward of one SDM layer with its projections (sdm/sdm_layer.cuh), bf16,
 // on the issue-4 shapes: the flagship layer (D=2048, H=2, N=65536, W=R=64, C=64, B=8, T=4096; target <= 21 ms,
 // <= 10 GiB) and D=768, H=1, N=36864, W=R=64, C=64, B=2, T=8192 (target <= 8 ms). Both with the flagship's
-// options (learned bank, output gate, readings LayerNorm), on a stream of its own as train_sdm runs it (programmatic
-// dependent launch on; the legacy stream before the thirty-fourth session). Reports the median time of fwd+bwd, the
+// options (learned bank, output gate, readings LayerNorm), on a stream of its own as train_sdm runs it (the forward's
+// chunk loop launches with programmatic dependent launch there). Reports the median time of fwd+bwd, the
 // forward/backward split, the per-stage times (the layer's marks in a step profile, core/profile.cuh), the device
 // memory held, and the GEMM FLOPs against the measured bf16 matmul peak (~790 TFLOP/s on the H200). Then the
 // flagship layer's decode step (sdm/sdm_infer.cuh: projections, top-k, memory op, readout) at batch 1 and 32
@@ -186,7 +186,7 @@ static void bench(const char *name, int D, int H, int nf, int W, int C, int B, i
     cudaCheck(cudaEventCreate(&e1));
     cudaCheck(cudaEventCreate(&e2));
     size_t free_min = free0;
-    cudaStream_t st; // a stream of its own, as training runs the layer: its chunk loops launch with PDL there
+    cudaStream_t st; // a stream of its own, as training runs the layer (PDL in the forward's chunk loop)
     cudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaCheck(cudaDeviceSynchronize()); // the inputs, filled on the legacy stream
     for (int it = 0; it < warm + iters; it++) {
