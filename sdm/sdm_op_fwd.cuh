@@ -111,6 +111,13 @@ __global__ void __launch_bounds__(SDM_ROW_THREADS) sdm_fsolve_kernel(SdmOpArgs a
 // chained entry's delta loads, are all in flight together rather than one group's dependent loads after another's.
 #define SDM_FSCATTER_GROUPS 4
 
+// 1: when training with unquantised snapshots, the scatter reads a slot's row at the chunk's start from the entry's
+// snapshot (the same bits, fgather wrote it this round) instead of the bank: consecutive warps then read consecutive
+// rows, just written, where the bank's rows are random. Off until a GPU times it (BENCHMARKS.md, 36th session).
+#ifndef SDM_FSCATTER_FROM_SNAP
+#define SDM_FSCATTER_FROM_SNAP 0
+#endif
+
 // Block (x, s) of the grid (ceil(C W / warps), S), SDM_ROW_THREADS threads, no shared memory: warp e of the chunk's
 // write entries; when e is the last entry of its slot: M[i] = e^Lambda M0[i] + sum over the slot's entries (walking
 // back) pi kappa delta_t.
@@ -125,13 +132,17 @@ __device__ __forceinline__ void sdm_fscatter_block(const SdmOpArgs &a, Tb *bank,
     const float el = a.w_elam_tot[ew + e];
     if (slot < 0 || next >= 0) return;
     Tb *row = bank + ((size_t)s * a.N + slot) * a.d;
+    // the row before the chunk: no entry of the chunk but this one writes the slot, so the bank still holds it
+    const Tb *row0 = SDM_FSCATTER_FROM_SNAP && a.training && a.snap.mode == SDM_SNAP_NONE
+                         ? (const Tb *)(a.snap.data + (ew + e) * a.snap.row_bytes)
+                         : row;
     for (int col0 = lane * V; col0 < a.d; col0 += 32 * V * G) {
         float x[G][V];
 #pragma unroll
         for (int u = 0; u < G; u++) {
             int col = col0 + u * 32 * V;
             if (col >= a.d) continue;
-            SdmBankVec<Tb>::load(row + col, x[u]);
+            SdmBankVec<Tb>::load(row0 + col, x[u]);
             for (int i = 0; i < V; i++) x[u][i] *= el;
         }
         for (int q = e; q >= 0; q = a.w_prev[ew + q]) {
