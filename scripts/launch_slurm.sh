@@ -10,6 +10,7 @@ set -u
 export SDM_RUN_SECRET=${SDM_RUN_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 unset RANK WORLD_SIZE LOCAL_RANK # SLURM's variables give the layout
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+# a port per job, below Linux's ephemeral range (32768-60999), where an outgoing connection may hold it
+export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 12000))}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 exec srun --kill-on-bad-exit=1 "$@"
